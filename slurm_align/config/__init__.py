@@ -1,0 +1,16 @@
+"""Typed configuration: run configs and cluster profiles (pydantic v2, YAML, dotted overrides)."""
+
+from slurm_align.config.errors import ConfigError
+from slurm_align.config.loading import (
+    apply_overrides, check_against_profile, load_profile, load_run_config, read_yaml,
+)
+from slurm_align.config.profile import ClusterProfile, ComponentResources
+from slurm_align.config.run import (
+    GenerationConfig, ModelConfig, ParallelConfig, PPOConfig, RunConfig, Switches, TrainerConfig,
+)
+
+__all__ = [
+    "ConfigError", "apply_overrides", "check_against_profile", "load_profile", "load_run_config",
+    "read_yaml", "ClusterProfile", "ComponentResources", "GenerationConfig", "ModelConfig",
+    "ParallelConfig", "PPOConfig", "RunConfig", "Switches", "TrainerConfig",
+]

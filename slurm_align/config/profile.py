@@ -1,0 +1,169 @@
+"""Cluster profiles: where and how a run's components get their nodes.
+
+A profile is a YAML file in cluster_profiles/ (or a user's own folder, or any path).
+`kind: local` runs the components as local mpirun process groups with the environment a
+Slurm hetjob would give them; `kind: slurm` submits one heterogeneous sbatch job.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from slurm_align.config.base import StrictModel
+
+# sbatch option names are lower-case words joined by dashes; anything else is refused.
+_SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$|^UNLIMITED$")
+# Keys of sbatch_extra the template already owns; overriding them silently would break the job.
+_OWNED_SBATCH = {"nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "output", "error",
+                 "job-name", "partition", "account", "qos", "time", "het-group", "hetjob"}
+
+
+class ComponentResources(StrictModel):
+    """Resources of one hetjob component (actor or critic)."""
+
+    nodes: int = Field(1, ge=1)
+    """Nodes for this component (components never share a node)."""
+    tasks_per_node: int = Field(1, ge=1)
+    """MPI ranks per node (one per GPU on GPU clusters)."""
+    gpus_per_node: int = Field(0, ge=0)
+    """GPUs per node (0 on CPU clusters)."""
+    cpus_per_task: int = Field(1, ge=1)
+    """CPU cores per rank."""
+    mem: str | None = None
+    """Memory per node as sbatch takes it (e.g. '64G'); default: the partition's."""
+    partition: str | None = None
+    """Partition for this component only; default: the profile's."""
+    time: str | None = None
+    """Time limit for this component; default: the profile's."""
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.tasks_per_node
+
+    @field_validator("time")
+    @classmethod
+    def _time_format(cls, v):
+        if v is not None and not _TIME.match(v):
+            raise ValueError("time must look like MM, HH:MM:SS or D-HH:MM:SS")
+        return v
+
+
+class ContainerConfig(StrictModel):
+    image: str
+    """Container image (pyxis/enroot `--container-image`)."""
+    mounts: list[str] = []
+    """Bind mounts 'src:dst[:flags]'."""
+
+
+class ClusterProfile(StrictModel):
+    """How to run on one cluster (or locally)."""
+
+    name: str = "unnamed"
+    """Profile name (the file's stem when loaded from a file)."""
+    kind: Literal["local", "slurm"] = "slurm"
+    """'local': no Slurm, mpirun process groups; 'slurm': a real (het)job."""
+    partition: str | None = None
+    """Default partition (required for kind 'slurm')."""
+    account: str | None = None
+    """Account to charge."""
+    qos: str | None = None
+    """Quality of service."""
+    time: str = "01:00:00"
+    """Default time limit."""
+    constraint: str | None = None
+    """Node feature constraint (sbatch --constraint)."""
+    components: dict[Literal["actor", "critic"], ComponentResources] = {
+        "actor": ComponentResources(), "critic": ComponentResources()}
+    """Per-component resources; sft/rm/dpo jobs use 'actor'."""
+    modules: list[str] = []
+    """Environment modules to `module load` before the job runs."""
+    setup: list[str] = []
+    """Shell lines run before the components start (trusted: written by the profile's owner)."""
+    python: str = "python3"
+    """Python interpreter in the job (a venv's bin/python, or the container's)."""
+    container: ContainerConfig | None = None
+    """Run each component in this container (pyxis)."""
+    env: dict[str, str] = {}
+    """Plain environment variables exported in the job (values are shell-quoted)."""
+    secret_env: list[str] = []
+    """Names of secret variables (e.g. WANDB_API_KEY) that the job inherits from the submitting
+    shell; only the names are ever written, never the values."""
+    mpi: str = "pmix"
+    """srun --mpi plugin (pmix, pmi2, none)."""
+    mpirun: str = "mpirun"
+    """mpirun command (local profile only)."""
+    sbatch_extra: dict[str, str] = {}
+    """Extra `#SBATCH --key=value` lines for the whole job."""
+    hostname_pattern: str | None = None
+    """Regex matched against the login node's hostname to pick this profile automatically."""
+
+    @field_validator("time")
+    @classmethod
+    def _time_format(cls, v):
+        if not _TIME.match(v):
+            raise ValueError("time must look like MM, HH:MM:SS or D-HH:MM:SS")
+        return v
+
+    @field_validator("sbatch_extra")
+    @classmethod
+    def _sbatch_keys(cls, v):
+        for key in v:
+            if not _SBATCH_KEY.match(key):
+                raise ValueError(f"sbatch_extra key {key!r} is not an sbatch option name (a-z, 0-9, '-')")
+            if key in _OWNED_SBATCH:
+                raise ValueError(f"sbatch_extra key {key!r} is set by slurm-align; use the profile field instead")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v):
+        for key in v:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"env name {key!r} is not a valid variable name")
+        return v
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_names(cls, v):
+        for key in v:
+            if not _ENV_NAME.match(key):
+                raise ValueError(f"secret_env name {key!r} is not a valid variable name")
+        return v
+
+    @field_validator("hostname_pattern")
+    @classmethod
+    def _regex(cls, v):
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"hostname_pattern is not a valid regex: {e}") from None
+        return v
+
+    @field_validator("mpi")
+    @classmethod
+    def _mpi(cls, v):
+        allowed = ("pmix", "pmix_v3", "pmix_v4", "pmix_v5", "pmi2", "none", "cray_shasta")
+        if v not in allowed:
+            raise ValueError(f"mpi must be one of {', '.join(allowed)}")
+        return v
+
+    @model_validator(mode="after")
+    def _real_cluster_needs_partition(self):
+        if self.kind == "slurm" and not self.partition:
+            missing = [c for c, r in self.components.items() if not r.partition]
+            if missing:
+                raise ValueError(
+                    "a 'slurm' profile must name a partition (profile 'partition', or one per component); "
+                    f"missing for: {', '.join(missing)}")
+        return self
+
+    def resources(self, component: str) -> ComponentResources:
+        if component not in self.components:
+            raise KeyError(component)
+        return self.components[component]
