@@ -63,6 +63,12 @@ class ModelConfig(StrictModel):
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
 
+    @property
+    def padded_vocab_size(self) -> int:
+        """Embedding rows: vocab rounded up to a multiple of 64, so any TP up to 64 splits it
+        evenly and the padded shape does not depend on TP. Logits past vocab_size are padding."""
+        return -(-self.vocab_size // 64) * 64
+
 
 class ParallelConfig(StrictModel):
     """TP x PP x DP of one component; the product must equal its rank (GPU) count."""

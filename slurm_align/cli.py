@@ -1,0 +1,44 @@
+"""The `slurm-align` command. Each area adds its own subcommands through a `register(sub)` hook."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rich.console import Console
+
+from slurm_align.config.errors import ConfigError
+
+console = Console(stderr=True)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slurm-align", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Imported here so `slurm-align --help` stays fast and each area owns its commands.
+    from slurm_align.slurm import commands as slurm_commands
+    slurm_commands.register(sub)
+    for module in ("slurm_align.algorithms.commands", "slurm_align.analysis.commands"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as e:
+        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
