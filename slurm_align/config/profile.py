@@ -84,8 +84,9 @@ class ClusterProfile(StrictModel):
     """Environment modules to `module load` before the job runs."""
     setup: list[str] = []
     """Shell lines run before the components start (trusted: written by the profile's owner)."""
-    python: str = "python3"
-    """Python interpreter in the job (a venv's bin/python, or the container's)."""
+    python: str | None = None
+    """Python interpreter in the job (a venv's bin/python, or the container's); default: the
+    interpreter that runs `slurm-align` (right for a venv on a shared file system)."""
     container: ContainerConfig | None = None
     """Run each component in this container (pyxis)."""
     env: dict[str, str] = {}

@@ -1,0 +1,226 @@
+"""Launch a run: validate, render, write the run directory, then submit (Slurm) or start (local).
+
+    job = launch_run(run, profile, run_dir)   # returns at once
+    job.wait()                                # "COMPLETED" / "FAILED" / "CANCELLED"
+
+Everything that can be wrong with the input is found before anything is written or submitted.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import psutil
+import yaml
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from slurm_align.config.errors import ConfigError
+from slurm_align.config.loading import check_against_profile
+from slurm_align.config.profile import ClusterProfile
+from slurm_align.config.run import RunConfig
+from slurm_align.rundir import RunDir, write_atomic
+from slurm_align.slurm import state as job_state
+from slurm_align.slurm.render import Entry, render_script
+
+
+@dataclass
+class JobRecord:
+    """What was submitted, saved as RUN_DIR/job.json so `status`/`cancel` work later."""
+
+    backend: str                 # "slurm" or "local"
+    job_id: str
+    run_dir: str
+    components: list[str]
+    profile: str
+    submitted_at: str = field(default_factory=lambda: dt.datetime.now().isoformat(timespec="seconds"))
+    pid: int | None = None       # local backend: the script's process (its own session)
+
+    def save(self) -> None:
+        write_atomic(RunDir(Path(self.run_dir)).job_record, json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, run_dir: Path) -> "JobRecord":
+        path = RunDir(run_dir).job_record
+        try:
+            return cls(**json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise ConfigError([f"no job was launched from this run directory ({path.name} missing)"],
+                              run_dir) from None
+
+
+class Job:
+    """A launched run, Slurm or local; the same calls for both."""
+
+    def __init__(self, record: JobRecord, popen: subprocess.Popen | None = None):
+        self.record = record
+        self._popen = popen
+        self.run_dir = RunDir(Path(record.run_dir))
+
+    @property
+    def job_id(self) -> str:
+        return self.record.job_id
+
+    def _exit_codes(self) -> dict[str, int | None]:
+        codes = {}
+        for comp in self.record.components:
+            path = self.run_dir.logs / comp / "exit_code"
+            try:
+                codes[comp] = int(path.read_text().strip())
+            except (FileNotFoundError, ValueError):
+                codes[comp] = None
+        return codes
+
+    def _local_alive(self) -> bool:
+        if self._popen is not None:
+            return self._popen.poll() is None
+        try:
+            return psutil.Process(self.record.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def component_states(self) -> dict[str, str]:
+        """State of each component: from its exit code once it ended, else the scheduler's view."""
+        codes = self._exit_codes()
+        if self.record.backend == "local":
+            alive = self._local_alive()
+            cancelled = (self.run_dir.logs / "cancelled").exists()
+            out = {}
+            for comp, code in codes.items():
+                if code is not None:
+                    out[comp] = job_state.COMPLETED if code == 0 else job_state.FAILED
+                elif alive:
+                    out[comp] = job_state.RUNNING
+                else:
+                    out[comp] = job_state.CANCELLED if cancelled else job_state.FAILED
+            if cancelled and not alive:
+                out = {c: (job_state.CANCELLED if s != job_state.COMPLETED else s) for c, s in out.items()}
+            return out
+        _, raw = job_state.slurm_state(self.job_id)
+        folded = [job_state.fold(s) for s in raw]
+        out = {}
+        for i, comp in enumerate(self.record.components):
+            sched = folded[i] if i < len(folded) else (folded[0] if folded else job_state.UNKNOWN)
+            code = codes.get(comp)
+            if code is not None and code != 0:
+                out[comp] = job_state.FAILED  # known before Slurm finishes tearing the job down
+            else:
+                out[comp] = sched
+        return out
+
+    def state(self) -> str:
+        return job_state.combine(list(self.component_states().values()))
+
+    def failed_logs(self) -> dict[str, list[Path]]:
+        """Log files of the components that failed."""
+        states = self.component_states()
+        return {c: sorted((self.run_dir.logs / c).glob("rank*.log"))
+                for c, s in states.items() if s == job_state.FAILED}
+
+    def wait(self, poll_s: float = 1.0, timeout_s: float | None = None, console: Console | None = None) -> str:
+        """Block until the job ends; with a console, show each component's state live."""
+        start = time.monotonic()
+        live = Live(self._table(), console=console, refresh_per_second=2) if console else None
+        if live:
+            live.start()
+        try:
+            while True:
+                comps = self.component_states()
+                overall = job_state.combine(list(comps.values()))
+                if live:
+                    live.update(self._table(comps))
+                if overall in job_state.FINAL_STATES:
+                    if self._popen is not None:
+                        self._popen.wait()
+                    return overall
+                if timeout_s is not None and time.monotonic() - start > timeout_s:
+                    raise TimeoutError(f"job {self.job_id} still {overall} after {timeout_s:.0f} s")
+                time.sleep(poll_s)
+        finally:
+            if live:
+                live.stop()
+
+    def _table(self, comps: dict[str, str] | None = None) -> Table:
+        table = Table(title=f"job {self.job_id} ({self.record.backend}) {self.run_dir.root}")
+        table.add_column("component")
+        table.add_column("state")
+        table.add_column("logs")
+        for comp, st in (comps or {c: "…" for c in self.record.components}).items():
+            table.add_row(comp, st, str(self.run_dir.logs / comp))
+        return table
+
+    def cancel(self) -> None:
+        if self.record.backend == "local":
+            write_atomic(self.run_dir.logs / "cancelled", "cancelled\n")
+            try:
+                os.killpg(self.record.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            return
+        subprocess.run(["scancel", self.job_id], check=True, capture_output=True, text=True)
+
+
+def _check_not_running(rd: RunDir) -> None:
+    if rd.job_record.exists():
+        old = Job(JobRecord.load(rd.root))
+        if old.state() in (job_state.PENDING, job_state.RUNNING):
+            raise ConfigError([f"job {old.job_id} from this run directory is still active; "
+                               "choose another --run-dir or cancel it first"], rd.root)
+
+
+def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow: bool = False,
+               entry: Entry = Entry(), console: Console | None = None) -> Job:
+    """Validate, render, write the run directory and start the job. Nothing is submitted on error."""
+    check_against_profile(run, profile)
+    rd = RunDir(Path(run_dir).resolve())
+    run = run.model_copy(update={"run_dir": rd.root})
+    script = render_script(run, profile, rd.root, entry)   # raises ConfigError on bad values
+    _check_not_running(rd)
+
+    rd.logs.mkdir(parents=True, exist_ok=True)
+    for comp in run.components:   # a resumed run's old exit codes must not be read as new ones
+        (rd.logs / comp / "exit_code").unlink(missing_ok=True)
+    (rd.logs / "cancelled").unlink(missing_ok=True)
+    write_atomic(rd.config, yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False))
+    write_atomic(rd.profile, yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
+    write_atomic(rd.script, script)
+
+    popen = None
+    if profile.kind == "local":
+        out = open(rd.logs / "job-local.out", "ab")
+        popen = subprocess.Popen(["bash", str(rd.script)], stdout=out, stderr=subprocess.STDOUT,
+                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        out.close()
+        record = JobRecord("local", f"local-{popen.pid}", str(rd.root), list(run.components), profile.name,
+                           pid=popen.pid)
+    else:
+        from slurm_align.slurm.executor import HetjobExecutor
+        job = HetjobExecutor(rd.root / "submitit", script).submit_script()
+        record = JobRecord("slurm", str(job.job_id), str(rd.root), list(run.components), profile.name)
+    record.save()
+    handle = Job(record, popen)
+    if follow:
+        handle.wait(console=console or Console(stderr=True))
+    return handle
+
+
+def find_job(job_or_run_dir: str) -> Job:
+    """A Job from a run directory, or from a Slurm job id (searching ./runs for its record)."""
+    path = Path(job_or_run_dir)
+    if path.is_dir():
+        return Job(JobRecord.load(path))
+    for rec in Path("runs").glob("*/job.json"):
+        data = json.loads(rec.read_text())
+        if data.get("job_id") == job_or_run_dir:
+            return Job(JobRecord(**data))
+    if job_or_run_dir.isdigit():   # submitted elsewhere: ask Slurm alone
+        return Job(JobRecord("slurm", job_or_run_dir, str(Path.cwd() / "runs" / "unknown"), ["job"], "?"))
+    raise ConfigError.at("JOB", job_or_run_dir, "not a run directory, a known job id, or a Slurm job id")

@@ -1,0 +1,85 @@
+"""Job states without accounting: scontrol (kept for MinJobAge), then sacct where it works.
+
+submitit's stock watcher asks sacct only; with accounting off it never sees a job die.
+Here a hetjob's state is the combination of its components' states.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+
+PENDING = "PENDING"
+RUNNING = "RUNNING"
+COMPLETED = "COMPLETED"
+FAILED = "FAILED"
+CANCELLED = "CANCELLED"
+UNKNOWN = "UNKNOWN"
+
+# Slurm states that mean the job is over, and how they fold into ours.
+_FINAL = {
+    "COMPLETED": COMPLETED, "FAILED": FAILED, "CANCELLED": CANCELLED, "TIMEOUT": FAILED,
+    "NODE_FAIL": FAILED, "OUT_OF_MEMORY": FAILED, "BOOT_FAIL": FAILED, "DEADLINE": FAILED,
+    "PREEMPTED": FAILED, "REVOKED": CANCELLED,
+}
+FINAL_STATES = (COMPLETED, FAILED, CANCELLED)
+
+
+def fold(slurm_state: str) -> str:
+    base = slurm_state.split()[0].rstrip("+") if slurm_state else UNKNOWN
+    if base in _FINAL:
+        return _FINAL[base]
+    if base in ("PENDING", "REQUEUED", "CONFIGURING", "RESV_DEL_HOLD", "SUSPENDED"):
+        return PENDING
+    if base in ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESIZING"):
+        return RUNNING
+    return UNKNOWN
+
+
+def combine(states: list[str]) -> str:
+    """A hetjob is FAILED if any component failed, COMPLETED only when all did."""
+    if not states:
+        return UNKNOWN
+    for s in (FAILED, CANCELLED):
+        if s in states:
+            return s
+    if all(s == COMPLETED for s in states):
+        return COMPLETED
+    if RUNNING in states or COMPLETED in states:
+        return RUNNING
+    if all(s == PENDING for s in states):
+        return PENDING
+    return UNKNOWN
+
+
+def scontrol_states(job_id: str) -> list[str] | None:
+    """Per-component Slurm states from `scontrol show job` (None when Slurm forgot the job)."""
+    if not shutil.which("scontrol"):
+        return None
+    proc = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0:
+        return None
+    return re.findall(r"\bJobState=(\S+)", proc.stdout) or None
+
+
+def sacct_states(job_id: str) -> list[str] | None:
+    if not shutil.which("sacct"):
+        return None
+    try:
+        proc = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j", str(job_id)],
+                              capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return None
+    if proc.returncode != 0:
+        return None
+    states = [line.split("|")[1] for line in proc.stdout.splitlines() if "|" in line]
+    return states or None
+
+
+def slurm_state(job_id: str) -> tuple[str, list[str]]:
+    """(combined state, raw per-component states)."""
+    raw = scontrol_states(job_id) or sacct_states(job_id)
+    if raw is None:
+        return UNKNOWN, []
+    return combine([fold(s) for s in raw]), raw
