@@ -1,0 +1,105 @@
+"""What a generation call takes (SamplingParams, GptShape) and gives back (GenerationOutput)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+class GenerationError(ValueError):
+    """A generation request the engine cannot serve (too long, empty prompt, bad params).
+
+    The message names the offending sample/field, its value and what is allowed.
+    """
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens; one set per `generate` call (seeds are per sample, see `generate`)."""
+
+    max_new_tokens: int = 32
+    """Response length limit (tokens generated per sample, EOS included)."""
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens; 0 keeps all."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose mass reaches top_p."""
+    eos_id: int | None = None
+    """Stop a sample when it emits this token (kept in the response); None never stops early."""
+    pad_id: int = 0
+    """Fills response_tokens past each sample's length."""
+    seed: int = 0
+    """Default per-sample seeds are seed + sample index (pass `seeds` to generate() to make a
+    sample's draws independent of its position in the batch)."""
+    return_logprobs: bool = True
+    """Also return each response token's log-probability under the unfiltered model
+    distribution (temperature 1, no top-k/top-p, padding vocab excluded)."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("max_new_tokens", self.max_new_tokens >= 1, "an integer >= 1"),
+            ("temperature", self.temperature >= 0.0, ">= 0 (0 = greedy)"),
+            ("top_k", self.top_k >= 0, ">= 0 (0 = all)"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise GenerationError(f"SamplingParams.{name}={getattr(self, name)!r}: must be {allowed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @classmethod
+    def from_config(cls, gen_cfg: Any, *, eos_id: int | None, pad_id: int = 0, seed: int = 0) -> "SamplingParams":
+        """From a slurm_align.config.run.GenerationConfig."""
+        return cls(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
+                   top_k=gen_cfg.top_k, top_p=gen_cfg.top_p, eos_id=eos_id, pad_id=pad_id, seed=seed)
+
+
+@dataclass(frozen=True)
+class GptShape:
+    """The contract GPT's shape, as the engines need it (weights come from a full state dict)."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    ffn_hidden_size: int
+    vocab_size: int
+    """Real vocabulary; logits at or past it are padding and never sampled."""
+    padded_vocab_size: int
+    max_seq_len: int
+    layernorm_epsilon: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_model_config(cls, cfg: Any) -> "GptShape":
+        """From a slurm_align.config.run.ModelConfig."""
+        return cls(cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn,
+                   cfg.vocab_size, cfg.padded_vocab_size, cfg.max_seq_len)
+
+
+@dataclass
+class GenerationOutput:
+    """Responses of one `generate` call, in prompt order.
+
+    response_tokens: [n, max_len] int64, right-padded with pad_id past response_lengths.
+    response_lengths: [n] int64; includes the EOS token when a sample ended on it.
+    is_end: [n] bool; True when the sample emitted EOS, False when cut at max_new_tokens.
+    logprobs: [n, max_len] float32 (0 past the length) or None.
+    """
+
+    response_tokens: torch.Tensor
+    response_lengths: torch.Tensor
+    is_end: torch.Tensor
+    logprobs: torch.Tensor | None = None
+
+    def responses(self) -> list[torch.Tensor]:
+        """Ragged view: one 1-D token tensor per sample."""
+        return [t[:n] for t, n in zip(self.response_tokens, self.response_lengths.tolist())]
