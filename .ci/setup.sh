@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Idempotent set-up of a fresh Debian 12 machine of this project's kind (root, python3 3.11):
+# system packages (Slurm, munge, OpenMPI, PMIx), the repo's .venv, torch (CPU) and the
+# package with its test extra. Seconds when everything is already there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+REPO="$(pwd)"
+say() { echo "[setup] $*"; }
+
+# --- system packages ---------------------------------------------------------------
+APT_PACKAGES=(slurmctld slurmd slurm-client munge libpmix-dev libopenmpi-dev openmpi-bin)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    status="$(dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null || true)"
+    [[ "$status" == "install ok installed" ]] || missing+=("$pkg")
+done
+if ((${#missing[@]})); then
+    say "apt-get install ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+    say "system packages present: ${APT_PACKAGES[*]}"
+fi
+
+# --- Python environment ------------------------------------------------------------
+if [[ ! -x .venv/bin/python ]]; then
+    say "python3 -m venv .venv ($(python3 --version))"
+    python3 -m venv .venv
+fi
+PY=.venv/bin/python
+PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q -c .ci/constraints.txt)
+
+# torch first, from its CPU build on local disk; the constraints file keeps it pinned after.
+torch_version="$($PY -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true)"
+if [[ "$torch_version" != 2.13.0* ]]; then
+    say "pip install torch==2.13.0 (CPU build; found: ${torch_version:-none})"
+    "${PIP[@]}" torch==2.13.0
+else
+    say "torch $torch_version present"
+fi
+
+# The package itself: reinstalled only when its metadata, the constraints or the
+# checkout's path changed since the last successful install (recorded in a stamp).
+stamp=.venv/.slurm-align-setup
+want="$(cat setup.cfg pyproject.toml .ci/constraints.txt | sha256sum | cut -d' ' -f1) $REPO"
+installed_from="$($PY -c 'import slurm_align, os; print(os.path.dirname(os.path.dirname(slurm_align.__file__)))' 2>/dev/null || true)"
+if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" || "$installed_from" != "$REPO" ]]; then
+    say "pip install -e '.[test]' (torch pinned to 2.13.0)"
+    MPICC="${MPICC:-mpicc}" "${PIP[@]}" -e '.[test]'
+    echo "$want" > "$stamp"
+else
+    say "slurm-align installed (editable, $REPO) and up to date"
+fi
+torch_version="$($PY -c 'import importlib.metadata as m; print(m.version("torch"))')"
+[[ "$torch_version" == 2.13.0* ]] || { say "ERROR: torch became $torch_version"; exit 1; }
+say "ready: $($PY --version), torch $torch_version, Slurm $(dpkg-query -W -f='${Version}' slurmctld)"
