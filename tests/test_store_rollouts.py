@@ -1,0 +1,147 @@
+"""Rollout store: round trip, commit semantics under a real SIGKILL, resume truncation, schema errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from slurm_align.store.ragged import pack, unpack
+from slurm_align.store.rollouts import TOKEN_FIELDS, RolloutStore, RolloutStoreError
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def make_batch(seed: int, n: int) -> dict:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 9, n)  # zero-length responses included on purpose
+    return {
+        "prompt_tokens": [rng.integers(0, 260, rng.integers(1, 6)).tolist() for _ in range(n)],
+        "response_tokens": [rng.integers(0, 260, k).tolist() for k in lengths],
+        **{f: [rng.standard_normal(k).astype(np.float32) for k in lengths] for f in TOKEN_FIELDS},
+        "reward": rng.standard_normal(n).astype(np.float32),
+        "is_end": rng.random(n) > 0.3,
+        "rank": rng.integers(0, 4, n),
+    }
+
+
+def assert_same(got: dict, batches: list[tuple[int, dict]]) -> None:
+    samples = [(step, i, b) for step, b in batches for i in range(len(b["prompt_tokens"]))]
+    assert len(got["step"]) == len(samples)
+    prompts = unpack(got["prompt_tokens"], got["prompt_offsets"])
+    responses = unpack(got["response_tokens"], got["response_offsets"])
+    for j, (step, i, b) in enumerate(samples):
+        assert got["step"][j] == step
+        assert prompts[j].tolist() == list(b["prompt_tokens"][i])
+        assert responses[j].tolist() == list(b["response_tokens"][i])
+        assert got["length"][j] == len(b["response_tokens"][i])
+        a, e = got["response_offsets"][j], got["response_offsets"][j + 1]
+        for f in TOKEN_FIELDS:
+            np.testing.assert_array_equal(got[f][a:e], b[f][i])
+        assert got["reward"][j] == b["reward"][i]
+        assert got["is_end"][j] == b["is_end"][i]
+        assert got["rank"][j] == b["rank"][i]
+
+
+def test_pack_unpack_round_trip():
+    seqs = [[1, 2, 3], [], [4]]
+    flat, off = pack(seqs, np.int32)
+    assert off.dtype == np.int64 and off.tolist() == [0, 3, 3, 4]
+    assert [s.tolist() for s in unpack(flat, off)] == seqs
+
+
+def test_round_trip_and_per_step_reads(tmp_path):
+    path = tmp_path / "rollouts.zarr"
+    store = RolloutStore.create(path)
+    batches = [(s, make_batch(s, 3 + s)) for s in range(3)]
+    for step, b in batches:
+        store.append_step(step, b)
+    reader = RolloutStore.open(path, read_only=True)
+    assert reader.num_steps == 3 and reader.num_samples == 3 + 4 + 5
+    assert reader.steps.tolist() == [0, 1, 2]
+    assert_same(reader.read(), batches)
+    assert_same(reader.read(step=1), [batches[1]])
+    with pytest.raises(KeyError, match="step 7 is not committed"):
+        reader.read(step=7)
+    codec = str(reader.group["response_tokens"].compressors)
+    assert "lz4" in codec and "shuffle" in codec
+
+
+_KILLED_WRITER = textwrap.dedent("""
+    import os, signal, sys
+    sys.path.insert(0, {tests!r})
+    from test_store_rollouts import make_batch
+    import slurm_align.store.rollouts as R
+    store = R.RolloutStore.create({path!r})
+    store.append_step(0, make_batch(0, 4))
+    store.append_step(1, make_batch(1, 5))
+    real, calls = R.write_at, [0]
+    def dying_write_at(*a):
+        real(*a)
+        calls[0] += 1
+        if calls[0] == 6:   # tokens, offsets and some per-token arrays of step 2 are on disk
+            os.kill(os.getpid(), signal.SIGKILL)
+    R.write_at = dying_write_at
+    store.append_step(2, make_batch(2, 7))
+    print("not killed")
+""")
+
+
+def test_killed_writer_leaves_previous_steps_and_hides_partial_step(tmp_path):
+    path = tmp_path / "rollouts.zarr"
+    script = _KILLED_WRITER.format(tests=os.path.dirname(__file__), path=str(path))
+    proc = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    # The partial step 2 really reached disk past the committed counts...
+    store = RolloutStore.open(path)
+    assert store.group["response_tokens"].shape[0] > store.group.attrs["num_response_tokens"]
+    # ...but readers only see the two whole steps.
+    assert store.num_steps == 2
+    assert_same(store.read(), [(0, make_batch(0, 4)), (1, make_batch(1, 5))])
+    # The next writer overwrites the remains: no stale tokens leak into step 2.
+    redo = make_batch(22, 2)
+    store.append_step(2, redo)
+    assert_same(RolloutStore.open(path, read_only=True).read(),
+                [(0, make_batch(0, 4)), (1, make_batch(1, 5)), (2, redo)])
+
+
+def test_resume_truncation_no_gaps_no_duplicates(tmp_path):
+    store = RolloutStore.create(tmp_path / "r.zarr")
+    batches = {s: make_batch(s, 2 + s) for s in range(4)}
+    for s in range(4):
+        store.append_step(s, batches[s])
+    with pytest.raises(RolloutStoreError, match="truncate_to"):
+        store.append_step(2, batches[2])  # a duplicate is refused
+    store.truncate_to(2)  # resumed from a checkpoint taken after step 1
+    assert store.steps.tolist() == [0, 1]
+    again = {2: make_batch(102, 3), 3: make_batch(103, 1)}
+    store.append_step(2, again[2])
+    store.append_step(3, again[3])
+    assert store.steps.tolist() == [0, 1, 2, 3]
+    assert_same(store.read(), [(0, batches[0]), (1, batches[1]), (2, again[2]), (3, again[3])])
+    # Reopening (a new process after resume) sees the same.
+    assert RolloutStore.open(tmp_path / "r.zarr").num_samples == 2 + 3 + 3 + 1
+
+
+def test_schema_errors_name_the_key(tmp_path):
+    store = RolloutStore.create(tmp_path / "r.zarr")
+    b = make_batch(0, 3)
+    del b["reward"]
+    with pytest.raises(RolloutStoreError, match="lacks key.*reward"):
+        store.append_step(0, b)
+    b = make_batch(0, 3)
+    b["values"][1] = np.zeros(len(b["response_tokens"][1]) + 1)
+    with pytest.raises(RolloutStoreError, match="'values': sample 1"):
+        store.append_step(0, b)
+    b = make_batch(0, 3)
+    b["is_end"] = b["is_end"][:2]
+    with pytest.raises(RolloutStoreError, match="'is_end' has 2 entries"):
+        store.append_step(0, b)
+    assert store.num_steps == 0
+    with pytest.raises(FileNotFoundError):
+        RolloutStore.open(tmp_path / "nothing.zarr")
