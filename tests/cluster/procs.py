@@ -80,5 +80,6 @@ def find_processes(comm_prefix: str, environ_marker: str | None = None) -> list[
                     continue
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
-        found.append(int(entry.name))
+        if alive(int(entry.name)):  # zombies wait for a reaper, they run nothing
+            found.append(int(entry.name))
     return found
