@@ -1,0 +1,224 @@
+"""Rank bootstrap: the MPI world (mpirun, `srun --mpi=pmix`, local profile) -> torch.distributed.
+
+Rank 0 opens the rendezvous socket itself (bound to a specific address, port 0 unless
+MASTER_PORT says otherwise) and hands the listening fd to torch's TCPStore, so the port it
+broadcasts cannot be taken by someone else in between. Every failure that happens on one rank
+is broadcast first, so all ranks fail with the same clear message instead of hanging.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class BootstrapError(RuntimeError):
+    """The job's environment cannot start torch.distributed (MPI, ports, sizes, devices)."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """What a rank knows about itself after bootstrap. `comm` is the mpi4py communicator."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    node: str
+    comm: Any
+    backend: str
+    device: str
+    node_rank: int = 0
+    num_nodes: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    _store: Any = field(default=None, repr=False, compare=False)
+
+
+def _import_mpi():
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:  # mpi4py missing, or libmpi not loadable
+        raise BootstrapError(
+            f"cannot import mpi4py ({exc}); install mpi4py against the cluster's MPI "
+            "(pip install 'mpi4py>=4.1,<4.2') and make libmpi loadable (module load openmpi?)"
+        ) from exc
+    return MPI
+
+
+def _launcher_ntasks() -> tuple[str, int] | None:
+    """Task count the launcher claims, to catch `srun` without `--mpi=pmix` (every task alone)."""
+    names = ["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]
+    # In a het step spanning components the Slurm count is ambiguous: trust MPI there.
+    if "SLURM_STEP_ID" in os.environ and "SLURM_HET_SIZE" not in os.environ:
+        names.append("SLURM_STEP_NUM_TASKS")
+    for var in names:
+        value = os.environ.get(var)
+        if value and value.isdigit():
+            return var, int(value)
+    return None
+
+
+def _check_world_size(size: int, given_comm: bool) -> None:
+    if given_comm:  # a sub-communicator is allowed to be smaller than the launch
+        return
+    claimed = _launcher_ntasks()
+    if claimed is not None and claimed[1] != size:
+        var, n = claimed
+        raise BootstrapError(
+            f"the launcher started {n} tasks ({var}={n}) but this process's MPI world has {size} "
+            "rank(s): the tasks did not join one MPI world; under Slurm use `srun --mpi=pmix` "
+            "(pmi2 does not work with this OpenMPI), or start the ranks with mpirun"
+        )
+
+
+def _local_address(multi_node: bool) -> str:
+    """An address of this host the other ranks can reach: loopback if they all live here."""
+    if not multi_node:
+        return "127.0.0.1"
+    host = socket.gethostname()
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise BootstrapError(
+            f"cannot resolve this host's name {host!r} to an address ({exc}); set MASTER_ADDR "
+            "to an address of rank 0's host that the other nodes can reach"
+        ) from exc
+    addrs = [i[4][0] for i in infos]
+    routable = [a for a in addrs if not a.startswith("127.")]
+    if not routable:
+        raise BootstrapError(
+            f"host name {host!r} resolves only to loopback {addrs}, which other nodes cannot "
+            "reach; set MASTER_ADDR to rank 0's address on the cluster network"
+        )
+    return routable[0]
+
+
+def _open_listener(addr: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # SO_REUSEADDR skips TIME_WAIT leftovers but still refuses a port someone listens on.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((addr, port))
+        sock.listen(1024)
+    except OSError as exc:
+        sock.close()
+        if port:
+            raise BootstrapError(
+                f"rendezvous port {addr}:{port} (from MASTER_PORT) is in use or not bindable "
+                f"({exc.strerror}); unset MASTER_PORT to let rank 0 pick a free one, or pick "
+                "another"
+            ) from exc
+        raise BootstrapError(f"cannot bind the rendezvous socket on {addr} ({exc}); set MASTER_ADDR") from exc
+    return sock
+
+
+def _default_backend(backend: str | None) -> str:
+    import torch
+
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise BootstrapError(f"backend {backend!r} is not supported; allowed: 'gloo' (CPU), 'nccl' (GPU)")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise BootstrapError("backend 'nccl' needs CUDA GPUs, and torch sees none; use backend='gloo' on CPU")
+    return backend
+
+
+def init_distributed(comm: Any = None, backend: str | None = None, timeout_s: float = 300.0) -> DistEnv:
+    """Bootstrap this rank: mpi4py world (or `comm`) -> torch.distributed default group.
+
+    Collective over `comm` (default MPI.COMM_WORLD). Honours MASTER_ADDR / MASTER_PORT when set
+    (on rank 0's side: the address to bind and advertise, the port to use). Torch ranks equal
+    the ranks of `comm`.
+    """
+    MPI = _import_mpi()
+    import torch
+    import torch.distributed as dist
+
+    given = comm is not None
+    comm = MPI.COMM_WORLD if comm is None else comm
+    rank, size = comm.Get_rank(), comm.Get_size()
+    _check_world_size(size, given)
+    if dist.is_initialized():
+        raise BootstrapError("torch.distributed is already initialised in this process; call init_distributed once")
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
+    local_rank, local_size = local.Get_rank(), local.Get_size()
+    # Node index: number the shared-memory domains by their lowest global rank.
+    leaders = comm.allgather(rank if local_rank == 0 else None)
+    leader_ranks = sorted(r for r in leaders if r is not None)
+    node_rank = leader_ranks.index(local.bcast(rank, root=0))
+    local.Free()
+    node = MPI.Get_processor_name()
+
+    # Rank 0 decides backend, address and port; any error travels with the broadcast.
+    listener = None
+    decision: dict[str, Any] = {}
+    if rank == 0:
+        try:
+            decision["backend"] = _default_backend(backend)
+            env_addr = os.environ.get("MASTER_ADDR")
+            addr = env_addr or _local_address(multi_node=len(leader_ranks) > 1)
+            port_s = os.environ.get("MASTER_PORT", "0")
+            if not port_s.isdigit() or int(port_s) > 65535:
+                raise BootstrapError(f"MASTER_PORT={port_s!r} is not a port number (0..65535)")
+            listener = _open_listener(addr, int(port_s))
+            decision.update(addr=addr, port=listener.getsockname()[1])
+        except BootstrapError as exc:
+            decision["error"] = str(exc)
+    decision = comm.bcast(decision, root=0)
+    if "error" in decision:
+        raise BootstrapError(decision["error"])
+    be = decision["backend"]
+    if rank != 0 and be == "nccl" and not torch.cuda.is_available():
+        raise BootstrapError(f"rank {rank} on {node}: backend 'nccl' chosen by rank 0 but this rank sees no GPU")
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(
+        decision["addr"],
+        decision["port"],
+        size,
+        rank == 0,
+        timeout,
+        master_listen_fd=listener.fileno() if listener is not None else None,
+    )
+    device = "cpu"
+    if be == "nccl":
+        device = f"cuda:{local_rank % torch.cuda.device_count()}"
+        torch.cuda.set_device(device)
+    dist.init_process_group(be, store=store, rank=rank, world_size=size, timeout=timeout)
+    if dist.get_world_size() != size or dist.get_rank() != rank:
+        raise BootstrapError(
+            f"torch.distributed ranks ({dist.get_rank()}/{dist.get_world_size()}) differ from MPI's ({rank}/{size})"
+        )
+    return DistEnv(
+        rank=rank,
+        world_size=size,
+        local_rank=local_rank,
+        local_size=local_size,
+        node=node,
+        comm=comm,
+        backend=be,
+        device=device,
+        node_rank=node_rank,
+        num_nodes=len(leader_ranks),
+        master_addr=decision["addr"],
+        master_port=decision["port"],
+        _store=(store, listener),
+    )
+
+
+def shutdown_distributed(env: DistEnv) -> None:
+    """Tear down torch.distributed (collective); the MPI world stays up for mpi4py's finaliser."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    store, listener = env._store or (None, None)
+    if listener is not None:
+        listener.close()

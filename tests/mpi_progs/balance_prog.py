@@ -1,0 +1,126 @@
+"""Prompt server, static sharding and rebalance on real MPI ranks (run under mpirun -n N).
+
+Every scenario checks on rank 0 that the multiset of processed indices equals the dataset;
+any failure raises, so mpirun exits non-zero. Rank 0 prints one JSON line per scenario.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter
+
+import numpy as np
+from mpi4py import MPI
+
+from slurm_align.balance.prompts import PromptServer
+from slurm_align.balance.rebalance import RebalanceError, rebalance
+from slurm_align.balance.static import StaticPrompts
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+
+
+def check_exact(name: str, mine: list[int], dataset: np.ndarray, extra: dict | None = None) -> list[list[int]]:
+    every = comm.gather(mine, root=0)
+    if rank == 0:
+        got = Counter(i for part in every for i in part)
+        want = Counter(dataset.tolist())
+        if got != want:
+            missing, dup = want - got, got - want
+            raise AssertionError(f"{name}: missing {dict(missing)} extra {dict(dup)}")
+        print(json.dumps({"scenario": name, "per_rank": [len(p) for p in every], **(extra or {})}), flush=True)
+    return every
+
+
+def run_dynamic(name: str, n: int, batch: int, *, slow_rank: int | None = None, unit: float = 0.0, order=None):
+    waits = []
+    kw = {"order": order} if order is not None else {"num_prompts": n}
+    with PromptServer(comm, requester=True, on_wait=waits.append, **kw) as server:
+        mine = []
+        for chunk in server.batches(batch):
+            assert 1 <= len(chunk) <= batch, (name, chunk)
+            mine += chunk.tolist()
+            if unit:
+                time.sleep(unit * len(chunk) * (10 if rank == slow_rank else 1))
+        assert len(server.wait_times) == len(waits) >= 1 and all(w >= 0 for w in waits)
+    dataset = np.arange(n) if order is None else np.asarray(order)
+    return check_exact(name, mine, dataset, {"requests": comm.gather(len(waits), root=0)})
+
+
+def main() -> None:
+    run_dynamic("dynamic_37_by_4", 37, 4)  # batch size not dividing the dataset
+    run_dynamic("more_workers_than_batches", 3, 2)
+    run_dynamic("empty_dataset", 0, 3)
+    shuffled = np.random.default_rng(0).permutation(np.repeat(np.arange(20), 2))  # duplicates in the set
+    run_dynamic("shuffled_order_with_repeats", len(shuffled), 3, order=shuffled)
+    # Slow worker: rank 1 (or 0 alone) takes 10x longer per prompt and must end up with fewer.
+    slow = 1 if size > 1 else 0
+    every = run_dynamic("slow_worker_10x", 60, 2, slow_rank=slow, unit=0.004)
+    if rank == 0 and size > 1:
+        counts = [len(p) for p in every]
+        fast = [c for r, c in enumerate(counts) if r != slow]
+        assert counts[slow] < min(fast), f"slow rank got {counts[slow]} prompts, fast ranks {fast}"
+
+    # Only some ranks request (others would be TP peers): the server still drains completely.
+    requester = rank % 2 == 0
+    with PromptServer(comm, 25, requester=requester) as server:
+        mine = [i for c in server.batches(4) for i in c.tolist()] if requester else []
+    check_exact("half_requesters", mine, np.arange(25))
+
+    # A requester that stops early says goodbye; close() must not hang.
+    with PromptServer(comm, 50) as server:
+        it = server.batches(3)
+        first = next(it, np.array([], dtype=np.int64))
+        it.close()
+    comm.Barrier()
+
+    for strided in (False, True):
+        src = StaticPrompts(23, rank, size, strided=strided)
+        mine = [i for c in src.batches(4) for i in c.tolist()]
+        every = check_exact(f"static_{'strided' if strided else 'contiguous'}", mine, np.arange(23))
+        if rank == 0:
+            assert max(map(len, every)) - min(map(len, every)) <= 1
+
+    # Rebalance: uneven lists -> equal counts, every sample exactly once, payload intact.
+    n_local = [3 * size + 1 if r == 0 else 1 for r in range(size)]
+    n_local[-1] += (-sum(n_local)) % size  # make the total divisible
+    mine = [{"id": (rank, i), "tokens": np.full(1 + (7 * i + rank) % 13, rank)} for i in range(n_local[rank])]
+    out = rebalance(mine, comm)
+    counts = comm.allgather(len(out))
+    assert len(set(counts)) == 1, counts
+    ids = comm.gather([s["id"] for s in out], root=0)
+    assert all(np.all(s["tokens"] == s["id"][0]) for s in out)
+    if rank == 0:
+        flat = sorted(i for p in ids for i in p)
+        assert flat == sorted((r, i) for r in range(size) for i in range(n_local[r])), "rebalance lost/duplicated"
+
+    # Token-balanced, columnar dict of arrays.
+    lens = np.array([1 + (31 * i + 7 * rank) % 50 for i in range(n_local[rank])], dtype=np.int64)
+    cols = {"len": lens, "src": np.full(len(lens), rank), "pos": np.arange(len(lens))}
+    out = rebalance(cols, comm, lengths=lens.tolist())
+    counts = comm.allgather(len(out["len"]))
+    loads = comm.allgather(int(out["len"].sum()))
+    assert len(set(counts)) == 1, counts
+    pairs = comm.gather(list(zip(out["src"].tolist(), out["pos"].tolist())), root=0)
+    if rank == 0:
+        flat = sorted(p for part in pairs for p in part)
+        assert flat == sorted((r, i) for r in range(size) for i in range(n_local[r]))
+        print(json.dumps({"scenario": "rebalance_tokens", "counts": counts, "loads": loads}), flush=True)
+
+    # Not divisible: a clear error on every rank, nothing moved.
+    if size > 1:
+        try:
+            rebalance(list(range(1 if rank == 0 else 2)), comm)
+        except RebalanceError as exc:
+            assert "divisible" in str(exc)
+        else:
+            raise AssertionError("indivisible rebalance did not raise")
+    if rank == 0:
+        print("BALANCE_OK", flush=True)
+
+
+if __name__ == "__main__":
+    main()
+    sys.stdout.flush()
