@@ -186,6 +186,14 @@ class CriticServerConfig(StrictModel):
     """Upper bound on one critic request; a hung critic is an error after this."""
 
 
+class SweepConfig(StrictModel):
+    """How `slurm-align sweep` scales this run over node counts."""
+
+    actor_to_critic_nodes: str = Field("2:1", pattern=r"^[1-9][0-9]*:[1-9][0-9]*$")
+    """Ratio 'A:C' of actor to critic nodes. `--nodes` gives the actor's node counts; the
+    critic gets ceil(actor_nodes * C / A) nodes, at least 1 (ppo only)."""
+
+
 class RunConfig(StrictModel):
     """One run: algorithm, models, parallelism per component, hyper-parameters, switches."""
 
@@ -215,6 +223,8 @@ class RunConfig(StrictModel):
     """SFT / RM / DPO hyper-parameters."""
     critic_server: CriticServerConfig = CriticServerConfig()
     """Critic server address and timeouts."""
+    sweep: SweepConfig = SweepConfig()
+    """Node scaling rule for `slurm-align sweep`."""
 
     @model_validator(mode="after")
     def _layouts_fit_models(self):
