@@ -10,6 +10,7 @@ import json
 import os
 import socket
 import sys
+import time
 
 from slurm_align.rundir import RunDir, write_atomic
 from slurm_align.slurm.hetenv import HetEnv
@@ -20,6 +21,8 @@ def main() -> int:
     parser.add_argument("--run-dir", required=True)
     parser.add_argument("--fail-rank", type=int, default=None,
                         help="this rank exits 3 after reporting (for failure tests)")
+    parser.add_argument("--hold-s", type=float, default=0.0,
+                        help="stay alive this long after reporting (for cancel tests)")
     args = parser.parse_args()
 
     from mpi4py import MPI  # initialises MPI from the launcher (srun --mpi=pmix or mpirun)
@@ -38,6 +41,7 @@ def main() -> int:
     print(json.dumps(report), flush=True)
     write_atomic(RunDir(het.run_dir).report(het.component, comm.Get_rank()), json.dumps(report, indent=1))
     comm.Barrier()
+    time.sleep(args.hold_s)
     if args.fail_rank is not None and comm.Get_rank() == args.fail_rank:
         print(f"rank {args.fail_rank} fails on purpose", file=sys.stderr, flush=True)
         return 3

@@ -110,6 +110,15 @@ class ClusterProfile(StrictModel):
             raise ValueError("time must look like MM, HH:MM:SS or D-HH:MM:SS")
         return v
 
+    @field_validator("sbatch_extra", "env", mode="before")
+    @classmethod
+    def _scalars_as_text(cls, v):
+        # YAML reads `OMP_NUM_THREADS: 1` as an int; the shell and sbatch see text anyway.
+        if isinstance(v, dict):
+            return {k: (str(x).lower() if isinstance(x, bool) else str(x))
+                    if isinstance(x, (int, float, bool)) else x for k, x in v.items()}
+        return v
+
     @field_validator("sbatch_extra")
     @classmethod
     def _sbatch_keys(cls, v):

@@ -46,6 +46,7 @@ class HetjobExecutor(submitit_slurm.SlurmExecutor):
         return 1
 
     def submit_script(self) -> HetJob:
+        Path(self.folder).mkdir(parents=True, exist_ok=True)
         job = self._submit_command("")
         assert isinstance(job, HetJob)  # job_class above; an internal invariant, not user input
         return job

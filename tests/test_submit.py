@@ -1,0 +1,113 @@
+"""Submit for real: a hetjob on the local Slurm cluster, and the same launchers on the `local` profile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_align import REPO_ROOT
+from slurm_align.config import load_profile, load_run_config
+from slurm_align.slurm.launch import Job, JobRecord, launch_run
+from slurm_align.slurm.render import Entry
+
+EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"
+
+
+def _reports(run_dir: Path) -> list[dict]:
+    return sorted((json.loads(p.read_text()) for p in (run_dir / "reports").glob("*/rank*.json")),
+                  key=lambda r: (r["component"], r["rank"]))
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slurm_align.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _check_hetjob_report(reports: list[dict], actor_ranks: int, distinct_hosts: bool) -> None:
+    by_comp = {c: [r for r in reports if r["component"] == c] for c in ("actor", "critic")}
+    assert [r["rank"] for r in by_comp["actor"]] == list(range(actor_ranks))
+    assert [r["rank"] for r in by_comp["critic"]] == [0]
+    for r in reports:
+        assert r["size"] == (actor_ranks if r["component"] == "actor" else 1)   # one MPI world per component
+        assert r["ntasks"] == {"actor": actor_ranks, "critic": 1}
+        assert r["host"] in r["hosts"][r["component"]]
+    critic_host = by_comp["critic"][0]["host"]
+    for r in by_comp["actor"]:  # every actor rank knows where the critic is
+        assert r["hosts"]["critic"] == [critic_host]
+        assert r["addresses"]["critic"] == "127.0.0.1"
+    if distinct_hosts:  # hetjob components never share a node; the actor spans 2 nodes
+        actor_hosts = {r["host"] for r in by_comp["actor"]}
+        assert len(actor_hosts) == actor_ranks and critic_host not in actor_hosts
+
+
+def test_local_profile_runs_the_launchers(tmp_path):
+    run = load_run_config(EXAMPLE)
+    job = launch_run(run, load_profile("local"), tmp_path / "run", entry=Entry("report"))
+    assert job.wait(timeout_s=120) == "COMPLETED"
+    _check_hetjob_report(_reports(tmp_path / "run"), actor_ranks=2, distinct_hosts=False)
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    assert (tmp_path / "run" / "logs" / "actor" / "rank1.log").is_file()
+
+
+def test_local_component_crash_fails_fast(tmp_path):
+    run = load_run_config(EXAMPLE)
+    entry = Entry("report", {"critic": ["--fail-rank", "0"], "actor": ["--hold-s", "60"]})
+    job = launch_run(run, load_profile("local"), tmp_path / "run", entry=entry)
+    t0 = time.monotonic()
+    assert job.wait(timeout_s=60) == "FAILED"
+    assert time.monotonic() - t0 < 30, "a crash must be seen within seconds, not after the actor's hold"
+    logs = job.failed_logs()
+    assert "critic" in logs and logs["critic"][0].name == "rank0.log"
+
+
+@pytest.mark.slurm
+def test_hetjob_on_real_slurm(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = _cli("submit", str(EXAMPLE), "--profile", "local-slurm", "--run-dir", str(run_dir),
+                "--entry", "report", "--follow", timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    record = json.loads((run_dir / "job.json").read_text())
+    assert record["backend"] == "slurm" and record["job_id"] in proc.stdout
+    _check_hetjob_report(_reports(run_dir), actor_ranks=2, distinct_hosts=True)
+    status = _cli("status", str(run_dir), "--json")
+    assert json.loads(status.stdout) == {"job_id": record["job_id"], "state": "COMPLETED",
+                                         "components": {"actor": "COMPLETED", "critic": "COMPLETED"}}
+    # the local profile gives the same report, apart from the hosts
+    local = launch_run(load_run_config(EXAMPLE), load_profile("local"), tmp_path / "local", entry=Entry("report"))
+    assert local.wait(timeout_s=120) == "COMPLETED"
+    strip = lambda rs: [{k: r[k] for k in ("component", "rank", "size", "ntasks")} for r in rs]  # noqa: E731
+    assert strip(_reports(tmp_path / "local")) == strip(_reports(run_dir))
+
+
+@pytest.mark.slurm
+def test_status_and_cancel_on_real_slurm(slurm_cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    hold = Entry("report", {"actor": ["--hold-s", "300"], "critic": ["--hold-s", "300"]})
+    job = launch_run(load_run_config(EXAMPLE), load_profile("local-slurm"), run_dir, entry=hold)
+    deadline = time.monotonic() + 60
+    while not all((run_dir / "reports" / c / "rank0.json").exists() for c in ("actor", "critic")):
+        assert time.monotonic() < deadline, "the job did not start within 60 s"
+        time.sleep(0.5)
+    status = _cli("status", str(run_dir), "--json")
+    assert json.loads(status.stdout)["state"] == "RUNNING", status.stdout
+    cancel = _cli("cancel", job.job_id)   # by job id, as a user would
+    assert cancel.returncode == 0, cancel.stderr
+    assert job.wait(timeout_s=60) == "CANCELLED"
+
+
+@pytest.mark.slurm
+def test_component_crash_on_real_slurm_is_failed_with_logs(slurm_cluster, tmp_path):
+    run = load_run_config(EXAMPLE)
+    entry = Entry("report", {"critic": ["--fail-rank", "0"], "actor": ["--hold-s", "120"]})
+    job = launch_run(run, load_profile("local-slurm"), tmp_path / "run", entry=entry)
+    t0 = time.monotonic()
+    assert job.wait(timeout_s=90) == "FAILED"
+    assert time.monotonic() - t0 < 60, "the failure must be reported within seconds, not after the hold"
+    logs = job.failed_logs()
+    assert "critic" in logs and logs["critic"] and logs["critic"][0].is_file()
+    assert "fails on purpose" in logs["critic"][0].read_text()
