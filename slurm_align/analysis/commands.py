@@ -1,0 +1,211 @@
+"""`slurm-align analyze breakdown|trace|scaling` and `slurm-align sweep`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from slurm_align.analysis.breakdown import Breakdown, compute_breakdown
+
+console = Console(stderr=True)
+
+
+def _breakdown_table(b: Breakdown) -> Table:
+    t = Table(title=f"{b.name}: step time {b.mean_step_s:.3f} s (mean of {len(b.steps)} step(s), max over ranks)")
+    t.add_column("phase")
+    for s in b.steps:
+        t.add_column(f"step {s}", justify="right")
+    t.add_column("mean s", justify="right")
+    t.add_column("share", justify="right")
+    for j, p in enumerate(b.phases):
+        t.add_row(p, *[f"{v:.3f}" for v in b.phase_s[:, j]], f"{b.mean_phase_s[j]:.3f}", f"{100 * b.share[j]:.1f}%")
+    t.add_row("[bold]step", *[f"{v:.3f}" for v in b.step_s], f"[bold]{b.mean_step_s:.3f}", "100%")
+    return t
+
+
+def _idle_table(b: Breakdown) -> Table:
+    t = Table(title=f"{b.name}: idle per rank (step time minus busy spans)")
+    t.add_column("rank")
+    t.add_column("mean idle s", justify="right")
+    t.add_column("share", justify="right")
+    for k, v in b.idle_s.items():
+        t.add_row(k, f"{v.mean():.3f}", f"{100 * v.mean() / b.mean_step_s:.1f}%")
+    return t
+
+
+def _compare_table(bs: list[Breakdown]) -> Table:
+    from slurm_align.profiling.phases import phase_order
+    phases = phase_order({p for b in bs for p in b.phases})
+    t = Table(title="mean seconds per step (max over ranks); share of step in brackets")
+    t.add_column("phase")
+    for b in bs:
+        t.add_column(b.name, justify="right")
+    for p in phases:
+        cells = []
+        for b in bs:
+            if p in b.phases:
+                j = b.phases.index(p)
+                cells.append(f"{b.mean_phase_s[j]:.3f} ({100 * b.share[j]:.0f}%)")
+            else:
+                cells.append("-")
+        t.add_row(p, *cells)
+    t.add_row("[bold]step", *[f"[bold]{b.mean_step_s:.3f}" for b in bs])
+    if len(bs) > 1:
+        t.add_row("vs first", *[f"{b.mean_step_s / bs[0].mean_step_s:.2f}x" for b in bs])
+    return t
+
+
+def _csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]))
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def cmd_breakdown(args) -> int:
+    from slurm_align.analysis.plots import plot_breakdown
+    from slurm_align.analysis.runs import load_run
+    dirs = [Path(args.run_dir), *[Path(p) for p in (args.compare or [])]]
+    runs = [load_run(d, allow_incomplete=args.allow_incomplete, console=console) for d in dirs]
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):  # same folder names under different parents
+        names = [str(r.run_dir) for r in runs]
+    bs = [compute_breakdown(r.spans, name=n, skip_steps=args.skip_steps) for r, n in zip(runs, names)]
+    if any(not len(b.steps) for b in bs):
+        from slurm_align.config.errors import ConfigError
+        raise ConfigError.at("--skip-steps", args.skip_steps, "leaves no step to analyse")
+    if args.format == "json":
+        print(json.dumps([b.to_dict() for b in bs] if len(bs) > 1 else bs[0].to_dict(), indent=1))
+    elif args.format == "csv":
+        rows = [{"run": b.name, "step": int(s), "phase": p, "seconds": float(b.phase_s[i, j]),
+                 "step_seconds": float(b.step_s[i])}
+                for b in bs for i, s in enumerate(b.steps) for j, p in enumerate(b.phases)]
+        sys.stdout.write(_csv(rows))
+    else:
+        out = Console()
+        if len(bs) == 1:
+            out.print(_breakdown_table(bs[0]))
+            out.print(_idle_table(bs[0]))
+        else:
+            out.print(_compare_table(bs))
+    png = Path(args.png) if args.png else runs[0].run_dir / "reports" / (
+        "breakdown.png" if len(bs) == 1 else "compare.png")
+    if not args.no_plot:
+        plot_breakdown(bs, png)
+        console.print(f"chart: {png}", highlight=False)
+    return 0
+
+
+def cmd_trace(args) -> int:
+    from slurm_align.analysis.runs import load_run
+    from slurm_align.analysis.trace_export import write_chrome_trace
+    run = load_run(args.run_dir, allow_incomplete=args.allow_incomplete, console=console)
+    spans = run.spans if args.allow_incomplete else run.table.spans
+    n = write_chrome_trace(spans, Path(args.output), run.name)
+    console.print(f"wrote {n} spans to {args.output} (open in https://ui.perfetto.dev)", highlight=False)
+    return 0
+
+
+def _scaling_table(report) -> Table:
+    t = Table(title=f"{report.mode} scaling: {report.sweep_dir}")
+    for col in ("actor nodes", "critic nodes", "state", "step s", "samples/s", "tokens/s", "efficiency",
+                "phase split (mean s)"):
+        t.add_column(col, justify="right" if col not in ("state", "phase split (mean s)") else "left")
+    for p in report.points:
+        if p.breakdown is None:
+            t.add_row(str(p.nodes), str(p.critic_nodes), f"[red]{p.state}", "-", "-", "-", "-",
+                      (p.error or "")[:60])
+            continue
+        split = ", ".join(f"{ph} {v:.3f}" for ph, v in zip(p.breakdown.phases, p.breakdown.mean_phase_s) if v > 0)
+        t.add_row(str(p.nodes), str(p.critic_nodes), p.state, f"{p.step_s:.3f}", f"{p.samples_per_s:.1f}",
+                  "-" if p.tokens_per_s is None else f"{p.tokens_per_s:.0f}", f"{100 * p.efficiency:.0f}%", split)
+    return t
+
+
+def cmd_scaling(args) -> int:
+    from slurm_align.analysis.plots import plot_scaling
+    from slurm_align.analysis.scaling import compute_scaling
+    report = compute_scaling(args.sweep_dir, allow_incomplete=args.allow_incomplete,
+                             skip_steps=args.skip_steps, console=console)
+    if args.format == "json":
+        print(json.dumps(report.to_dict(), indent=1))
+    elif args.format == "csv":
+        sys.stdout.write(_csv([{k: v for k, v in p.to_dict().items() if k != "phase_s"} for p in report.points]))
+    else:
+        Console().print(_scaling_table(report))
+    if not args.no_plot:
+        png = Path(args.png) if args.png else Path(args.sweep_dir) / "scaling.png"
+        plot_scaling(report, png)
+        console.print(f"chart: {png}", highlight=False)
+    return 0 if any(p.breakdown is not None for p in report.points) else 1
+
+
+def cmd_sweep(args) -> int:
+    from slurm_align.config import load_profile, load_run_config
+    from slurm_align.rundir import new_run_dir
+    from slurm_align.slurm.render import Entry
+    from slurm_align.slurm.sweep import parse_nodes, start_sweep
+    run = load_run_config(args.config, args.overrides)
+    profile = load_profile(args.profile)
+    nodes = parse_nodes(args.nodes)
+    sweep_dir = Path(args.sweep_dir) if args.sweep_dir else new_run_dir("runs", "sweep")
+    limit = args.max_concurrent or (1 if profile.kind == "local" else None)
+    manifest = start_sweep(run, profile, nodes, args.mode, sweep_dir, args.config,
+                           entry=Entry(name=args.entry) if args.entry else None, max_concurrent=limit,
+                           console=console, poll_s=args.poll_s)
+    failed = [p for p in manifest.points if p.state != "COMPLETED"]
+    for p in failed:
+        console.print(f"[red]point {p.nodes} node(s) {p.state}[/]: {p.error}", highlight=False)
+    console.print(f"sweep directory: {manifest.sweep_dir}  (next: slurm-align analyze scaling "
+                  f"{manifest.sweep_dir})", highlight=False)
+    return 1 if failed else 0
+
+
+def register(sub) -> None:
+    analyze = sub.add_parser("analyze", help="analyse runs and sweeps from their Zarr traces")
+    asub = analyze.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
+
+    def common(p):
+        p.add_argument("--allow-incomplete", action="store_true",
+                       help="go on with the ranks and steps that are there")
+        p.add_argument("--format", choices=("table", "json", "csv"), default="table")
+        p.add_argument("--skip-steps", type=int, default=0, help="leave out the first N steps (warm-up)")
+        p.add_argument("--png", help="chart path (default: under the run or sweep directory)")
+        p.add_argument("--no-plot", action="store_true")
+
+    p = asub.add_parser("breakdown", help="step time per phase (max over ranks), idle per rank, chart")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--compare", nargs="+", metavar="RUN", help="more runs side by side (ablation view)")
+    common(p)
+    p.set_defaults(func=cmd_breakdown)
+
+    p = asub.add_parser("trace", help="Chrome/Perfetto trace JSON of every span")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("-o", "--output", default="trace.json")
+    p.add_argument("--allow-incomplete", action="store_true")
+    p.set_defaults(func=cmd_trace)
+
+    p = asub.add_parser("scaling", help="scaling table and chart of a sweep directory")
+    p.add_argument("sweep_dir", metavar="SWEEP_DIR")
+    common(p)
+    p.set_defaults(func=cmd_scaling)
+
+    p = sub.add_parser("sweep", help="one job per node count, a manifest and live progress")
+    p.add_argument("config", metavar="CONFIG")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="run config overrides")
+    p.add_argument("--profile", default=None)
+    p.add_argument("--nodes", required=True, help="actor node counts, e.g. 1,2,4,8")
+    p.add_argument("--mode", choices=("weak", "strong"), default="weak")
+    p.add_argument("--sweep-dir", default=None, help="default: a new runs/sweep-<time> folder")
+    p.add_argument("--entry", default=None, help="launcher in launchers/ to run instead of the default")
+    p.add_argument("--max-concurrent", type=int, default=None,
+                   help="points running at once (default: 1 on a local profile, all on Slurm)")
+    p.add_argument("--poll-s", type=float, default=2.0, help="seconds between state checks")
+    p.set_defaults(func=cmd_sweep)

@@ -1,0 +1,233 @@
+"""Scaling sweeps: one (het)job per node count, a manifest in the sweep directory, live progress.
+
+    slurm-align sweep CONFIG --profile NAME --nodes 1,2,4,8 [--mode weak|strong]
+
+`--nodes` gives the actor's node counts; the critic's follow `sweep.actor_to_critic_nodes` in the
+run config. Each component's data_parallel is set so TP x PP x DP equals its ranks
+(nodes x tasks_per_node of the profile). Weak scaling grows the rollout batch (PPO) or the global
+batch (sft/rm/dpo) in proportion to the actor nodes, from the config's value at the smallest
+point; strong scaling keeps it. A point that fails to launch or to run is recorded and the others
+go on. The manifest (sweep.json) is rewritten atomically after every change of state.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from slurm_align.config.errors import ConfigError
+from slurm_align.config.profile import ClusterProfile
+from slurm_align.config.run import RunConfig
+from slurm_align.rundir import write_atomic
+
+MANIFEST = "sweep.json"
+FORMAT = "slurm-align-sweep/1"
+PLANNED, LAUNCH_FAILED = "PLANNED", "LAUNCH_FAILED"
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", LAUNCH_FAILED)
+
+
+def parse_nodes(text: str) -> list[int]:
+    """'1,2,4,8' -> [1, 2, 4, 8] (ascending, unique, positive)."""
+    try:
+        nodes = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError.at("--nodes", text, "a comma list of positive node counts, e.g. 1,2,4,8") from None
+    if not nodes or min(nodes) < 1 or len(set(nodes)) != len(nodes):
+        raise ConfigError.at("--nodes", text, "a comma list of distinct positive node counts, e.g. 1,2,4,8")
+    return sorted(nodes)
+
+
+def parse_ratio(text: str) -> tuple[int, int]:
+    a, _, c = text.partition(":")
+    return int(a), int(c)
+
+
+def critic_nodes_for(actor_nodes: int, ratio: str) -> int:
+    a, c = parse_ratio(ratio)
+    return max(1, math.ceil(actor_nodes * c / a))
+
+
+def _data_parallel(run: RunConfig, comp: str, ranks: int, nodes: int) -> int:
+    par = run.parallel(comp)
+    mp = par.tensor_parallel * par.pipeline_parallel
+    if ranks % mp:
+        raise ConfigError.at(
+            f"{comp}.tensor_parallel x pipeline_parallel", mp,
+            f"must divide the {ranks} ranks of {nodes} {comp} node(s) at this sweep point")
+    return ranks // mp
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    nodes: int
+    critic_nodes: int
+    run: RunConfig
+    profile: ClusterProfile
+
+    @property
+    def batch(self) -> int:
+        return self.run.ppo.num_rollout_samples if self.run.algorithm == "ppo" else self.run.trainer.global_batch_size
+
+    @property
+    def name(self) -> str:
+        return f"nodes{self.nodes}"
+
+
+def plan_point(run: RunConfig, profile: ClusterProfile, nodes: int, base_nodes: int, mode: str) -> SweepPoint:
+    """The run config and profile of one point (pure: nothing is written)."""
+    if mode not in ("weak", "strong"):
+        raise ConfigError.at("--mode", mode, "allowed: weak, strong")
+    comps = {"actor": nodes}
+    if run.algorithm == "ppo":
+        comps["critic"] = critic_nodes_for(nodes, run.sweep.actor_to_critic_nodes)
+    resources = dict(profile.components)
+    update: dict = {}
+    for comp, n in comps.items():
+        if comp not in resources:
+            raise ConfigError([f"profile '{profile.name}' has no resources for component '{comp}'"])
+        res = resources[comp].model_copy(update={"nodes": n})
+        resources[comp] = res
+        par = run.parallel(comp)
+        update[comp] = par.model_copy(update={"data_parallel": _data_parallel(run, comp, res.ranks, n)})
+    if mode == "weak":
+        base = run.ppo.num_rollout_samples if run.algorithm == "ppo" else run.trainer.global_batch_size
+        if (base * nodes) % base_nodes:
+            raise ConfigError.at("--nodes", nodes, f"weak scaling needs batch {base} x {nodes} / {base_nodes} "
+                                 "to be whole: use node counts that are multiples of the smallest")
+        scaled = base * nodes // base_nodes
+        if run.algorithm == "ppo":
+            update["ppo"] = run.ppo.model_copy(update={"num_rollout_samples": scaled})
+        else:
+            update["trainer"] = run.trainer.model_copy(update={"global_batch_size": scaled})
+    new_run = run.model_copy(update=update)
+    new_profile = profile.model_copy(update={"components": resources})
+    return SweepPoint(nodes, comps.get("critic", 0), new_run, new_profile)
+
+
+def plan_sweep(run: RunConfig, profile: ClusterProfile, nodes: list[int], mode: str) -> list[SweepPoint]:
+    return [plan_point(run, profile, n, nodes[0], mode) for n in sorted(nodes)]
+
+
+@dataclass
+class ManifestPoint:
+    nodes: int
+    critic_nodes: int
+    rollout_samples: int
+    run_dir: str
+    """Relative to the sweep directory."""
+    state: str = PLANNED
+    job_id: str | None = None
+    error: str | None = None
+    started_at: float | None = None
+    ended_at: float | None = None
+
+
+@dataclass
+class Manifest:
+    sweep_dir: Path
+    config: str
+    profile: str
+    mode: str
+    points: list[ManifestPoint] = field(default_factory=list)
+    created: str = field(default_factory=lambda: dt.datetime.now().isoformat(timespec="seconds"))
+
+    def save(self) -> None:
+        data = {"format": FORMAT, **{k: v for k, v in asdict(self).items() if k != "sweep_dir"}}
+        write_atomic(self.sweep_dir / MANIFEST, json.dumps(data, indent=1))
+
+    @classmethod
+    def load(cls, sweep_dir: Path) -> "Manifest":
+        path = Path(sweep_dir) / MANIFEST
+        if not path.is_file():
+            raise ConfigError([f"not a sweep directory: {MANIFEST} is missing (make one with "
+                               "`slurm-align sweep CONFIG --nodes ...`)"], sweep_dir)
+        data = json.loads(path.read_text())
+        if data.pop("format", None) != FORMAT:
+            raise ConfigError([f"{MANIFEST} is not a slurm-align sweep manifest ({FORMAT})"], path)
+        points = [ManifestPoint(**p) for p in data.pop("points")]
+        return cls(Path(sweep_dir), points=points, **data)
+
+    def run_path(self, pt: ManifestPoint) -> Path:
+        return self.sweep_dir / pt.run_dir
+
+
+def _table(manifest: Manifest) -> Table:
+    t = Table(title=f"sweep {manifest.sweep_dir} ({manifest.mode})")
+    for col in ("actor nodes", "critic nodes", "batch", "job", "state", "elapsed", "note"):
+        t.add_column(col)
+    now = time.time()
+    for p in manifest.points:
+        elapsed = "" if p.started_at is None else f"{(p.ended_at or now) - p.started_at:.0f} s"
+        color = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow"}.get(p.state, "red")
+        if p.state == PLANNED:
+            color = "white"
+        t.add_row(str(p.nodes), str(p.critic_nodes), str(p.rollout_samples), p.job_id or "",
+                  f"[{color}]{p.state}[/]", elapsed, (p.error or "")[:80])
+    return t
+
+
+def run_sweep(points: list[SweepPoint], manifest: Manifest, *, entry=None, max_concurrent: int | None = None,
+              console: Console | None = None, poll_s: float = 1.0) -> Manifest:
+    """Launch every point (at most max_concurrent at once), follow them to the end, keep the
+    manifest current. Returns the manifest; failed points carry their error."""
+    from slurm_align.slurm.launch import launch_run
+    from slurm_align.slurm.render import Entry
+    console = console or Console(stderr=True)
+    limit = max_concurrent or len(points)
+    jobs: dict[int, object] = {}
+    todo = list(range(len(points)))
+    with Live(_table(manifest), console=console, refresh_per_second=2) as live:
+        while todo or jobs:
+            while todo and len(jobs) < limit:
+                i = todo.pop(0)
+                pt, mp = points[i], manifest.points[i]
+                mp.started_at = time.time()
+                try:
+                    job = launch_run(pt.run, pt.profile, manifest.run_path(mp), entry=entry or Entry())
+                except Exception as e:  # one bad point must not stop the sweep
+                    mp.state, mp.error, mp.ended_at = LAUNCH_FAILED, f"{type(e).__name__}: {e}", time.time()
+                else:
+                    jobs[i], mp.job_id, mp.state = job, job.job_id, "PENDING"
+                manifest.save()
+            for i, job in list(jobs.items()):
+                mp = manifest.points[i]
+                try:
+                    state = job.state()
+                except Exception as e:  # a flaky squeue call: try again next round
+                    mp.error = f"state query failed: {e}"
+                    continue
+                if state != mp.state:
+                    mp.state = state
+                    if state in FINAL:
+                        mp.ended_at = time.time()
+                        del jobs[i]
+                        if state != "COMPLETED":
+                            logs = [str(p) for ps in job.failed_logs().values() for p in ps]
+                            mp.error = f"{state}; logs: {', '.join(logs) or manifest.run_path(mp) / 'logs'}"
+                    manifest.save()
+            live.update(_table(manifest))
+            if jobs:
+                time.sleep(poll_s)
+        live.update(_table(manifest))
+    return manifest
+
+
+def start_sweep(run: RunConfig, profile: ClusterProfile, nodes: list[int], mode: str, sweep_dir: Path,
+                config_path: str, **kwargs) -> Manifest:
+    """Plan (all errors before anything starts), write the manifest, then run every point."""
+    points = plan_sweep(run, profile, nodes, mode)
+    sweep_dir = Path(sweep_dir).resolve()
+    if (sweep_dir / MANIFEST).exists():
+        raise ConfigError.at("--sweep-dir", str(sweep_dir), "already holds a sweep; choose a new folder")
+    manifest = Manifest(sweep_dir, str(config_path), profile.name, mode, [
+        ManifestPoint(p.nodes, p.critic_nodes, p.batch, p.name) for p in points])
+    manifest.save()
+    return run_sweep(points, manifest, **kwargs)
