@@ -1,0 +1,195 @@
+"""The actor's side of the critic: futures over HTTP (KServe v2, binary tensors).
+
+- `CriticClient(host, port, ...)`: `infer_async` / `train_async` return Futures at once, so the
+  actor keeps computing while the critic works; each Future carries its own request's answer.
+- The first request waits for the critic to come up, retrying with exponential backoff up to
+  `connect_timeout_s` (no fixed sleep). Afterwards every request is bounded by
+  `request_timeout_s`: a dead or hung critic raises CriticError naming host, port and endpoint.
+- Only the model-parallel source rank of the actor should call the critic; `share_from_source`
+  hands its result to the other ranks of the model-parallel group.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from slurm_align.critic import protocol as P
+
+
+class CriticError(RuntimeError):
+    """A critic request failed: the message names host, port and endpoint, and why."""
+
+
+class CriticUnavailableError(CriticError):
+    """The critic did not become ready within connect_timeout_s."""
+
+
+def _server_reason(text: str) -> str:
+    """The useful sentence of a server error: our payload message when there is one
+    (PyTriton forwards the whole traceback), else the server's own text."""
+    m = re.search(r"CriticPayloadError: ([^\n\\]+)", text)
+    return f"rejected payload: {m.group(1).strip()}" if m else text.strip()
+
+
+class CriticClient:
+    """Futures-based client of the critic server at `host:port`."""
+
+    def __init__(self, host: str, port: int, *, connect_timeout_s: float = 120.0,
+                 request_timeout_s: float = 300.0, max_in_flight: int = 64):
+        self.host, self.port = host, port
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="critic-client")
+        self._local = threading.local()
+        self._ready = threading.Event()
+        self._connect_lock = threading.Lock()
+
+    @classmethod
+    def from_run_config(cls, run, host: str | None = None) -> "CriticClient":
+        """Address from the hetjob environment unless given; timeouts from run.critic_server."""
+        if host is None:
+            from slurm_align.slurm.hetenv import HetEnv
+            host = HetEnv.from_environ().address("critic")
+        cs = run.critic_server
+        return cls(host, cs.port, connect_timeout_s=cs.connect_timeout_s,
+                   request_timeout_s=cs.request_timeout_s)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def _where(self, endpoint: str) -> str:
+        return f"critic at {self.host}:{self.port}, endpoint {endpoint}"
+
+    # -- connection ------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Wait until every endpoint is ready, retrying with backoff up to connect_timeout_s."""
+        if self._ready.is_set():
+            return
+        with self._connect_lock:
+            if self._ready.is_set():
+                return
+            deadline = time.monotonic() + self.connect_timeout_s
+            delay, last = 0.05, "no answer yet"
+            pending = ["/health", *(f"/models/{ep}" for ep in P.ENDPOINTS)]
+            while pending:
+                try:
+                    with urllib.request.urlopen(f"{self.url}/v2{pending[0]}/ready", timeout=2.0) as r:
+                        if r.status == 200:
+                            pending.pop(0)
+                            continue
+                        last = f"HTTP {r.status}"
+                except (urllib.error.URLError, OSError) as e:
+                    last = str(getattr(e, "reason", e))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    what = pending[0].split("/")[-1]
+                    raise CriticUnavailableError(
+                        f"{self._where(what)}: not ready after {self.connect_timeout_s:g} s "
+                        f"(critic_server.connect_timeout_s); last error: {last}")
+                time.sleep(min(delay, left))
+                delay = min(delay * 2, 2.0)
+            self._ready.set()
+
+    def _http(self):
+        # tritonclient's HTTP client is not thread-safe: one per worker thread.
+        c = getattr(self._local, "client", None)
+        if c is None:
+            import tritonclient.http as th
+            c = th.InferenceServerClient(url=f"{self.host}:{self.port}",
+                                         connection_timeout=self.request_timeout_s,
+                                         network_timeout=self.request_timeout_s)
+            self._local.client = c
+        return c
+
+    def _call(self, endpoint: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+        import tritonclient.http as th
+        from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+        self.connect()
+        reqs = []
+        for name, arr in inputs.items():
+            inp = th.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+            inp.set_data_from_numpy(arr, binary_data=True)
+            reqs.append(inp)
+        t0 = time.monotonic()
+        try:
+            res = self._http().infer(endpoint, reqs, outputs=[
+                th.InferRequestedOutput(n, binary_data=True) for n in outputs])
+        except InferenceServerException as e:
+            raise CriticError(f"{self._where(endpoint)}: {_server_reason(e.message() or str(e))}") from None
+        except Exception as e:  # connection refused/reset, timeouts: the critic is gone or hung
+            self._local.client = None  # a broken connection must not be reused
+            took = time.monotonic() - t0
+            raise CriticError(f"{self._where(endpoint)}: request failed after {took:.1f} s "
+                              f"(request_timeout_s={self.request_timeout_s:g}): "
+                              f"{type(e).__name__}: {e}") from None
+        return {n: res.as_numpy(n) for n in outputs}
+
+    # -- requests --------------------------------------------------------------------------
+    def infer_async(self, tokens: np.ndarray, lengths: np.ndarray) -> "Future[tuple[np.ndarray, np.ndarray]]":
+        """Values float32 [B,T] per token and rewards float32 [B] per sequence."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int64)
+        lengths = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1, 1)
+
+        def run():
+            out = self._call(P.INFER, {"tokens": tokens, "lengths": lengths}, ["values", "rewards"])
+            return out["values"], out["rewards"].reshape(-1)
+        return self._pool.submit(run)
+
+    def train_async(self, tokens: np.ndarray, lengths: np.ndarray, returns: np.ndarray,
+                    prev_values: np.ndarray, mask: np.ndarray) -> "Future[float]":
+        """One value-model update (clipped value loss); the Future gives the loss before it."""
+        f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
+        inputs = {"tokens": np.ascontiguousarray(tokens, dtype=np.int64),
+                  "lengths": np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1),
+                  "returns": f32(returns), "prev_values": f32(prev_values), "mask": f32(mask)}
+        return self._pool.submit(lambda: float(self._call(P.TRAIN, inputs, ["loss"])["loss"][0]))
+
+    def infer(self, tokens, lengths):
+        return self.infer_async(tokens, lengths).result()
+
+    def train(self, *args) -> float:
+        return self.train_async(*args).result()
+
+    def save(self, path: str) -> str:
+        """Write the value model's checkpoint; returns the path once it is durable."""
+        arr = np.array([str(path).encode()], dtype=np.object_)
+        fut = self._pool.submit(lambda: self._call(P.SAVE, {"path": arr}, ["path"]))
+        out = fut.result()["path"].reshape(-1)[0]
+        return out.decode() if isinstance(out, bytes) else str(out)
+
+    def shutdown_critic(self) -> None:
+        """Ask the critic to stop (all its ranks exit cleanly)."""
+        self._pool.submit(lambda: self._call(P.SHUTDOWN, {"flag": np.ones(1, dtype=np.int64)}, ["ack"])).result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def share_from_source(value: Any, *, torch_group=None, mpi_comm=None, src: int = 0) -> Any:
+    """Broadcast `value` from the group's rank `src` (the rank that called the critic) to
+    every rank of a model-parallel group: a torch process group or an mpi4py communicator.
+    Other ranks pass None. `src` is the rank within the group."""
+    if (torch_group is None) == (mpi_comm is None):
+        raise ValueError("share_from_source needs exactly one of torch_group or mpi_comm")
+    if mpi_comm is not None:
+        return mpi_comm.bcast(value, root=src)
+    import torch.distributed as dist
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(torch_group, src), group=torch_group)
+    return box[0]

@@ -1,0 +1,120 @@
+"""The critic component's entry: every critic rank runs `main(run_dir)`.
+
+Rank 0 serves the PyTriton endpoints and broadcasts each request as a command; the other
+ranks follow. All ranks exit when the actor sends critic_shutdown (or the job ends).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from slurm_align.config import load_run_config
+from slurm_align.config.run import RunConfig
+from slurm_align.critic.channel import CommandChannel
+from slurm_align.critic.server import CriticServer, ServerLimits
+from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
+from slurm_align.critic.worker import CriticWorker
+from slurm_align.rundir import RunDir
+
+
+def load_full_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A full state dict saved by critic_save (or any torch.save of the shared naming)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"critic_model.init_checkpoint={str(path)!r}: expected a file holding a full "
+                                "state dict (as written by critic_save); not found")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def build_models(run: RunConfig, pctx) -> dict[str, list]:
+    """Reward model (from init_checkpoint when set) and a value model initialised from it."""
+    from slurm_align.models.gpt import build_gpt
+    from slurm_align.models.weights import full_state_dict, load_full_state_dict
+
+    mcfg = run.critic_model_config
+    reward = build_gpt(mcfg, pctx, value_head=True, seed=run.seed)
+    if mcfg.init_checkpoint is not None:
+        load_full_state_dict(reward, pctx, load_full_weights(Path(mcfg.init_checkpoint)))
+    value = build_gpt(mcfg, pctx, value_head=True, seed=run.seed + 1)
+    # As NeMo-Aligner does: the critic starts as a copy of the reward model.
+    load_full_state_dict(value, pctx, full_state_dict(reward, pctx, to_all=True))
+    return {VALUE: value, REWARD: reward}
+
+
+def serve(server: CriticServer, channel: CommandChannel, worker: CriticWorker) -> None:
+    """Rank 0: take commands from the HTTP endpoints one by one, broadcast, execute, answer."""
+    while True:
+        pending = server.next_command(timeout=1.0)
+        if pending is None:
+            continue
+        channel.send(pending.command)
+        try:
+            result = worker.execute(pending.command)
+        except BaseException as exc:  # a bug, not bad input (that is rejected before): stop all ranks
+            pending.result.set_exception(exc)
+            raise
+        pending.result.set_result(result)
+        if pending.command.kind == "shutdown":
+            time.sleep(0.5)  # let the HTTP answer to the shutdown request go out
+            return
+
+
+def follow(channel: CommandChannel, worker: CriticWorker) -> None:
+    """Ranks > 0: execute rank 0's commands until shutdown."""
+    while True:
+        cmd = channel.recv()
+        worker.execute(cmd)
+        if cmd.kind == "shutdown":
+            return
+
+
+def bind_host(run: RunConfig) -> str:
+    if run.critic_server.bind_host:
+        return run.critic_server.bind_host
+    from slurm_align.slurm.hetenv import HetEnv
+    return HetEnv.from_environ().address("critic")
+
+
+def main(run_dir: str | Path) -> int:
+    from slurm_align.dist.bootstrap import init_distributed
+    from slurm_align.dist.layout import initialize_model_parallel
+
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    rd = RunDir(Path(run_dir))
+    run = load_run_config(rd.config)
+    env = init_distributed()
+    pctx = initialize_model_parallel(env, run.critic.tensor_parallel, run.critic.pipeline_parallel)
+    swap = ModelSwap(build_models(run, pctx), keep_resident=run.switches.keep_critic_models_resident)
+    worker = CriticWorker(swap, pctx, env.comm, lr=run.ppo.critic_lr, value_clip=run.ppo.value_clip,
+                          checkpoint_dir=rd.checkpoints("critic"))
+    channel = CommandChannel(env.comm)
+    if env.rank == 0:
+        mcfg = run.critic_model_config
+        server = CriticServer(bind_host(run), run.critic_server.port,
+                              ServerLimits(max_seq_len=mcfg.max_seq_len, vocab_size=mcfg.vocab_size))
+        server.start()
+        print(f"critic: serving on {server.host}:{server.port} ({env.world_size} ranks, "
+              f"TP={pctx.tp_size} PP={pctx.pp_size} DP={pctx.dp_size})", flush=True)
+        try:
+            serve(server, channel, worker)
+        finally:
+            server.stop()
+    else:
+        follow(channel, worker)
+    print(f"critic rank {env.rank}: shut down after {swap.swaps} model swaps", flush=True)
+    pctx.destroy()
+    return 0
+
+
+def cli(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="slurm-align critic component (value + reward over PyTriton)")
+    ap.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
+    return main(ap.parse_args(argv).run_dir)
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,96 @@
+"""The critic's wire contract: endpoint names, tensor layouts, and payload validation.
+
+Both sides import this module, so a change of layout is made in one place.
+
+    critic_infer    tokens int64 [B,T] (right-padded), lengths int64 [B] (sent as [B,1]:
+                    dynamic batching prepends the batch axis to every input)
+                    -> values float32 [B,T] (per token), rewards float32 [B] (per sequence)
+    critic_train    tokens int64 [B,T], lengths int64 [B], returns float32 [B,T],
+                    prev_values float32 [B,T], mask float32 [B,T] -> loss float32 [1]
+    critic_save     path bytes [1] -> path bytes [1], returned once the checkpoint is durable
+    critic_shutdown flag int64 [1] -> ack int64 [1]; the critic stops after answering
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+INFER = "critic_infer"
+TRAIN = "critic_train"
+SAVE = "critic_save"
+SHUTDOWN = "critic_shutdown"
+ENDPOINTS = (INFER, TRAIN, SAVE, SHUTDOWN)
+
+TRAIN_FLOAT_INPUTS = ("returns", "prev_values", "mask")
+
+
+class CriticPayloadError(ValueError):
+    """A request whose tensors do not match the contract; the message names what was expected.
+
+    The class name is part of the message the client sees (PyTriton forwards the traceback),
+    so the client can pick the sentence out of the server's error text.
+    """
+
+
+def _fail(endpoint: str, msg: str) -> None:
+    raise CriticPayloadError(f"{endpoint}: {msg}")
+
+
+def _check_array(endpoint: str, name: str, arr: np.ndarray, dtype: type, ndim: int, expect: str) -> None:
+    if arr.dtype != dtype:
+        _fail(endpoint, f"'{name}' must be {np.dtype(dtype).name} {expect}; got {arr.dtype.name}")
+    if arr.ndim != ndim:
+        _fail(endpoint, f"'{name}' must be {expect}; got shape {list(arr.shape)}")
+
+
+def validate_tokens(endpoint: str, tokens: np.ndarray, lengths: np.ndarray, *,
+                    max_seq_len: int, vocab_size: int) -> np.ndarray:
+    """Check tokens [B,T] and lengths [B] (or [B,1]); return lengths flattened to [B]."""
+    _check_array(endpoint, "tokens", tokens, np.int64, 2, "[B,T]")
+    if lengths.ndim == 2 and lengths.shape[1] == 1:
+        lengths = lengths[:, 0]
+    _check_array(endpoint, "lengths", lengths, np.int64, 1, "[B]")
+    b, t = tokens.shape
+    if lengths.shape[0] != b:
+        _fail(endpoint, f"'lengths' must have one entry per sequence: expected B={b} (tokens.shape[0]), "
+                        f"got {lengths.shape[0]}")
+    if b < 1 or t < 1:
+        _fail(endpoint, f"'tokens' must be non-empty [B,T] with B>=1 and T>=1; got shape {[b, t]}")
+    if t > max_seq_len:
+        _fail(endpoint, f"'tokens' has T={t} columns but the model accepts at most max_seq_len={max_seq_len}")
+    bad = np.flatnonzero((lengths < 1) | (lengths > t))
+    if bad.size:
+        i = int(bad[0])
+        _fail(endpoint, f"'lengths' must be in [1, T={t}] (T = tokens.shape[1]); got {int(lengths[i])} "
+                        f"at row {i}")
+    lo, hi = int(tokens.min()), int(tokens.max())
+    if lo < 0 or hi >= vocab_size:
+        _fail(endpoint, f"token ids must be in [0, vocab_size={vocab_size}); got values in [{lo}, {hi}]")
+    return lengths
+
+
+def validate_train(tokens: np.ndarray, lengths: np.ndarray, floats: dict[str, np.ndarray], *,
+                   max_seq_len: int, vocab_size: int) -> np.ndarray:
+    """Check a critic_train payload; returns, prev_values and mask must be float32 like tokens."""
+    lengths = validate_tokens(TRAIN, tokens, lengths, max_seq_len=max_seq_len, vocab_size=vocab_size)
+    for name in TRAIN_FLOAT_INPUTS:
+        arr = floats[name]
+        _check_array(TRAIN, name, arr, np.float32, 2, f"[B,T]={list(tokens.shape)} like tokens")
+        if arr.shape != tokens.shape:
+            _fail(TRAIN, f"'{name}' must have the shape of tokens {list(tokens.shape)}; got {list(arr.shape)}")
+        if not np.isfinite(arr).all():
+            _fail(TRAIN, f"'{name}' must be finite; got NaN or inf")
+    if float(floats["mask"].sum()) <= 0:
+        _fail(TRAIN, "'mask' selects no position (its sum must be > 0)")
+    return lengths
+
+
+def pad_concat(batches: list[np.ndarray], fill: int | float = 0) -> np.ndarray:
+    """Stack [B_i, T_i] arrays into [sum B_i, max T_i], right-padding shorter rows."""
+    t = max(a.shape[1] for a in batches)
+    out = np.full((sum(a.shape[0] for a in batches), t), fill, dtype=batches[0].dtype)
+    row = 0
+    for a in batches:
+        out[row:row + a.shape[0], :a.shape[1]] = a
+        row += a.shape[0]
+    return out

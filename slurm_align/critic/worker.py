@@ -1,0 +1,128 @@
+"""What every critic rank does for a command: the collective forward / update / save.
+
+Rows of a batch are split over data-parallel ranks; all ranks of one model-parallel replica
+see the same rows. Results come back to rank 0 through one MPI gather from the ranks that
+hold them (last pipeline stage, TP rank 0).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from slurm_align.critic.channel import Command
+from slurm_align.critic.loss import clipped_value_loss_sum
+from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
+from slurm_align.models.forward import forward_values, last_token_values, run_schedule
+from slurm_align.models.weights import full_state_dict
+
+
+def save_atomic_torch(obj: Any, path: Path) -> Path:
+    """torch.save to a temp file, fsync, rename, fsync the folder: durable and all-or-nothing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+class CriticWorker:
+    def __init__(self, swap: ModelSwap, pctx: Any, comm, *, lr: float, value_clip: float,
+                 checkpoint_dir: Path):
+        self.swap, self.pctx, self.comm = swap, pctx, comm
+        self.value_clip = value_clip
+        self.checkpoint_dir = checkpoint_dir
+        params = [p for c in swap.models[VALUE] for p in c.parameters()]
+        self.optimizer = torch.optim.AdamW(params, lr=lr)
+        self.holds_result = pctx.is_last_stage and pctx.tp_rank == 0
+
+    def execute(self, cmd: Command) -> Any:
+        """Run `cmd` (collective over the component); rank 0 gets the result, others None."""
+        return getattr(self, f"_{cmd.kind}")(**cmd.data)
+
+    def _rows(self, n: int) -> slice:
+        bounds = np.linspace(0, n, self.pctx.dp_size + 1).round().astype(int)
+        return slice(int(bounds[self.pctx.dp_rank]), int(bounds[self.pctx.dp_rank + 1]))
+
+    def _gather_rows(self, part: Any) -> list | None:
+        parts = self.comm.gather((self.pctx.dp_rank, part) if self.holds_result else None, root=0)
+        if parts is None:
+            return None
+        return [p for _, p in sorted((p for p in parts if p is not None), key=lambda x: x[0])]
+
+    def _shutdown(self) -> None:
+        return None
+
+    @torch.no_grad()
+    def _infer(self, tokens: np.ndarray, lengths: np.ndarray):
+        rows = self._rows(tokens.shape[0])
+        tok = torch.from_numpy(tokens[rows])
+        out = {}
+        if tok.shape[0]:
+            for name in self.swap.order_for_infer():
+                chunks = self.swap.use(name)
+                for c in chunks:
+                    c.eval()
+                out[name] = forward_values(chunks, self.pctx, tok)
+        part = None
+        if self.holds_result and tok.shape[0]:
+            rewards = last_token_values(out[REWARD], torch.from_numpy(lengths[rows]))
+            part = (out[VALUE].numpy().astype(np.float32), rewards.numpy().astype(np.float32))
+        parts = self._gather_rows(part)
+        if parts is None:
+            return None
+        parts = [p for p in parts if p is not None]
+        return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+    def _train(self, tokens, lengths, returns, prev_values, mask) -> float | None:
+        chunks = self.swap.use(VALUE)
+        for c in chunks:
+            c.train()
+        rows = self._rows(tokens.shape[0])
+        total = float(mask.sum())  # global count: DP parts add up to the batch's masked mean
+        mb = {"tokens": torch.from_numpy(tokens[rows]), "returns": torch.from_numpy(returns[rows]),
+              "prev": torch.from_numpy(prev_values[rows]), "mask": torch.from_numpy(mask[rows])}
+
+        def loss_fn(values, mb):
+            loss = clipped_value_loss_sum(values.float(), mb["prev"], mb["returns"], mb["mask"],
+                                          self.value_clip) / total
+            return loss, {"loss": loss.detach()}
+
+        self.optimizer.zero_grad(set_to_none=False)
+        local = torch.zeros(1)
+        if mb["tokens"].shape[0]:
+            infos = run_schedule(chunks, [mb], loss_fn, forward_only=False)
+            if infos:
+                local += infos[0]["loss"]
+        if self.pctx.dp_size > 1:
+            for p in self.optimizer.param_groups[0]["params"]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad, group=self.pctx.dp_group)
+        self.optimizer.step()
+        parts = self._gather_rows(float(local))
+        return None if parts is None else float(sum(parts))
+
+    def _save(self, path: str) -> str | None:
+        target = Path(path)
+        if not target.is_absolute():
+            target = self.checkpoint_dir / target
+        full = full_state_dict(self.swap.use(VALUE), self.pctx, to_all=False)
+        written = None
+        if self.comm.Get_rank() == 0:
+            written = str(save_atomic_torch(full, target))
+        self.comm.Barrier()  # every rank returns only once the file is durable
+        return written
