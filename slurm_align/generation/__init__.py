@@ -1,1 +1,31 @@
-"""generation"""
+"""Generation engines behind one protocol (base.Engine), refitted in place from training.
+
+- torch_engine.KVCacheEngine: the default (CPU or GPU), batched KV-cache decoding;
+- naive_engine.NaiveEngine: the recompute-everything ablation baseline;
+- trtllm_engine.TrtllmEngine: TensorRT-LLM on GPUs (extra `trtllm`, imported only when used).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from slurm_align.generation.base import Engine
+from slurm_align.generation.params import GenerationError, GenerationOutput, GptShape, SamplingParams
+
+__all__ = ["Engine", "GenerationError", "GenerationOutput", "GptShape", "SamplingParams", "make_engine"]
+
+ENGINES = ("torch", "naive", "trtllm")
+
+
+def make_engine(kind: str, shape: GptShape, device: torch.device | str = "cpu", **kwargs) -> Engine:
+    """An engine by GenerationConfig.engine name; extra kwargs go to the TensorRT-LLM engine."""
+    if kind == "torch":
+        from slurm_align.generation.torch_engine import KVCacheEngine
+        return KVCacheEngine(shape, device)
+    if kind == "naive":
+        from slurm_align.generation.naive_engine import NaiveEngine
+        return NaiveEngine(shape, device)
+    if kind == "trtllm":
+        from slurm_align.generation.trtllm_engine import TrtllmEngine
+        return TrtllmEngine(shape, **kwargs)
+    raise GenerationError(f"generation engine {kind!r}: allowed {ENGINES}")
