@@ -1,0 +1,177 @@
+"""Helpers for the critic tests: a real critic server in its own process group, and
+child-process checks (reference forward, swap check) that need their own MPI/torch world.
+
+Run as a module for the child parts:
+    python -m tests.critic_support reference RUN_DIR CKPT IN.npz OUT.npz
+    python -m tests.critic_support swap-check RUN_DIR
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 100,
+              "max_seq_len": 64}
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
+             "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(REPO)}
+
+
+def free_port_triple() -> int:
+    """A port p with p, p+1, p+2 free on 127.0.0.1 (HTTP, gRPC, metrics)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            p = s.getsockname()[1]
+        if p + 2 > 65535:
+            continue
+        try:
+            for q in (p + 1, p + 2):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", q))
+            return p
+        except OSError:
+            continue
+    raise RuntimeError("no three consecutive free ports on 127.0.0.1")
+
+
+def write_run_dir(root: Path, *, port: int, critic: dict | None = None, switches: dict | None = None,
+                  request_timeout_s: float = 30.0, model: dict | None = None) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = {"algorithm": "ppo", "seed": 7, "model": model or TINY_MODEL,
+           "critic": critic or {}, "switches": switches or {},
+           "ppo": {"critic_lr": 3e-3, "value_clip": 0.2},
+           "critic_server": {"port": port, "bind_host": "127.0.0.1", "connect_timeout_s": 90,
+                             "request_timeout_s": request_timeout_s}}
+    (root / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return root
+
+
+class CriticProcess:
+    """`launchers/critic.py` (under mpirun when ranks > 1) in its own process group."""
+
+    def __init__(self, run_dir: Path, ranks: int = 1):
+        cmd = [sys.executable, str(REPO / "launchers" / "critic.py"), "--run-dir", str(run_dir)]
+        if ranks > 1:
+            cmd = ["mpirun", "--oversubscribe", "-n", str(ranks), *cmd]
+        self.log = open(run_dir / f"critic-{ranks}.log", "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **CHILD_ENV}, start_new_session=True)
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+    def stop(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            pass
+        self.log.close()
+
+    def log_text(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text(errors="replace")[-4000:]
+
+
+def run_child(*args: str, timeout: float = 120, mpi_ranks: int = 0) -> str:
+    cmd = [sys.executable, "-m", "tests.critic_support", *args]
+    if mpi_ranks:
+        cmd = ["mpirun", "--oversubscribe", "-n", str(mpi_ranks), *cmd]
+    out = subprocess.run(cmd, cwd=REPO, env={**os.environ, **CHILD_ENV}, capture_output=True, text=True,
+                         timeout=timeout)
+    if out.returncode != 0:
+        raise AssertionError(f"child {args[0]} failed ({out.returncode}):\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
+    return out.stdout
+
+
+def random_batch(rng: np.random.Generator, b: int, t: int, vocab: int = 100):
+    tokens = rng.integers(0, vocab, size=(b, t), dtype=np.int64)
+    lengths = rng.integers(1, t + 1, size=b, dtype=np.int64)
+    return tokens, lengths
+
+
+# --- child processes ------------------------------------------------------------------------
+
+def _single_rank_world(run_dir: Path):
+    import torch
+    torch.set_num_threads(1)
+    from slurm_align.config import load_run_config
+    from slurm_align.dist.bootstrap import init_distributed
+    from slurm_align.dist.layout import initialize_model_parallel
+    run = load_run_config(run_dir / "config.yaml")
+    env = init_distributed()
+    return run, env, initialize_model_parallel(env, 1, 1)
+
+
+def _reference(run_dir: str, ckpt: str, inp: str, out: str) -> None:
+    """Values from a TP=1 value model loaded from CKPT; rewards from the seeded reward model."""
+    import torch
+    from slurm_align.critic.main import build_models, load_full_weights
+    from slurm_align.models.forward import forward_values, last_token_values
+    from slurm_align.models.weights import load_full_state_dict
+
+    run, env, pctx = _single_rank_world(Path(run_dir))
+    models = build_models(run, pctx)
+    load_full_state_dict(models["value"], pctx, load_full_weights(Path(ckpt)))
+    data = np.load(inp)
+    tok = torch.from_numpy(data["tokens"])
+    values = forward_values(models["value"], pctx, tok)
+    rewards = last_token_values(forward_values(models["reward"], pctx, tok), torch.from_numpy(data["lengths"]))
+    np.savez(out, values=values.numpy(), rewards=rewards.numpy())
+
+
+def _swap_check(run_dir: str) -> None:
+    """Swapped and resident critics give identical outputs; swaps follow the planned order."""
+    from slurm_align.critic.channel import Command
+    from slurm_align.critic.main import build_models
+    from slurm_align.critic.swap import ModelSwap
+    from slurm_align.critic.worker import CriticWorker
+
+    run, env, pctx = _single_rank_world(Path(run_dir))
+    rng = np.random.default_rng(0)
+    tokens, lengths = random_batch(rng, 4, 12)
+    train = {"tokens": tokens, "lengths": lengths, "returns": rng.normal(size=(4, 12)).astype(np.float32),
+             "prev_values": np.zeros((4, 12), np.float32), "mask": np.ones((4, 12), np.float32)}
+    script = ["infer", "infer", "train", "infer", "train", "train", "infer"]
+    results = {}
+    for keep in (True, False):
+        swap = ModelSwap(build_models(run, pctx), keep_resident=keep)
+        worker = CriticWorker(swap, pctx, env.comm, lr=1e-2, value_clip=0.2, checkpoint_dir=Path(run_dir))
+        outs = []
+        for kind in script:
+            data = {"tokens": tokens, "lengths": lengths} if kind == "infer" else train
+            outs.append(worker.execute(Command(kind, data)))
+        results[keep] = (outs, swap.swaps)
+    (resident, n_res), (swapped, n_swap) = results[True], results[False]
+    assert n_res == 0, n_res
+    # Starts with value resident: infer(value,reward)=1, infer(reward,value)=1, train 0,
+    # infer 1 (ends on reward), train 1, train 0, infer 1 -> 5 swaps for 4 infers + 3 trains.
+    assert n_swap == 5, n_swap
+    for kind, a, b in zip(script, resident, swapped):
+        if kind == "infer":
+            assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]), kind
+        else:
+            assert a == b, (kind, a, b)
+    print(f"SWAP_OK swaps={n_swap}")
+
+
+if __name__ == "__main__":
+    what, *rest = sys.argv[1:]
+    {"reference": _reference, "swap-check": _swap_check}[what](*rest)
