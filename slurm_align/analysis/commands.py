@@ -16,6 +16,11 @@ from slurm_align.analysis.breakdown import Breakdown, compute_breakdown
 console = Console(stderr=True)
 
 
+def _stdout() -> Console:
+    """Tables to stdout; piped or captured output keeps whole rows instead of wrapping at 80."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
 def _breakdown_table(b: Breakdown) -> Table:
     t = Table(title=f"{b.name}: step time {b.mean_step_s:.3f} s (mean of {len(b.steps)} step(s), max over ranks)")
     t.add_column("phase")
@@ -89,7 +94,7 @@ def cmd_breakdown(args) -> int:
                 for b in bs for i, s in enumerate(b.steps) for j, p in enumerate(b.phases)]
         sys.stdout.write(_csv(rows))
     else:
-        out = Console()
+        out = _stdout()
         if len(bs) == 1:
             out.print(_breakdown_table(bs[0]))
             out.print(_idle_table(bs[0]))
@@ -139,7 +144,7 @@ def cmd_scaling(args) -> int:
     elif args.format == "csv":
         sys.stdout.write(_csv([{k: v for k, v in p.to_dict().items() if k != "phase_s"} for p in report.points]))
     else:
-        Console().print(_scaling_table(report))
+        _stdout().print(_scaling_table(report))
     if not args.no_plot:
         png = Path(args.png) if args.png else Path(args.sweep_dir) / "scaling.png"
         plot_scaling(report, png)

@@ -1,0 +1,97 @@
+"""Sweep planning (pure) and a real sweep of 1 and 2 actor nodes on the local Slurm cluster."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import matplotlib.image
+import numpy as np
+import pytest
+
+from slurm_align import REPO_ROOT
+from slurm_align.config import ConfigError, RunConfig, load_profile
+from slurm_align.slurm.sweep import critic_nodes_for, parse_nodes, plan_sweep
+from slurm_align.store.rollouts import RolloutStore
+from slurm_align.store.traces import read_traces
+
+EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"
+
+
+def test_parse_nodes_and_ratio():
+    assert parse_nodes("4,1,2") == [1, 2, 4]
+    for bad in ("", "0,1", "a,b", "2,2"):
+        with pytest.raises(ConfigError, match="--nodes"):
+            parse_nodes(bad)
+    assert [critic_nodes_for(n, "2:1") for n in (1, 2, 3, 4, 8)] == [1, 1, 2, 2, 4]
+    assert [critic_nodes_for(n, "1:1") for n in (1, 4)] == [1, 4]
+
+
+def test_plan_weak_and_strong():
+    run = RunConfig(actor={"tensor_parallel": 2}, ppo={"num_rollout_samples": 16},
+                    sweep={"actor_to_critic_nodes": "2:1"})
+    profile = load_profile("local-slurm").model_copy(deep=True)
+    profile.components["actor"].tasks_per_node = 4
+    weak = plan_sweep(run, profile, [1, 2, 4], "weak")
+    assert [(p.nodes, p.critic_nodes) for p in weak] == [(1, 1), (2, 1), (4, 2)]
+    assert [p.run.actor.data_parallel for p in weak] == [2, 4, 8]   # 4 ranks/node over TP 2
+    assert [p.run.critic.data_parallel for p in weak] == [1, 1, 2]
+    assert [p.run.ppo.num_rollout_samples for p in weak] == [16, 32, 64]
+    assert [p.profile.components["actor"].nodes for p in weak] == [1, 2, 4]
+    assert [p.profile.components["critic"].nodes for p in weak] == [1, 1, 2]
+    strong = plan_sweep(run, profile, [1, 2, 4], "strong")
+    assert [p.run.ppo.num_rollout_samples for p in strong] == [16, 16, 16]
+    assert profile.components["actor"].nodes == 2  # the input profile is untouched
+    sft = plan_sweep(RunConfig(algorithm="sft", trainer={"global_batch_size": 8}), profile, [2, 4], "weak")
+    assert [p.run.trainer.global_batch_size for p in sft] == [8, 16] and sft[0].critic_nodes == 0
+
+
+def test_plan_errors_name_the_problem():
+    profile = load_profile("local-slurm")  # 1 task per node
+    with pytest.raises(ConfigError, match="actor.tensor_parallel x pipeline_parallel"):
+        plan_sweep(RunConfig(actor={"tensor_parallel": 2}), profile, [1, 2], "weak")
+    with pytest.raises(ConfigError, match="multiples of the smallest"):
+        plan_sweep(RunConfig(ppo={"num_rollout_samples": 3}), profile, [2, 3], "weak")
+    with pytest.raises(ConfigError, match="--mode"):
+        plan_sweep(RunConfig(), profile, [1], "sideways")
+    with pytest.raises(Exception, match="actor_to_critic_nodes"):
+        RunConfig(sweep={"actor_to_critic_nodes": "2-1"})
+
+
+@pytest.mark.slurm
+def test_real_sweep_on_slurm_then_scaling_report(slurm_cluster, tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "slurm_align.cli", "sweep", str(EXAMPLE), "ppo.num_steps=3",
+         "ppo.num_rollout_samples=4", "--profile", "local-slurm", "--nodes", "1,2", "--mode", "weak",
+         "--sweep-dir", str(sweep), "--entry", "trace_demo", "--poll-s", "0.5"],
+        capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    manifest = json.loads((sweep / "sweep.json").read_text())
+    assert [(p["nodes"], p["critic_nodes"], p["rollout_samples"], p["state"]) for p in manifest["points"]] == [
+        (1, 1, 4, "COMPLETED"), (2, 1, 8, "COMPLETED")]
+    assert all(p["job_id"].isdigit() for p in manifest["points"])  # real Slurm jobs
+    for nodes, samples in ((1, 4), (2, 8)):
+        run_dir = sweep / f"nodes{nodes}"
+        table = read_traces(run_dir / "traces.zarr", {"actor": nodes, "critic": 1})
+        assert table.complete, table.problems()
+        assert table.ranks == {"actor": list(range(nodes)), "critic": [0]}
+        assert sorted(set(table.spans["step"].tolist())) == [0, 1, 2]
+        store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
+        assert store.steps.tolist() == [0, 1, 2] and store.num_samples == 3 * samples
+    out = subprocess.run([sys.executable, "-m", "slurm_align.cli", "analyze", "scaling", str(sweep),
+                          "--format", "json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    p1, p2 = report["points"]
+    assert p1["efficiency"] == pytest.approx(1.0)
+    # Weak scaling of a workload whose per-rank work is constant: near-ideal, not 2x off.
+    assert 0.5 < p2["efficiency"] < 1.5
+    assert p2["samples_per_s"] > p1["samples_per_s"]
+    assert p1["tokens_per_s"] > 0 and set(p1["phase_s"]) >= {"generate", "train", "critic_train", "idle"}
+    img = matplotlib.image.imread(sweep / "scaling.png")
+    assert img.shape[0] > 100 and len(np.unique(img.reshape(-1, img.shape[-1]), axis=0)) > 10
+    table = subprocess.run([sys.executable, "-m", "slurm_align.cli", "analyze", "scaling", str(sweep), "--no-plot"],
+                           capture_output=True, text=True, timeout=120)
+    assert table.returncode == 0 and "samples/s" in table.stdout
