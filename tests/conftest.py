@@ -48,11 +48,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # --- the real Slurm test cluster (tests/cluster) -------------------------------
 @pytest.fixture(scope="session")
-def slurm_cluster() -> Iterator[LocalSlurmCluster]:
+def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[LocalSlurmCluster]:
     """munged + slurmctld + 4 slurmd (n1..n4, partition `debug`) on this host, for the session.
 
     Sets SLURM_CONF in os.environ, so sbatch/srun/squeue just work; stopped (jobs cancelled
-    first, daemons by PID) at session end, even when tests fail.
+    first, daemons by PID) at session end, even when tests fail; its logs are kept then.
     """
     if not slurm_installed():
         reason = "Slurm is not installed (slurmctld/slurmd/sinfo): run bash .ci/setup.sh"
@@ -75,4 +75,7 @@ def slurm_cluster() -> Iterator[LocalSlurmCluster]:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = previous
-        cluster.remove()
+        if request.session.testsfailed:
+            print(f"\n[slurm_cluster] tests failed: daemon logs kept in {cluster.log_dir}")
+        else:
+            cluster.remove()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import LocalSlurmCluster, slurm_installed
+from tests.cluster import ClusterError, LocalSlurmCluster, slurm_installed
 from tests.cluster.procs import alive, find_processes
 
 pytestmark = [
@@ -63,3 +63,11 @@ def test_attach_reads_back_a_running_cluster(tmp_path: Path) -> None:
         LocalSlurmCluster.attach(cluster.workdir).stop()
     assert not alive(cluster.pids["slurmctld"])
     assert LocalSlurmCluster.attach(cluster.workdir).pids == {}  # the state file says stopped
+
+
+def test_failed_start_names_the_cause_and_leaves_nothing_running(tmp_path: Path) -> None:
+    cluster = LocalSlurmCluster(tmp_path / "c", n_nodes=1, real_memory_mb=-5)
+    with pytest.raises(ClusterError, match=r"(?s)exited during start-up.*RealMemory value \(-5\)"):
+        cluster.start(timeout=20)
+    assert find_processes("slurmctld", f"SLURM_CONF={cluster.conf_path}") == []
+    assert find_processes("slurmd", f"SLURM_CONF={cluster.conf_path}") == []
