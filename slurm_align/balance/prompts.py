@@ -19,7 +19,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
 
-PROMPT_WAIT = "prompt_wait"  # phase name, as in slurm_align/profiling/phases.py
+from slurm_align.profiling.phases import PROMPT_WAIT
+
 
 _REQ, _REPLY = 71, 72
 
