@@ -1,0 +1,167 @@
+"""Full (TP-gathered, PP-collected) weights in the shared naming, their inverse, and host swap.
+
+Naming: exactly the state_dict keys of the same model built with TP=1, PP=1 (global layer index
+in `decoder.layers.N.*`, `_extra_state` dropped), float32 on CPU.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+
+
+def layer_offset(chunk: torch.nn.Module, pctx: Any) -> int:
+    """Global index of this stage's first transformer layer (layers split evenly over PP)."""
+    return pctx.pp_rank * (chunk.config.num_layers // pctx.pp_size)
+
+
+def global_name(local: str, offset: int) -> str:
+    m = _LAYER.match(local)
+    return f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}" if m else local
+
+
+def local_tensors(chunks: list, pctx: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """(global name, this rank's shard) for every tensor of the chunks, `_extra_state` skipped."""
+    for chunk in chunks:
+        offset = layer_offset(chunk, pctx)
+        for name, t in chunk.state_dict(keep_vars=True).items():
+            if name.endswith("_extra_state") or not isinstance(t, torch.Tensor):
+                continue
+            yield global_name(name, offset), t
+
+
+def _tp_partition_dim(t: torch.Tensor) -> int | None:
+    return t.partition_dim if getattr(t, "tensor_model_parallel", False) else None
+
+
+def _gather_tp(t: torch.Tensor, pctx: Any) -> torch.Tensor:
+    dim = _tp_partition_dim(t)
+    data = t.detach().float().cpu().contiguous()
+    if dim is None or pctx.tp_size == 1:
+        return data.clone()
+    parts = [torch.empty_like(data) for _ in range(pctx.tp_size)]
+    dist.all_gather(parts, data, group=pctx.tp_group)
+    return torch.cat(parts, dim=dim)
+
+
+@torch.no_grad()
+def full_state_dict(chunks: list, pctx: Any, *, to_all: bool = True) -> dict[str, torch.Tensor] | None:
+    """The model's full weights. Collective over the model-parallel group (TP all-gather along
+    each parameter's partition_dim, then the PP stages' dicts exchanged).
+
+    `to_all=True`: every rank gets the dict. `to_all=False`: only the first PP stage's ranks
+    (in particular global rank 0) get it, the rest get None (less memory on later stages).
+    Keys are ordered as in the TP=1, PP=1 model.
+    """
+    mine = {name: _gather_tp(t, pctx) for name, t in local_tensors(chunks, pctx)}
+    if pctx.pp_size == 1:
+        return mine
+    stages: list = [None] * pctx.pp_size
+    if to_all:
+        dist.all_gather_object(stages, mine, group=pctx.pp_group)
+    else:
+        dst = dist.get_global_rank(pctx.pp_group, 0)
+        dist.gather_object(mine, stages if pctx.pp_rank == 0 else None, dst=dst, group=pctx.pp_group)
+        if pctx.pp_rank != 0:
+            return None
+    full: dict[str, torch.Tensor] = {}
+    for stage in stages:  # stage order = module order of the TP=1, PP=1 model
+        full.update(stage)
+    return full
+
+
+@torch.no_grad()
+def load_full_state_dict(chunks: list, pctx: Any, full: dict[str, torch.Tensor]) -> None:
+    """Copy a full state dict into this rank's TP/PP shards (no communication). Every local
+    tensor must be present with the full shape; extra keys (other stages') are ignored."""
+    problems = []
+    for name, t in local_tensors(chunks, pctx):
+        if name not in full:
+            problems.append(f"missing key {name}")
+            continue
+        src = full[name]
+        dim = _tp_partition_dim(t)
+        if dim is not None and pctx.tp_size > 1:
+            if src.shape[dim] != t.shape[dim] * pctx.tp_size:
+                problems.append(f"{name}: full shape {tuple(src.shape)} does not split into "
+                                f"{pctx.tp_size} x {tuple(t.shape)} along dim {dim}")
+                continue
+            src = src.chunk(pctx.tp_size, dim=dim)[pctx.tp_rank]
+        if src.shape != t.shape:
+            problems.append(f"{name}: full shape {tuple(src.shape)} != local shape {tuple(t.shape)}")
+            continue
+        t.copy_(src.to(t.dtype))
+    if problems:
+        raise ValueError("load_full_state_dict: " + "; ".join(problems[:10]))
+
+
+class HostSwap:
+    """Host-memory copies of a model's parameters, allocated once (pinned when CUDA is there).
+
+    - `stash()`: model -> host; `restore()`: host -> model (the model keeps its device memory);
+    - `swap()`: exchange model and host contents in place (actor <-> reference in one model),
+      through one scratch buffer allocated once;
+    - `offload()` / `onload()`: free the model's device memory and bring it back (reward <-> value
+      on a GPU); on CPU the parameters already live in host memory, so these copy nothing.
+    """
+
+    def __init__(self, chunks: list, *, copy_now: bool = True):
+        self.params = [p for chunk in chunks for p in chunk.parameters()]
+        pin = torch.cuda.is_available()
+        self.host = [torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=pin) for p in self.params]
+        largest = max(p.numel() for p in self.params)
+        self._scratch = torch.empty(largest, dtype=self.params[0].dtype, device=self.params[0].device)
+        self.offloaded = False
+        if copy_now:
+            self.stash()
+
+    @torch.no_grad()
+    def stash(self) -> None:
+        for p, h in zip(self.params, self.host):
+            h.copy_(p.data, non_blocking=True)
+        self._sync()
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        for p, h in zip(self.params, self.host):
+            p.data.copy_(h, non_blocking=True)
+        self._sync()
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        for p, h in zip(self.params, self.host):
+            tmp = self._scratch[: p.numel()].view_as(p.data)
+            tmp.copy_(p.data)
+            p.data.copy_(h, non_blocking=True)
+            h.copy_(tmp, non_blocking=True)
+            self._sync()  # tmp is reused by the next parameter
+
+    @torch.no_grad()
+    def offload(self) -> None:
+        if self.offloaded:
+            return
+        self.stash()
+        if self.params[0].device.type != "cpu":
+            for p in self.params:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.offloaded = True
+
+    @torch.no_grad()
+    def onload(self) -> None:
+        if not self.offloaded:
+            return
+        for p, h in zip(self.params, self.host):
+            if p.data.numel() != h.numel():
+                p.data = torch.empty(h.shape, dtype=h.dtype, device=p.device)
+            p.data.copy_(h, non_blocking=True)
+        self._sync()
+        self.offloaded = False
+
+    def _sync(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()

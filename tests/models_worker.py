@@ -1,0 +1,98 @@
+"""Rank program for the model tests (run under mpirun by tests/test_models_*.py; not a test).
+
+    python tests/models_worker.py ACTION TP PP OUT_DIR
+
+Each rank joins a gloo world, sets up megatron's parallel state through slurm_align.dist when
+it exists (else directly), and runs ACTION.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import types
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+
+from slurm_align.config.run import ModelConfig  # noqa: E402
+
+MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=260, max_seq_len=32)
+
+
+def init_parallel(tp: int, pp: int):
+    """A ParallelContext: the runtime's when available, else an equivalent namespace."""
+    try:
+        from slurm_align.dist.bootstrap import init_distributed
+        from slurm_align.dist.layout import initialize_model_parallel
+    except ImportError:
+        init_distributed = None
+    if init_distributed is not None:
+        return initialize_model_parallel(init_distributed(), tp, pp)
+    from megatron.core import parallel_state as ps
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
+    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
+    port = os.environ.get("TEST_MASTER_PORT", "29533")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    ps.initialize_model_parallel(tp, pp)
+    return types.SimpleNamespace(
+        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
+        pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
+        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
+        tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
+        dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(),
+        is_first_stage=ps.is_pipeline_first_stage(), is_last_stage=ps.is_pipeline_last_stage(),
+        destroy=lambda: (ps.destroy_model_parallel(), dist.destroy_process_group()),
+    )
+
+
+def tokens() -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    return torch.randint(0, MODEL.vocab_size, (6, 20), generator=g)
+
+
+def reference(pctx, out: Path, value_head: bool):
+    """TP=1 PP=1: write full weights and the outputs they give."""
+    from slurm_align.models.forward import forward_logits, forward_values
+    from slurm_align.models.gpt import build_gpt
+    from slurm_align.models.weights import full_state_dict
+    chunks = build_gpt(MODEL, pctx, value_head=value_head, seed=11)
+    full = full_state_dict(chunks, pctx)
+    y = (forward_values(chunks, pctx, tokens()) if value_head
+         else forward_logits(chunks, pctx, tokens(), MODEL.vocab_size))
+    torch.save({"full": full, "out": y, "keys": list(chunks[0].state_dict().keys())}, out / "ref.pt")
+
+
+def check(pctx, out: Path, value_head: bool):
+    """Load the reference weights into this TP/PP layout and compare outputs and round trip."""
+    from slurm_align.models.forward import forward_logits, forward_values
+    from slurm_align.models.gpt import build_gpt
+    from slurm_align.models.weights import full_state_dict, load_full_state_dict
+    ref = torch.load(out / "ref.pt")
+    chunks = build_gpt(MODEL, pctx, value_head=value_head, seed=99)  # different init on purpose
+    load_full_state_dict(chunks, pctx, ref["full"])
+    y = (forward_values(chunks, pctx, tokens(), micro_batch_size=2, broadcast=True) if value_head
+         else forward_logits(chunks, pctx, tokens(), MODEL.vocab_size, micro_batch_size=4, broadcast=True))
+    full = full_state_dict(chunks, pctx)
+    assert list(full) == [k for k in ref["full"]], (list(full), list(ref["full"]))
+    weight_err = max((full[k] - ref["full"][k]).abs().max().item() for k in full)
+    out_err = (y - ref["out"]).abs().max().item()
+    rank = dist.get_rank()
+    (out / f"check{rank}.txt").write_text(f"out_err={out_err} weight_err={weight_err} shape={tuple(y.shape)}\n")
+
+
+def main(argv: list[str]) -> int:
+    action, tp, pp, out = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
+    pctx = init_parallel(tp, pp)
+    value_head = action.endswith("_value")
+    {"reference": reference, "check": check}[action.removesuffix("_value")](pctx, out, value_head)
+    dist.barrier()
+    pctx.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

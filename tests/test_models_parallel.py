@@ -1,0 +1,50 @@
+"""Logits/values with TP=2 and PP=2 equal TP=1 with the same weights; full-weight round trip.
+
+Real megatron-core models on real mpirun ranks (tests/models_worker.py is the rank program).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKER = Path(__file__).with_name("models_worker.py")
+ROOT = WORKER.parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mpirun(n: int, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               TEST_MASTER_PORT=str(free_port()))
+    cmd = ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, str(WORKER), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["lm", "value"])
+def test_tp2_and_pp2_match_tp1(tmp_path: Path, kind: str):
+    suffix = "" if kind == "lm" else "_value"
+    mpirun(1, "reference" + suffix, "1", "1", str(tmp_path))
+    for tp, pp in [(2, 1), (1, 2)]:
+        mpirun(2, "check" + suffix, str(tp), str(pp), str(tmp_path))
+        for rank in range(2):
+            text = (tmp_path / f"check{rank}.txt").read_text()
+            out_err = float(re.search(r"out_err=(\S+)", text).group(1))
+            weight_err = float(re.search(r"weight_err=(\S+)", text).group(1))
+            assert out_err <= 1e-5, f"TP={tp} PP={pp} rank {rank}: {text}"
+            assert weight_err == 0.0, f"full_state_dict round trip TP={tp} PP={pp}: {text}"
+            (tmp_path / f"check{rank}.txt").unlink()
