@@ -86,7 +86,8 @@ class CriticProcess:
         self.log.close()
 
     def log_text(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return Path(self.log.name).read_text(errors="replace")[-4000:]
 
 

@@ -1,0 +1,56 @@
+"""A hung or dead critic: the client errors within the bound, naming host, port and endpoint."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from slurm_align.critic.client import CriticClient, CriticError
+from tests.critic_support import CriticProcess, free_port_triple, random_batch, write_run_dir
+
+REQUEST_TIMEOUT_S = 4.0
+
+
+def test_hung_then_killed_critic_gives_clear_errors_within_bound(tmp_path):
+    port = free_port_triple()
+    proc = CriticProcess(write_run_dir(tmp_path, port=port, request_timeout_s=REQUEST_TIMEOUT_S))
+    client = CriticClient("127.0.0.1", port, connect_timeout_s=90, request_timeout_s=REQUEST_TIMEOUT_S)
+    try:
+        rng = np.random.default_rng(5)
+        tokens, lengths = random_batch(rng, 2, 8)
+        assert client.infer(tokens, lengths)[0].shape == (2, 8)
+
+        # Hung: the whole critic (server and tritonserver) is stopped, the socket still accepts.
+        proc.signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(CriticError, match=rf"critic at 127.0.0.1:{port}, endpoint critic_infer: "
+                                               r"request failed after .* \(request_timeout_s=4\)"):
+            client.infer(tokens, lengths)
+        assert time.monotonic() - t0 < REQUEST_TIMEOUT_S + 3
+        proc.signal(signal.SIGCONT)
+        assert client.infer(tokens, lengths)[0].shape == (2, 8)  # it recovers once resumed
+
+        # Dead mid-run: kill it with futures in flight; each returns or fails clearly, in time.
+        big = [random_batch(rng, 16, 48) for _ in range(16)]
+        futures = [client.infer_async(t, ln) for t, ln in big]
+        futures[0].result(timeout=60)
+        proc.signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        errors = []
+        for f in futures[1:]:
+            try:
+                f.result(timeout=REQUEST_TIMEOUT_S + 5)
+            except CriticError as e:
+                errors.append(str(e))
+        assert time.monotonic() - t0 < REQUEST_TIMEOUT_S + 5
+        with pytest.raises(CriticError, match=rf"critic at 127.0.0.1:{port}, endpoint critic_train"):
+            z = np.zeros((2, 8), np.float32)
+            client.train(tokens, lengths, z, z, z + 1)
+        assert errors, "no in-flight request saw the kill"
+        assert all(f"critic at 127.0.0.1:{port}, endpoint critic_infer" in e for e in errors), errors
+    finally:
+        client.close()
+        proc.stop()
