@@ -34,11 +34,15 @@ def refit_from_training(engine: Engine, chunks: list, pctx: Any, *, refold: bool
     Call it on every rank with the same `refold`; generate inside the returned layout (its
     dp_rank/dp_size say which share of the prompts this rank serves).
     """
-    from slurm_align.models.weights import full_state_dict
+    from slurm_align.models.weights import full_state_dict, local_tensors
 
     t0 = time.perf_counter()
     with pctx.generation_layout(refold) as layout:
-        weights = full_state_dict(chunks, pctx, to_all=True)
+        if pctx.tp_size == 1 and pctx.pp_size == 1:
+            # Nothing to gather: the engine copies straight from the parameters (no extra clone).
+            weights = {name: t.detach() for name, t in local_tensors(chunks, pctx)}
+        else:
+            weights = full_state_dict(chunks, pctx, to_all=True)
         t1 = time.perf_counter()
         engine.refit(weights)
         t2 = time.perf_counter()

@@ -1,0 +1,166 @@
+"""Generation engines side by side on workload W1, in one run.
+
+W1: GPT 4 layers, hidden 256, 4 heads, vocab 512; 32 prompts x 64 tokens, 128 new tokens,
+plain sampling (temperature 1, no top-k/top-p, no EOS), 2 threads.
+
+- tokens/s: KV-cache torch engine vs the naive recompute engine vs HF transformers'
+  GPT-2 `generate(use_cache=True)` of the same shape (random init, nothing downloaded).
+  The naive engine is too slow to run in full: its cost per step is measured at 5 sequence
+  lengths over the range it would see (64..191) and summed over the 128 steps (interpolated).
+- refit (full_state_dict from the training model + in-place engine.refit) vs one training step
+  (forward + backward + AdamW on a 32 x 192 batch) of the same megatron-core model.
+
+    .venv/bin/python benchmarks/bench_generation.py       (needs the `bench` extra: transformers)
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+import warnings  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+THREADS = 2
+LAYERS, HIDDEN, HEADS, VOCAB = 4, 256, 4, 512
+N_PROMPTS, PROMPT_LEN, NEW = 32, 64, 128
+TRAIN_BATCH, TRAIN_SEQ = 32, 192
+
+
+def timed(fn, repeat: int = 1) -> float:
+    """Best wall time of `repeat` runs."""
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def build_training_model():
+    from slurm_align.config.run import ModelConfig
+    from slurm_align.dist.bootstrap import init_distributed
+    from slurm_align.dist.layout import initialize_model_parallel
+    from slurm_align.models.gpt import build_gpt
+
+    cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
+                      vocab_size=VOCAB, max_seq_len=256)
+    pctx = initialize_model_parallel(init_distributed(), 1, 1)
+    return cfg, pctx, build_gpt(cfg, pctx, seed=5)
+
+
+def train_step_seconds(chunks) -> float:
+    from slurm_align.models.forward import model_inputs
+
+    model = chunks[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, VOCAB, (TRAIN_BATCH, TRAIN_SEQ), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        logits = model(**model_inputs(tokens))
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                                 tokens[:, 1:].reshape(-1))
+        loss.backward()
+        opt.step()
+
+    step()  # warm-up (optimizer state allocation)
+    return timed(step, repeat=2)
+
+
+def hf_tokens_per_s(prompts: torch.Tensor) -> float:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=256,
+                     activation_function="gelu", bos_token_id=None, eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(cfg).eval()
+    mask = torch.ones_like(prompts)
+
+    def run(n_new):
+        with torch.inference_mode():
+            out = model.generate(prompts, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
+                                 temperature=1.0, max_new_tokens=n_new, min_new_tokens=n_new,
+                                 use_cache=True, pad_token_id=0)
+        assert out.shape[1] == PROMPT_LEN + n_new
+
+    run(4)
+    return N_PROMPTS * NEW / timed(lambda: run(NEW), repeat=1)
+
+
+def naive_estimate_seconds(naive, shape, params_cls) -> tuple[float, list[tuple[int, float]]]:
+    """Estimated seconds for the full W1 naive run: per-step cost at sampled lengths, summed."""
+    lengths = [64, 96, 128, 160, 191]
+    g = torch.Generator().manual_seed(1)
+    points = []
+    for n in lengths:
+        prm = [torch.randint(0, VOCAB, (n,), generator=g) for _ in range(N_PROMPTS)]
+        params = params_cls(max_new_tokens=1, temperature=1.0)
+        points.append((n, timed(lambda: naive.generate(prm, params), repeat=2)))
+    xs = torch.tensor([p[0] for p in points], dtype=torch.float64)
+    ys = torch.tensor([p[1] for p in points], dtype=torch.float64)
+    total = 0.0
+    for n in range(PROMPT_LEN, PROMPT_LEN + NEW):
+        j = min(int(torch.searchsorted(xs, torch.tensor(float(n)), right=True)), len(xs) - 1)
+        j = max(j, 1)
+        w = (n - xs[j - 1]) / (xs[j] - xs[j - 1])
+        total += float(ys[j - 1] + w * (ys[j] - ys[j - 1]))
+    return total, points
+
+
+def main() -> None:
+    torch.set_num_threads(THREADS)
+    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores (others' work slows every engine)")
+    from slurm_align.generation import GptShape, SamplingParams, make_engine
+    from slurm_align.generation.refit import refit_from_training
+    from slurm_align.models.weights import full_state_dict
+
+    cfg, pctx, chunks = build_training_model()
+    shape = GptShape.from_model_config(cfg)
+    engine, naive = make_engine("torch", shape), make_engine("naive", shape)
+    weights = full_state_dict(chunks, pctx)
+    engine.refit(weights)  # first refit: builds
+    naive.refit(weights)
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, VOCAB, (N_PROMPTS, PROMPT_LEN), generator=g)
+    prompt_list = list(prompts)
+    params = SamplingParams(max_new_tokens=NEW, temperature=1.0)
+    seeds = list(range(N_PROMPTS))
+
+    engine.generate(prompt_list, SamplingParams(max_new_tokens=8), seeds)  # warm-up
+    t_engine = timed(lambda: engine.generate(prompt_list, params, seeds), repeat=3)
+    engine_tps = N_PROMPTS * NEW / t_engine
+    print(f"torch KV-cache engine: {t_engine:.3f} s  {engine_tps:,.0f} tokens/s")
+
+    hf_tps = hf_tokens_per_s(prompts)
+    print(f"HF GPT-2 generate(use_cache=True): {hf_tps:,.0f} tokens/s")
+
+    t_naive, points = naive_estimate_seconds(naive, shape, SamplingParams)
+    naive_tps = N_PROMPTS * NEW / t_naive
+    print("naive engine: per-step seconds at length " +
+          ", ".join(f"{n}: {s:.3f}" for n, s in points))
+    print(f"naive engine (EXTRAPOLATED from those {len(points)} step timings over the 128 steps, "
+          f"not run in full): {t_naive:.2f} s  {naive_tps:,.0f} tokens/s")
+
+    t_refit = timed(lambda: refit_from_training(engine, chunks, pctx, refold=True), repeat=3)
+    t_step = train_step_seconds(chunks)
+    print(f"refit (gather + in-place copy): {t_refit * 1e3:.2f} ms; training step "
+          f"({TRAIN_BATCH}x{TRAIN_SEQ}, fwd+bwd+AdamW): {t_step * 1e3:.0f} ms")
+
+    e_hf, e_naive, r_step = engine_tps / hf_tps, engine_tps / naive_tps, t_refit / t_step
+    print(f"engine/HF = {e_hf:.2f}x (target >= 1.5)  engine/naive = {e_naive:.1f}x (target >= 10)  "
+          f"refit/step = {100 * r_step:.2f}% (target <= 2%)")
+    pctx.destroy()
+    print(f"load average after: {os.getloadavg()[0]:.1f}")
+    print(f"threads={THREADS} engine_tok_s={engine_tps:.0f} hf_tok_s={hf_tps:.0f} naive_tok_s={naive_tps:.0f} "
+          f"naive_extrapolated=1 refit_s={t_refit:.5f} step_s={t_step:.4f} engine_over_hf={e_hf:.3f} "
+          f"engine_over_naive={e_naive:.2f} refit_over_step={r_step:.5f}")
+
+
+if __name__ == "__main__":
+    main()
