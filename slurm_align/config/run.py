@@ -173,6 +173,11 @@ class TrainerConfig(StrictModel):
     """Checkpoint every K steps (0: only at the end)."""
     eval_interval: int = Field(0, ge=0)
     """Evaluate on val_path every K steps (0: only at the end)."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Samples (pairs for rm/dpo) per micro-batch on each DP rank; the step's per-rank share
+    global_batch_size / data_parallel is split into micro-batches of this size."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the global gradient norm to this (0: no clipping)."""
 
 
 class CriticServerConfig(StrictModel):
