@@ -38,7 +38,26 @@ class DistEnv:
     _store: Any = field(default=None, repr=False, compare=False)
 
 
+def _check_slurm_step_has_pmi() -> None:
+    """Before MPI_Init: a multi-task srun step without a PMI makes OpenMPI abort obscurely."""
+    env = os.environ
+    ntasks = env.get("SLURM_STEP_NUM_TASKS", "1")
+    if "SLURM_STEP_ID" not in env or not ntasks.isdigit() or int(ntasks) < 2:
+        return
+    if any(k in env for k in ("PMIX_RANK", "PMI_RANK", "PMI_FD", "OMPI_COMM_WORLD_SIZE")):
+        return
+    raise BootstrapError(
+        f"this srun step has {ntasks} tasks but no PMI to join them into one MPI world "
+        "(no PMIX_RANK/PMI_RANK in the environment): launch with `srun --mpi=pmix` "
+        "(pmi2 does not work with this OpenMPI), or set MpiDefault=pmix in slurm.conf"
+    )
+
+
 def _import_mpi():
+    import sys
+
+    if "mpi4py.MPI" not in sys.modules:
+        _check_slurm_step_has_pmi()
     try:
         from mpi4py import MPI
     except ImportError as exc:  # mpi4py missing, or libmpi not loadable
@@ -76,7 +95,8 @@ def _check_world_size(size: int, given_comm: bool) -> None:
 
 
 def _local_address(multi_node: bool) -> str:
-    """An address of this host the other ranks can reach: loopback if they all live here."""
+    """An address of this host the other ranks can reach: loopback if they all live here,
+    else the first non-loopback address this host's name resolves to."""
     if not multi_node:
         return "127.0.0.1"
     host = socket.gethostname()
@@ -153,7 +173,10 @@ def init_distributed(comm: Any = None, backend: str | None = None, timeout_s: fl
     leader_ranks = sorted(r for r in leaders if r is not None)
     node_rank = leader_ranks.index(local.bcast(rank, root=0))
     local.Free()
-    node = MPI.Get_processor_name()
+    node = os.environ.get("SLURMD_NODENAME") or MPI.Get_processor_name()
+    # Loopback is enough when every rank runs on this very host (same kernel hostname), even
+    # if MPI sees several nodes (several slurmd on one machine).
+    one_host = len(set(comm.allgather(socket.gethostname()))) == 1
 
     # Rank 0 decides backend, address and port; any error travels with the broadcast.
     listener = None
@@ -162,7 +185,7 @@ def init_distributed(comm: Any = None, backend: str | None = None, timeout_s: fl
         try:
             decision["backend"] = _default_backend(backend)
             env_addr = os.environ.get("MASTER_ADDR")
-            addr = env_addr or _local_address(multi_node=len(leader_ranks) > 1)
+            addr = env_addr or _local_address(multi_node=not one_host)
             port_s = os.environ.get("MASTER_PORT", "0")
             if not port_s.isdigit() or int(port_s) > 65535:
                 raise BootstrapError(f"MASTER_PORT={port_s!r} is not a port number (0..65535)")
