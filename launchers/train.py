@@ -1,0 +1,10 @@
+"""Entry of every rank of an sft / rm / dpo job: python launchers/train.py --run-dir RUN_DIR"""
+
+import argparse
+
+if __name__ == "__main__":  # the checkpoint writer re-imports __main__ (spawn): keep this guard
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--run-dir", required=True)
+    args = ap.parse_args()
+    from slurm_align.algorithms.train_main import main
+    main(args.run_dir)

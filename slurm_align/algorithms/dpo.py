@@ -1,0 +1,69 @@
+"""DPO: -log sigmoid(beta * ((log pi(c) - log ref(c)) - (log pi(r) - log ref(r)))).
+
+The frozen reference is the initial policy, kept in host memory by HostSwap and swapped into
+the same model for its forward pass (no second model on the device).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from slurm_align.algorithms.losses import sequence_logprobs
+from slurm_align.data.datasets import PreferenceDataset
+from slurm_align.models.forward import run_schedule
+from slurm_align.models.weights import HostSwap
+
+
+class DPO:
+    name = "dpo"
+    value_head = False
+    pairs = True
+
+    def __init__(self, run):
+        self.vocab_size = run.model.vocab_size
+        self.beta = run.trainer.dpo_beta
+        self.reference: HostSwap | None = None
+
+    def dataset(self, path, tok, max_len):
+        return PreferenceDataset(path, tok, max_len)
+
+    def local_norm(self, microbatches) -> float:
+        return float(sum(mb["tokens"].shape[0] // 2 for mb in microbatches))
+
+    def setup(self, trainer) -> None:
+        # Called after the init checkpoint is loaded and before any resume: the reference is
+        # the initial policy.
+        self.reference = HostSwap(trainer.chunks)
+
+    @torch.no_grad()
+    def prepare(self, trainer, microbatches) -> None:
+        """Reference log-probs of every micro-batch (last stage), computed with the reference
+        weights swapped in."""
+        def ref_loss(output, mb):
+            return output.new_zeros(()), {"ref": sequence_logprobs(output, mb["tokens"], mb["mask"], self.vocab_size)}
+        self.reference.swap()
+        try:
+            infos = run_schedule(trainer.chunks, microbatches, ref_loss, forward_only=True)
+        finally:
+            self.reference.swap()
+        for mb, info in zip(microbatches, infos):
+            mb["ref"] = info["ref"]
+
+    def loss(self, output, mb):
+        pol = sequence_logprobs(output, mb["tokens"], mb["mask"], self.vocab_size)
+        ref = mb["ref"].to(pol.device)
+        pc, pr = pol.chunk(2)
+        rc, rr = ref.chunk(2)
+        margin = self.beta * ((pc - rc) - (pr - rr))
+        loss_sum = -F.logsigmoid(margin).sum()
+        return loss_sum / mb["norm"], {
+            "loss_sum": loss_sum.detach(), "margin_sum": margin.detach().sum(),
+            "correct": (margin > 0).sum().float(), "pairs": torch.tensor(float(margin.numel())),
+            "chosen_reward_sum": (self.beta * (pc - rc)).detach().sum()}
+
+    @staticmethod
+    def metrics(s: dict) -> dict:
+        n = s["pairs"].clamp(min=1)
+        return {"loss": float(s["loss_sum"] / n), "reward_margin": float(s["margin_sum"] / n),
+                "accuracy": float(s["correct"] / n), "chosen_reward": float(s["chosen_reward_sum"] / n)}

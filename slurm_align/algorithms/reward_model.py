@@ -1,0 +1,46 @@
+"""Reward model: Bradley-Terry on (chosen, rejected); the reward is the value head at each
+sequence's last token."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from slurm_align.data.datasets import PreferenceDataset
+from slurm_align.models.forward import last_token_values
+
+
+class RewardModel:
+    name = "rm"
+    value_head = True
+    pairs = True
+
+    def __init__(self, run):
+        pass
+
+    def dataset(self, path, tok, max_len):
+        return PreferenceDataset(path, tok, max_len)
+
+    def local_norm(self, microbatches) -> float:
+        return float(sum(mb["tokens"].shape[0] // 2 for mb in microbatches))  # pairs
+
+    def setup(self, trainer) -> None:
+        pass
+
+    def prepare(self, trainer, microbatches) -> None:
+        pass
+
+    def loss(self, output, mb):
+        rewards = last_token_values(output, mb["lengths"])
+        rc, rr = rewards.chunk(2)
+        diff = rc - rr
+        loss_sum = -F.logsigmoid(diff).sum()
+        return loss_sum / mb["norm"], {
+            "loss_sum": loss_sum.detach(), "correct": (diff > 0).sum().float(),
+            "pairs": torch.tensor(float(diff.numel())), "margin_sum": diff.detach().sum()}
+
+    @staticmethod
+    def metrics(s: dict) -> dict:
+        n = s["pairs"].clamp(min=1)
+        return {"loss": float(s["loss_sum"] / n), "accuracy": float(s["correct"] / n),
+                "reward_margin": float(s["margin_sum"] / n)}

@@ -1,0 +1,37 @@
+"""What each rank of an sft / rm / dpo job runs: `main(run_dir)`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from slurm_align.config import load_run_config
+
+ALGORITHMS = {"sft": "slurm_align.algorithms.sft:SFT",
+              "rm": "slurm_align.algorithms.reward_model:RewardModel",
+              "dpo": "slurm_align.algorithms.dpo:DPO"}
+
+
+def algorithm_for(run):
+    import importlib
+    if run.algorithm not in ALGORITHMS:
+        raise ValueError(f"train_main runs {', '.join(ALGORITHMS)}; config says algorithm={run.algorithm!r}")
+    module, cls = ALGORITHMS[run.algorithm].split(":")
+    return getattr(importlib.import_module(module), cls)(run)
+
+
+def main(run_dir: str | Path) -> dict:
+    from slurm_align.algorithms.trainer import Trainer
+    from slurm_align.dist.bootstrap import init_distributed
+    from slurm_align.dist.layout import initialize_model_parallel
+
+    run_dir = Path(run_dir)
+    run = load_run_config(run_dir / "config.yaml")
+    torch.set_num_threads(1)
+    env = init_distributed()
+    pctx = initialize_model_parallel(env, run.actor.tensor_parallel, run.actor.pipeline_parallel)
+    try:
+        return Trainer(run, pctx, run_dir, algorithm_for(run)).fit()
+    finally:
+        pctx.destroy()

@@ -1,0 +1,203 @@
+"""The training loop shared by SFT, reward-model and DPO training.
+
+Per step: this DP rank's share of the global batch (a pure function of the step, so resume is
+exact), split into micro-batches padded to one length; megatron's schedule runs forward/backward
+over TP/PP; gradients are summed over the DP group (losses are pre-normalised by the global
+count); global-norm clipping; AdamW. Metrics are reduced to every rank; rank 0 prints them and
+appends them to RUN_DIR/metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from slurm_align.config.errors import ConfigError
+from slurm_align.config.run import RunConfig
+from slurm_align.data.datasets import DataOrder, pad
+from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_weights, save_checkpoint
+from slurm_align.models.forward import run_schedule
+from slurm_align.models.gpt import build_gpt
+from slurm_align.models.tokenizer import build_tokenizer
+from slurm_align.rundir import RunDir
+
+
+def make_microbatches(ds, indices: list[int], micro: int) -> list[dict]:
+    """Micro-batches of `micro` samples, all padded to the longest sequence of the step (the
+    pipeline's p2p buffers need one shape per step)."""
+    mbs = [ds.batch(indices[i : i + micro]) for i in range(0, len(indices), micro)]
+    length = max(mb["tokens"].shape[1] for mb in mbs)
+    for mb in mbs:
+        extra = length - mb["tokens"].shape[1]
+        if extra:
+            mb["tokens"] = torch.cat([mb["tokens"], mb["tokens"].new_full((mb["tokens"].shape[0], extra), ds.pad_id)], 1)
+            mb["mask"] = torch.cat([mb["mask"], mb["mask"].new_zeros((mb["mask"].shape[0], extra))], 1)
+    return mbs
+
+
+class Trainer:
+    def __init__(self, run: RunConfig, pctx: Any, run_dir: Path, algo, *, console: Console | None = None):
+        self.run, self.pctx, self.algo = run, pctx, algo
+        self.run_dir = Path(run_dir)
+        self.rank = dist.get_rank()
+        self.console = console or Console(stderr=True)
+        tc = run.trainer
+        if tc.global_batch_size % pctx.dp_size:
+            raise ConfigError.at("trainer.global_batch_size", tc.global_batch_size,
+                                 f"must be a multiple of data_parallel={pctx.dp_size}")
+        if run.data.train_path is None:
+            raise ConfigError.at("data.train_path", None, f"{algo.name} needs a JSONL training file")
+        tok = build_tokenizer(run.model)
+        self.train_ds = algo.dataset(run.data.train_path, tok, run.model.max_seq_len)
+        self.val_ds = algo.dataset(run.data.val_path, tok, run.model.max_seq_len) if run.data.val_path else None
+        self.chunks = build_gpt(run.model, pctx, value_head=algo.value_head, seed=run.seed)
+        if run.model.init_checkpoint:
+            load_weights(run.model.init_checkpoint, self.chunks)
+        algo.setup(self)
+        self.params = [p for c in self.chunks for p in c.parameters()]
+        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
+        self.order = DataOrder(len(self.train_ds), tc.global_batch_size, run.seed)
+        self.ckpt_root = RunDir(self.run_dir).checkpoints(algo.name)
+        self.step = 0
+
+    # --- one step -------------------------------------------------------------
+    def _global_norm(self, microbatches) -> float:
+        t = torch.tensor(self.algo.local_norm(microbatches), dtype=torch.float64)
+        if self.pctx.dp_size > 1:
+            dist.all_reduce(t, group=self.pctx.dp_group)
+        return max(float(t), 1.0)
+
+    def _reduce_sums(self, infos: list[dict]) -> dict:
+        """Sum the last stage's per-micro-batch sums over micro-batches, DP and PP."""
+        keys = sorted(infos[0]) if infos else None
+        obj = [keys]
+        if self.pctx.pp_size > 1:  # non-last stages learn the keys from the last stage
+            src = dist.get_global_rank(self.pctx.pp_group, self.pctx.pp_size - 1)
+            dist.broadcast_object_list(obj, src=src, group=self.pctx.pp_group)
+        keys = obj[0]
+        vec = torch.zeros(len(keys), dtype=torch.float64)
+        for info in infos:
+            vec += torch.stack([info[k].detach().double().cpu() for k in keys])
+        if self.pctx.dp_size > 1:
+            dist.all_reduce(vec, group=self.pctx.dp_group)
+        if self.pctx.pp_size > 1:
+            dist.all_reduce(vec, group=self.pctx.pp_group)
+        return dict(zip(keys, vec))
+
+    def _reduce_grads(self) -> float:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.pctx.dp_size > 1:
+            flat = torch._utils._flatten_dense_tensors([p.grad for p in self.params])
+            dist.all_reduce(flat, group=self.pctx.dp_group)
+            for g, r in zip([p.grad for p in self.params],
+                            torch._utils._unflatten_dense_tensors(flat, [p.grad for p in self.params])):
+                g.copy_(r)
+        # Global grad norm over TP x PP; TP-replicated params are counted once (tp rank 0).
+        sq = torch.zeros((), dtype=torch.float64)
+        for p in self.params:
+            if getattr(p, "tensor_model_parallel", False) or self.pctx.tp_rank == 0:
+                sq += p.grad.double().pow(2).sum()
+        if self.pctx.tp_size * self.pctx.pp_size > 1:
+            dist.all_reduce(sq, group=self.pctx.mp_group)
+        norm = math.sqrt(float(sq))
+        clip = self.run.trainer.grad_clip
+        if clip and norm > clip:
+            for p in self.params:
+                p.grad.mul_(clip / (norm + 1e-6))
+        return norm
+
+    def train_step(self, step: int) -> dict:
+        for c in self.chunks:
+            c.train()
+        idx = self.order.rank_indices(step, self.pctx.dp_rank, self.pctx.dp_size)
+        mbs = make_microbatches(self.train_ds, idx, self.run.trainer.micro_batch_size)
+        norm = self._global_norm(mbs)
+        for mb in mbs:
+            mb["norm"] = norm
+        self.algo.prepare(self, mbs)
+        self.optimizer.zero_grad(set_to_none=False)
+        infos = run_schedule(self.chunks, mbs, self.algo.loss, forward_only=False)
+        grad_norm = self._reduce_grads()
+        self.optimizer.step()
+        metrics = self.algo.metrics(self._reduce_sums(infos))
+        metrics["grad_norm"] = grad_norm
+        return metrics
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        if self.val_ds is None:
+            return {}
+        for c in self.chunks:
+            c.eval()
+        n = len(self.val_ds) - len(self.val_ds) % self.pctx.dp_size
+        per = n // self.pctx.dp_size
+        idx = list(range(self.pctx.dp_rank * per, (self.pctx.dp_rank + 1) * per))
+        mbs = make_microbatches(self.val_ds, idx, self.run.trainer.micro_batch_size)
+        norm = self._global_norm(mbs)
+        for mb in mbs:
+            mb["norm"] = norm
+        self.algo.prepare(self, mbs)
+        infos = run_schedule(self.chunks, mbs, self.algo.loss, forward_only=True)
+        return {f"val_{k}": v for k, v in self.algo.metrics(self._reduce_sums(infos)).items()}
+
+    # --- the loop ---------------------------------------------------------------
+    def save(self) -> Path:
+        return save_checkpoint(self.ckpt_root, self.step, self.chunks, self.optimizer,
+                               {"consumed_samples": self.step * self.run.trainer.global_batch_size,
+                                "algorithm": self.algo.name})
+
+    def resume(self) -> bool:
+        latest = find_latest(self.ckpt_root)
+        if latest is None:
+            return False
+        common = load_checkpoint(latest, self.chunks, self.optimizer)
+        self.step = int(common["step"])
+        torch.set_rng_state(common["rng"])
+        self._print(f"resumed from {latest} at step {self.step}")
+        return True
+
+    def _print(self, text: str) -> None:
+        if self.rank == 0:
+            self.console.print(text, highlight=False)
+
+    def _log(self, record: dict) -> None:
+        if self.rank != 0:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def fit(self) -> dict:
+        tc = self.run.trainer
+        self.resume()
+        last: dict = {}
+        with Progress(TextColumn(f"[bold]{self.algo.name}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), TextColumn("{task.description}"),
+                      console=self.console, disable=self.rank != 0) as progress:
+            task = progress.add_task("", total=tc.num_steps, completed=self.step)
+            while self.step < tc.num_steps:
+                t0 = time.perf_counter()
+                metrics = self.train_step(self.step)
+                self.step += 1
+                record = {"step": self.step, **metrics, "step_time_s": time.perf_counter() - t0}
+                if tc.eval_interval and self.step % tc.eval_interval == 0 and self.step < tc.num_steps:
+                    record.update(self.evaluate())
+                if self.step == tc.num_steps:
+                    record.update(self.evaluate())
+                self._log(record)
+                progress.update(task, advance=1, description=" ".join(
+                    f"{k}={v:.4g}" for k, v in record.items() if k not in ("step", "step_time_s")))
+                if (tc.save_interval and self.step % tc.save_interval == 0) or self.step == tc.num_steps:
+                    self.save()
+                last = record
+        self._print(f"{self.algo.name} done: " + " ".join(f"{k}={v:.4g}" for k, v in last.items()))
+        return last

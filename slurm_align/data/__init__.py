@@ -1,0 +1,1 @@
+"""JSONL data formats (SFT, preferences, prompts), tokenised datasets, the synthetic task."""

@@ -1,0 +1,157 @@
+"""Sharded checkpoints through megatron-core dist_checkpointing (torch_dist backend).
+
+A checkpoint folder CHECKPOINTS/iter_<step> holds the model's sharded weights, the AdamW state
+(sharded like the parameters, so TP=2 loads with TP=1), and common state: step, consumed
+samples, RNG state. It is written atomically: every rank saves into iter_<step>.tmp, rank 0
+writes manifest.json (every file's size) last, renames the folder and fsyncs the parent. A folder
+without a manifest, or whose files do not match it, is refused with a CheckpointError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map, optim_state_to_sharding_state,
+)
+
+from slurm_align.models.cpu_compat import apply_cpu_compat
+
+MANIFEST = "manifest.json"
+_ITER = re.compile(r"^iter_(\d+)$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, truncated or does not fit the model."""
+
+
+def iter_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"iter_{step:07d}"
+
+
+def find_latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under `root` (folders without a manifest are ignored)."""
+    root = Path(root)
+    if not root.is_dir():
+        return None
+    done = [(int(m.group(1)), p) for p in root.iterdir()
+            if (m := _ITER.match(p.name)) and (p / MANIFEST).is_file()]
+    return max(done)[1] if done else None
+
+
+def _sharded_state(chunks: list, optimizer: torch.optim.Optimizer | None) -> dict:
+    model_sd = chunks[0].sharded_state_dict()
+    state: dict[str, Any] = {"model": model_sd}
+    if optimizer is not None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        id_map = get_param_id_to_sharded_param_map(model_sd, params)
+        osd = optimizer.state_dict()
+        optim_state_to_sharding_state(osd, id_map, exclude_keys=("step",))
+        state["optimizer"] = osd
+    return state
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """AdamW creates its state lazily; loading needs the tensors to exist."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p not in optimizer.state or not optimizer.state[p]:
+                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                      "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common: dict) -> Path:
+    """Collective over all ranks. `common` (step, data position, ...) must be the same on every
+    rank; torch's RNG state of rank 0 is added."""
+    apply_cpu_compat()
+    final = iter_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died mid-save
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state = _sharded_state(chunks, optimizer)
+    state["common"] = {**common, "step": step, "rng": torch.get_rng_state()}
+    dist_checkpointing.save(state, str(tmp))
+    dist.barrier()
+    if rank == 0:
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+        with open(tmp / MANIFEST, "w") as f:
+            json.dump({"step": step, "files": files}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    dist.barrier()
+    return final
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """The manifest, after checking every file it lists is there with its recorded size."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not (path / MANIFEST).is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST} (the save did not finish); "
+                              "delete it or resume from an earlier iter_* folder")
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt ({e})") from None
+    for name, size in manifest["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path} is incomplete: file {name} is missing")
+        if f.stat().st_size != size:
+            raise CheckpointError(f"checkpoint {path} is truncated or modified: {name} has "
+                                  f"{f.stat().st_size} bytes, the manifest says {size}")
+    return manifest
+
+
+def load_checkpoint(path: str | Path, chunks: list, optimizer=None) -> dict:
+    """Load weights (and optimizer state if given) into this rank's shards, whatever TP/PP the
+    checkpoint was saved with. Collective. Returns the common state (step, rng, ...)."""
+    apply_cpu_compat()
+    path = Path(path)
+    verify_checkpoint(path)
+    if optimizer is not None:
+        init_optimizer_state(optimizer)
+    state = _sharded_state(chunks, optimizer)
+    state["common"] = {}
+    try:
+        loaded = dist_checkpointing.load(state, str(path))
+    except Exception as e:  # torch_dist reports damage as assorted exception types
+        raise CheckpointError(f"checkpoint {path} could not be loaded into this model "
+                              f"({type(e).__name__}: {e})") from e
+    chunks[0].load_state_dict(loaded["model"], strict=False)
+    common = loaded["common"]
+    if optimizer is not None:
+        osd = loaded["optimizer"]
+        for pstate in osd["state"].values():
+            pstate["step"] = torch.tensor(float(common["step"]))
+        optimizer.load_state_dict(osd)
+    return common
+
+
+def load_weights(path: str | Path, chunks: list) -> dict:
+    """Model weights only (an init_checkpoint: SFT result for the policy, RM for the critic)."""
+    return load_checkpoint(path, chunks, optimizer=None)
