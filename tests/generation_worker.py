@@ -89,6 +89,9 @@ def main(tp: int, pp: int, out_dir: Path) -> None:
     g_out, n_out = engine.generate(prm, greedy), naive.generate(prm, greedy)
     s_out, ns_out = engine.generate(prm, sampled, seeds), naive.generate(prm, sampled, seeds)
     ref_lp, ref_arg = responses_logprobs(chunks, pctx, prm, g_out)
+    if env.rank == 0 and pp == 1:
+        from slurm_align.models.weights import full_state_dict
+        torch.save(full_state_dict(chunks, pctx), out_dir / "full_state_dict.pt")
     torch.save({
         "greedy": g_out.response_tokens, "greedy_lp": g_out.logprobs, "greedy_len": g_out.response_lengths,
         "naive": n_out.response_tokens, "naive_lp": n_out.logprobs,
