@@ -153,3 +153,17 @@ def test_offload_moves_training_state_and_frees_engine():
     assert not eng.weights.loaded
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
     opt.step()  # optimizer state still usable
+
+
+def test_engine_from_run_config_follows_the_switch():
+    from slurm_align.config.run import RunConfig
+    from slurm_align.generation import engine_from_config
+    from slurm_align.generation.naive_engine import NaiveEngine
+    from slurm_align.generation.torch_engine import KVCacheEngine
+
+    cfg = RunConfig()
+    assert isinstance(engine_from_config(cfg), KVCacheEngine)
+    off = cfg.model_copy(update={"switches": cfg.switches.model_copy(update={"kv_cache_engine": False})})
+    assert isinstance(engine_from_config(off), NaiveEngine)
+    with pytest.raises(GenerationError, match="allowed"):
+        make_engine("vllm", SHAPE)

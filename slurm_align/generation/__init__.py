@@ -12,7 +12,8 @@ import torch
 from slurm_align.generation.base import Engine
 from slurm_align.generation.params import GenerationError, GenerationOutput, GptShape, SamplingParams
 
-__all__ = ["Engine", "GenerationError", "GenerationOutput", "GptShape", "SamplingParams", "make_engine"]
+__all__ = ["Engine", "GenerationError", "GenerationOutput", "GptShape", "SamplingParams", "make_engine",
+           "engine_from_config"]
 
 ENGINES = ("torch", "naive", "trtllm")
 
@@ -29,3 +30,11 @@ def make_engine(kind: str, shape: GptShape, device: torch.device | str = "cpu", 
         from slurm_align.generation.trtllm_engine import TrtllmEngine
         return TrtllmEngine(shape, **kwargs)
     raise GenerationError(f"generation engine {kind!r}: allowed {ENGINES}")
+
+
+def engine_from_config(run_cfg, device: torch.device | str = "cpu", **kwargs) -> Engine:
+    """The policy's generation engine for a RunConfig: generation.engine, except that the
+    switch `switches.kv_cache_engine: false` selects the naive baseline (the ablation)."""
+    kind = run_cfg.generation.engine if run_cfg.switches.kv_cache_engine else "naive"
+    return make_engine(kind, GptShape.from_model_config(run_cfg.model), device, **kwargs)
+
