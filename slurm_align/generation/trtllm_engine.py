@@ -90,6 +90,7 @@ class TrtllmEngine:
     def _build(self, weights: dict[str, torch.Tensor]) -> None:
         trtllm = import_tensorrt_llm()
         from tensorrt_llm import BuildConfig, Mapping
+        from tensorrt_llm._utils import torch_to_numpy
         from tensorrt_llm.models import GPTConfig, GPTForCausalLM
         from tensorrt_llm.runtime import ModelRunner
 
@@ -103,7 +104,7 @@ class TrtllmEngine:
             mapping=Mapping(world_size=self.tp_size, rank=self.tp_rank, tp_size=self.tp_size, pp_size=1),
         )
         model = GPTForCausalLM(config)
-        model.load({k: v.cpu() for k, v in weights.items()})
+        model.load({k: torch_to_numpy(v.cpu()) for k, v in weights.items()})
         build_config = BuildConfig(
             max_batch_size=self.max_batch_size, max_input_len=self.max_input_len,
             max_seq_len=s.max_seq_len, max_beam_width=1, use_refit=True,
