@@ -7,8 +7,9 @@ plain sampling (temperature 1, no top-k/top-p, no EOS), 2 threads.
   GPT-2 `generate(use_cache=True)` of the same shape (random init, nothing downloaded).
   The naive engine is too slow to run in full: its cost per step is measured at 5 sequence
   lengths over the range it would see (64..191) and summed over the 128 steps (interpolated).
-- refit (full_state_dict from the training model + in-place engine.refit) vs one training step
-  (forward + backward + AdamW on a 32 x 192 batch) of the same megatron-core model.
+- refit (refit_from_training: weights from the training model, copied in place into the engine)
+  vs one training step (forward + backward + AdamW on a 32 x 192 batch) of the same
+  megatron-core model; also the general path's cost (full_state_dict gather + refit), shown apart.
 
     .venv/bin/python benchmarks/bench_generation.py       (needs the `bench` extra: transformers)
 """
@@ -148,9 +149,11 @@ def main() -> None:
           f"not run in full): {t_naive:.2f} s  {naive_tps:,.0f} tokens/s")
 
     t_refit = timed(lambda: refit_from_training(engine, chunks, pctx, refold=True), repeat=3)
+    t_general = timed(lambda: engine.refit(full_state_dict(chunks, pctx)), repeat=3)
     t_step = train_step_seconds(chunks)
     print(f"refit (gather + in-place copy): {t_refit * 1e3:.2f} ms; training step "
-          f"({TRAIN_BATCH}x{TRAIN_SEQ}, fwd+bwd+AdamW): {t_step * 1e3:.0f} ms")
+          f"({TRAIN_BATCH}x{TRAIN_SEQ}, fwd+bwd+AdamW): {t_step * 1e3:.0f} ms; general path "
+          f"(full_state_dict + refit): {t_general * 1e3:.2f} ms = {100 * t_general / t_step:.2f}% of a step")
 
     e_hf, e_naive, r_step = engine_tps / hf_tps, engine_tps / naive_tps, t_refit / t_step
     print(f"engine/HF = {e_hf:.2f}x (target >= 1.5)  engine/naive = {e_naive:.1f}x (target >= 10)  "
@@ -158,7 +161,7 @@ def main() -> None:
     pctx.destroy()
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     print(f"threads={THREADS} engine_tok_s={engine_tps:.0f} hf_tok_s={hf_tps:.0f} naive_tok_s={naive_tps:.0f} "
-          f"naive_extrapolated=1 refit_s={t_refit:.5f} step_s={t_step:.4f} engine_over_hf={e_hf:.3f} "
+          f"naive_extrapolated=1 refit_s={t_refit:.5f} refit_general_s={t_general:.5f} step_s={t_step:.4f} engine_over_hf={e_hf:.3f} "
           f"engine_over_naive={e_naive:.2f} refit_over_step={r_step:.5f}")
 
 
