@@ -49,13 +49,13 @@ class _Timed:
         self.on_wait, self.tracer, self.step = on_wait, tracer, step
         self.wait_times: list[float] = []
 
-    def call(self, fn: Callable[[], np.ndarray]) -> np.ndarray:
+    def call(self, fn: Callable[..., np.ndarray], *args: Any) -> np.ndarray:
         t0 = time.perf_counter()
-        if self.tracer is not None:
-            with self.tracer.span(PROMPT_WAIT, self.step):
-                out = fn()
+        if self.tracer is None:
+            out = fn(*args)
         else:
-            out = fn()
+            with self.tracer.span(PROMPT_WAIT, self.step):
+                out = fn(*args)
         dt = time.perf_counter() - t0
         self.wait_times.append(dt)
         if self.on_wait is not None:
@@ -103,7 +103,8 @@ class PromptServer:
         self._lock = threading.Lock()
         self._cursor = 0
         self._finished = 0  # requesters told "empty" (or said goodbye)
-        self.served_by_source: dict[int, int] = {}  # root only: indices handed to each rank
+        self._buf: np.ndarray | None = None  # worker's reusable reply buffer (no prefetch)
+        self._msg = self._status = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         if self._rank == root:
@@ -125,12 +126,10 @@ class PromptServer:
             self._cursor += len(chunk)
             if len(chunk) == 0:
                 self._finished += 1
-            self.served_by_source[source] = self.served_by_source.get(source, 0) + len(chunk)
             return chunk
 
     def _done(self) -> bool:
-        with self._lock:
-            return self._finished >= self._n_requesters
+        return self._finished >= self._n_requesters  # an int read: atomic, no lock needed
 
     def _serve_guarded(self) -> None:
         try:
@@ -141,57 +140,128 @@ class PromptServer:
     def _serve(self) -> None:
         from mpi4py import MPI
 
-        comm, status = self._comm, MPI.Status()
+        # Hot loop: everything looked up once (Python overhead is most of a request's cost).
+        comm, status, lock, order = self._comm, MPI.Status(), self._lock, self._order
+        recv, send, source, any_src = comm.Recv, comm.Send, status.Get_source, MPI.ANY_SOURCE
         req = np.zeros(1, dtype=np.int64)
-        idle_since, pause = time.perf_counter(), 0.0
-        while not self._done():
-            if comm.Iprobe(MPI.ANY_SOURCE, _REQ, status):
-                src = status.Get_source()
-                comm.Recv([req, MPI.INT64_T], src, _REQ)
-                n = int(req[0])
-                chunk = self._take(src, n)
-                if n > 0:
-                    comm.Send([chunk, MPI.INT64_T], src, _REPLY)
-                idle_since, pause = time.perf_counter(), 0.0
-            elif time.perf_counter() - idle_since > 2e-3:
-                # Idle: back off so the thread does not burn the root's core between bursts.
-                pause = min(max(pause * 2, 2e-5), 5e-4)
-                time.sleep(pause)
+        while self._finished < self._n_requesters:
+            # Blocking receive (GIL released): answers as soon as the thread is scheduled.
+            recv(req, any_src, _REQ, status)
+            n = int(req[0])
+            if n > 0:
+                with lock:
+                    start = self._cursor
+                    self._cursor = stop = min(start + n, len(order))
+                    if stop == start:
+                        self._finished += 1
+                send(order[start:stop], source(), _REPLY)
+            elif n == 0:  # goodbye
+                with lock:
+                    self._finished += 1
+            # n < 0: wake-up from the root's own worker, only to re-check the loop condition.
+
+    def _wake_if_done(self) -> None:
+        """The root's worker finished last: the server thread still waits in Recv; wake it."""
+        from mpi4py import MPI
+
+        if self._done():
+            self._comm.Send([np.full(1, -1, dtype=np.int64), MPI.INT64_T], self._root, _REQ)
 
     # -- worker side -----------------------------------------------------------------------
-    def _request(self, n: int) -> np.ndarray:
+    def _post(self, n: int) -> tuple:
+        """Send a request for n prompts; returns the pending reply (root: already answered)."""
         from mpi4py import MPI
 
         if self._rank == self._root:
-            return self._take(self._rank, n).copy()
-        self._comm.Send([np.array([n], dtype=np.int64), MPI.INT64_T], self._root, _REQ)
-        buf, status = np.empty(n, dtype=np.int64), MPI.Status()
-        self._comm.Recv([buf, MPI.INT64_T], self._root, _REPLY, status)
+            chunk = self._take(self._rank, n).copy()
+            if len(chunk) == 0:
+                self._wake_if_done()
+            return (chunk,)
+        msg = np.array([n], dtype=np.int64)
+        buf = np.empty(n, dtype=np.int64)
+        sreq = self._comm.Isend([msg, MPI.INT64_T], self._root, _REQ)
+        rreq = self._comm.Irecv([buf, MPI.INT64_T], self._root, _REPLY)
+        return (None, msg, buf, sreq, rreq)
+
+    def _request(self, n: int) -> np.ndarray:
+        """One blocking round trip (no prefetch); buffers reused, the reply copied out."""
+        from mpi4py import MPI
+
+        if self._rank == self._root:
+            return self._post(n)[0]
+        if self._buf is None or len(self._buf) != n:
+            self._buf, self._status = np.empty(n, dtype=np.int64), MPI.Status()
+            self._msg = np.array([n], dtype=np.int64)
+        self._comm.Send(self._msg, self._root, _REQ)
+        self._comm.Recv(self._buf, self._root, _REPLY, self._status)
+        return self._buf[: self._status.Get_count(MPI.INT64_T)].copy()
+
+    def _wait(self, pending: tuple | int) -> np.ndarray:
+        from mpi4py import MPI
+
+        if pending.__class__ is int:  # no prefetch: one blocking round trip
+            return self._request(pending)
+        if pending[0] is not None:
+            return pending[0]
+        _, _msg, buf, sreq, rreq = pending
+        status = MPI.Status()
+        rreq.Wait(status)
+        sreq.Wait()
         return buf[: status.Get_count(MPI.INT64_T)]
 
-    def batches(self, batch_size: int) -> Iterator[np.ndarray]:
-        """Yield batches of indices until the server is empty (requesters only, once)."""
+    def batches(self, batch_size: int, *, prefetch: bool = True) -> Iterator[np.ndarray]:
+        """Yield batches of indices until the server is empty (requesters only, once).
+
+        prefetch: keep one request in flight while the caller works on the current batch, so
+        the round trip hides behind the work (at most one extra batch held per worker).
+        On the root the iteration ends only once every worker has drained the server.
+        """
         _check_batch_size(batch_size)
         if not self._requester:
             raise RuntimeError("batches() called on a rank built with requester=False")
-        got_empty = False
+        n = int(batch_size)
+        # `pending` is a request in flight (prefetch) or just the size of the next request.
+        pending: tuple | int | None = self._post(n) if prefetch else n
+        exhausted = False
+        timed, wait = self._timed, self._wait
         try:
             while True:
-                chunk = self._timed.call(lambda: self._request(int(batch_size)))
+                chunk = timed.call(wait, pending)
+                pending = None
                 if len(chunk) == 0:
-                    got_empty = True
+                    exhausted = True
+                    self._join_server()
                     return
+                if prefetch:
+                    pending = self._post(n)
                 yield chunk
+                if pending is None:
+                    pending = n
         finally:
-            if not got_empty:  # stopped early: tell the server so it can finish
+            # Stopped early: drain the reply in flight; unless it was the "empty", say goodbye
+            # so the server does not wait for this worker.
+            if isinstance(pending, int):
+                pending = None  # nothing in flight
+            if not exhausted and (pending is None or len(self._wait(pending)) > 0):
                 self._say_goodbye()
             self._requester = False
+
+    def _join_server(self) -> None:
+        """Root: wait (asleep, not in MPI) until every worker has drained the server.
+
+        Otherwise the root's main thread would go on into MPI collectives that spin beside the
+        server thread, and OpenMPI's progress lock makes the two starve each other.
+        """
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
     def _say_goodbye(self) -> None:
         from mpi4py import MPI
 
         if self._rank == self._root:
             self._take(self._rank, 0)
+            self._wake_if_done()
         else:
             self._comm.Send([np.zeros(1, dtype=np.int64), MPI.INT64_T], self._root, _REQ)
 
@@ -200,9 +270,7 @@ class PromptServer:
         if self._requester:  # never iterated: still counts as a requester the server waits for
             self._say_goodbye()
             self._requester = False
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._join_server()
         self._comm.Barrier()
         self._comm.Free()
         if self._error is not None:
