@@ -31,7 +31,8 @@ def test_infer_equals_local_forward_and_save_load_reproduces(critic):
     client, run_dir, _ = critic
     rng = np.random.default_rng(1)
     tokens, lengths = random_batch(rng, 5, 17)
-    values, rewards = client.infer(tokens, lengths)
+    values, rewards, compute_ms = client.infer(tokens, lengths, timing=True)
+    assert compute_ms > 0
     assert values.shape == (5, 17) and values.dtype == np.float32
     assert rewards.shape == (5,) and rewards.dtype == np.float32
     written = client.save("test_ckpt.pt")

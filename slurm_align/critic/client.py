@@ -135,13 +135,17 @@ class CriticClient:
         return {n: res.as_numpy(n) for n in outputs}
 
     # -- requests --------------------------------------------------------------------------
-    def infer_async(self, tokens: np.ndarray, lengths: np.ndarray) -> "Future[tuple[np.ndarray, np.ndarray]]":
-        """Values float32 [B,T] per token and rewards float32 [B] per sequence."""
+    def infer_async(self, tokens: np.ndarray, lengths: np.ndarray, *, timing: bool = False) -> Future:
+        """Values float32 [B,T] per token and rewards float32 [B] per sequence; with `timing`,
+        also the critic's compute time in ms (queueing and transport excluded)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         lengths = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1, 1)
 
         def run():
-            out = self._call(P.INFER, {"tokens": tokens, "lengths": lengths}, ["values", "rewards"])
+            out = self._call(P.INFER, {"tokens": tokens, "lengths": lengths},
+                             ["values", "rewards", "compute_ms"])
+            if timing:
+                return out["values"], out["rewards"].reshape(-1), float(out["compute_ms"].reshape(-1)[0])
             return out["values"], out["rewards"].reshape(-1)
         return self._pool.submit(run)
 
@@ -154,8 +158,8 @@ class CriticClient:
                   "returns": f32(returns), "prev_values": f32(prev_values), "mask": f32(mask)}
         return self._pool.submit(lambda: float(self._call(P.TRAIN, inputs, ["loss"])["loss"][0]))
 
-    def infer(self, tokens, lengths):
-        return self.infer_async(tokens, lengths).result()
+    def infer(self, tokens, lengths, *, timing: bool = False):
+        return self.infer_async(tokens, lengths, timing=timing).result()
 
     def train(self, *args) -> float:
         return self.train_async(*args).result()

@@ -4,7 +4,8 @@ Both sides import this module, so a change of layout is made in one place.
 
     critic_infer    tokens int64 [B,T] (right-padded), lengths int64 [B] (sent as [B,1]:
                     dynamic batching prepends the batch axis to every input)
-                    -> values float32 [B,T] (per token), rewards float32 [B] (per sequence)
+                    -> values float32 [B,T] (per token), rewards float32 [B] (per sequence),
+                       compute_ms float32 [B] (the critic's time on the merged batch, for traces)
     critic_train    tokens int64 [B,T], lengths int64 [B], returns float32 [B,T],
                     prev_values float32 [B,T], mask float32 [B,T] -> loss float32 [1]
     critic_save     path bytes [1] -> path bytes [1], returned once the checkpoint is durable

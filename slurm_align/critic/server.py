@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import queue
 import sysconfig
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -95,7 +96,8 @@ class CriticServer:
                     inputs=[Tensor(name="tokens", dtype=i64, shape=(-1,)),
                             Tensor(name="lengths", dtype=i64, shape=(1,))],
                     outputs=[Tensor(name="values", dtype=f32, shape=(-1,)),
-                             Tensor(name="rewards", dtype=f32, shape=(1,))],
+                             Tensor(name="rewards", dtype=f32, shape=(1,)),
+                             Tensor(name="compute_ms", dtype=f32, shape=(1,))],
                     config=ModelConfig(max_batch_size=lim.max_batch_size, batcher=DynamicBatcher(
                         max_queue_delay_microseconds=lim.max_queue_delay_us)),
                     strict=True)
@@ -123,13 +125,16 @@ class CriticServer:
             lengths.append(P.validate_tokens(P.INFER, r["tokens"], r["lengths"],
                                              max_seq_len=lim.max_seq_len, vocab_size=lim.vocab_size))
             tokens.append(r["tokens"])
+        t0 = time.perf_counter()
         values, rewards = self._submit("infer", {"tokens": P.pad_concat(tokens),
                                                  "lengths": np.concatenate(lengths)})
+        ms = np.full((1, 1), (time.perf_counter() - t0) * 1e3, dtype=np.float32)
         out, row = [], 0
         for t in tokens:
             b, s = t.shape
             out.append({"values": np.ascontiguousarray(values[row:row + b, :s], dtype=np.float32),
-                        "rewards": rewards[row:row + b].astype(np.float32).reshape(b, 1)})
+                        "rewards": rewards[row:row + b].astype(np.float32).reshape(b, 1),
+                        "compute_ms": np.repeat(ms, b, axis=0)})
             row += b
         return out
 
