@@ -1,0 +1,14 @@
+"""The actor component of a PPO run: every rank runs the PPO loop (slurm_align.algorithms.ppo).
+
+Usage (the job script does this on each rank): python launchers/actor.py --run-dir RUN_DIR
+"""
+
+import argparse
+import sys
+
+from slurm_align.algorithms.ppo import main
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
+    sys.exit(main(parser.parse_args().run_dir))
