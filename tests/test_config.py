@@ -53,6 +53,8 @@ BAD_INPUTS = [
     ("bad override syntax", dict(overrides=["model.num_layers"]), ["model.num_layers", "a.b.c=value"]),
     ("bad sbatch_extra key", dict(profile="local-slurm", profile_set=["sbatch_extra.BAD KEY=1"]),
      ["BAD KEY", "sbatch option name"]),
+    ("missing data file", dict(overrides=["data.train_path=/no/such/prompts.jsonl"]),
+     ["data.train_path", "/no/such/prompts.jsonl", "no such file"]),
     ("bad secret name", dict(profile="local-slurm", profile_set=["secret_env=['MY-KEY']"]), ["MY-KEY"]),
 ]
 

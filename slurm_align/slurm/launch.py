@@ -176,12 +176,44 @@ def _check_not_running(rd: RunDir) -> None:
                                "choose another --run-dir or cancel it first"], rd.root)
 
 
+def resolve_input_paths(run: RunConfig) -> RunConfig:
+    """Data, tokenizer and initial checkpoints as absolute paths (relative ones are taken from
+    the directory `slurm-align` runs in), each checked to exist before anything is submitted."""
+    problems, updates = [], {}
+    fields = {"data": ("train_path", "val_path"), "model": ("init_checkpoint",),
+              "critic_model": ("init_checkpoint",)}
+    for section, names in fields.items():
+        sub = getattr(run, section)
+        if sub is None:
+            continue
+        changed = {}
+        for name in names:
+            value = getattr(sub, name)
+            if value is None:
+                continue
+            path = Path(value).expanduser().resolve()
+            if not path.exists():
+                problems.append(f"field '{section}.{name}': got {str(value)!r}; no such file or directory "
+                                f"(relative paths are taken from {Path.cwd()})")
+            changed[name] = path
+        if section in ("model", "critic_model") and sub.tokenizer.path is not None:
+            tok = Path(sub.tokenizer.path).expanduser().resolve()
+            if not tok.is_file():
+                problems.append(f"field '{section}.tokenizer.path': got {str(sub.tokenizer.path)!r}; no such file")
+            changed["tokenizer"] = sub.tokenizer.model_copy(update={"path": tok})
+        if changed:
+            updates[section] = sub.model_copy(update=changed)
+    if problems:
+        raise ConfigError(problems)
+    return run.model_copy(update=updates)
+
+
 def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow: bool = False,
                entry: Entry = Entry(), console: Console | None = None) -> Job:
     """Validate, render, write the run directory and start the job. Nothing is submitted on error."""
     check_against_profile(run, profile)
     rd = RunDir(Path(run_dir).resolve())
-    run = run.model_copy(update={"run_dir": rd.root})
+    run = resolve_input_paths(run).model_copy(update={"run_dir": rd.root})
     script = render_script(run, profile, rd.root, entry)   # raises ConfigError on bad values
     _check_not_running(rd)
 
