@@ -28,8 +28,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=1024)
     p.add_argument("--ms-per-token", type=float, default=0.1, help="simulated generation time per token")
     p.add_argument("--batch-size", type=int, default=1, help="prompts per server request (dynamic)")
-    p.add_argument("--round-s", type=float, default=0.5, help="seconds per rate measurement")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved raw/server rounds (rate test)")
+    p.add_argument("--round-s", type=float, default=0.3, help="seconds per rate measurement")
+    p.add_argument("--rounds", type=int, default=9, help="interleaved raw/server rounds (rate test)")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args()
 

@@ -99,7 +99,7 @@ class PromptServer:
         self._rank = self._comm.Get_rank()
         self._requester = requester
         self._n_requesters = self._comm.allreduce(int(bool(requester)))
-        self._timed = _Timed(on_wait, tracer, step)
+        self._timed = _Timed(on_wait, tracer, 0 if step is None else step)
         self._lock = threading.Lock()
         self._cursor = 0
         self._finished = 0  # requesters told "empty" (or said goodbye)

@@ -39,7 +39,7 @@ class StaticPrompts:
         step: int | None = None,
     ):
         self.shard = static_shard(order, rank, size, strided=strided)
-        self._timed = _Timed(on_wait, tracer, step)
+        self._timed = _Timed(on_wait, tracer, 0 if step is None else step)
 
     @property
     def wait_times(self) -> list[float]:

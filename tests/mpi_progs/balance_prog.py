@@ -7,9 +7,12 @@ any failure raises, so mpirun exits non-zero. Rank 0 prints one JSON line per sc
 from __future__ import annotations
 
 import json
+import shutil
 import sys
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 from mpi4py import MPI
@@ -34,12 +37,13 @@ def check_exact(name: str, mine: list[int], dataset: np.ndarray, extra: dict | N
     return every
 
 
-def run_dynamic(name: str, n: int, batch: int, *, slow_rank: int | None = None, unit: float = 0.0, order=None):
+def run_dynamic(name: str, n: int, batch: int, *, slow_rank: int | None = None, unit: float = 0.0, order=None,
+                prefetch: bool = True):
     waits = []
     kw = {"order": order} if order is not None else {"num_prompts": n}
     with PromptServer(comm, requester=True, on_wait=waits.append, **kw) as server:
         mine = []
-        for chunk in server.batches(batch):
+        for chunk in server.batches(batch, prefetch=prefetch):
             assert 1 <= len(chunk) <= batch, (name, chunk)
             mine += chunk.tolist()
             if unit:
@@ -53,6 +57,7 @@ def main() -> None:
     run_dynamic("dynamic_37_by_4", 37, 4)  # batch size not dividing the dataset
     run_dynamic("more_workers_than_batches", 3, 2)
     run_dynamic("empty_dataset", 0, 3)
+    run_dynamic("no_prefetch_37_by_5", 37, 5, prefetch=False)
     shuffled = np.random.default_rng(0).permutation(np.repeat(np.arange(20), 2))  # duplicates in the set
     run_dynamic("shuffled_order_with_repeats", len(shuffled), 3, order=shuffled)
     # Slow worker: rank 1 (or 0 alone) takes 10x longer per prompt and must end up with fewer.
@@ -69,12 +74,40 @@ def main() -> None:
         mine = [i for c in server.batches(4) for i in c.tolist()] if requester else []
     check_exact("half_requesters", mine, np.arange(25))
 
-    # A requester that stops early says goodbye; close() must not hang.
-    with PromptServer(comm, 50) as server:
-        it = server.batches(3)
-        first = next(it, np.array([], dtype=np.int64))
-        it.close()
+    # A requester that stops early (request in flight or not) says goodbye; close() must not hang,
+    # and nothing is handed out twice.
+    for prefetch in (True, False):
+        with PromptServer(comm, 50) as server:
+            it = server.batches(3, prefetch=prefetch)
+            first = next(it, np.array([], dtype=np.int64)).tolist()
+            it.close()
+        firsts = comm.gather(first, root=0)
+        if rank == 0:
+            flat = [i for f in firsts for i in f]
+            assert len(flat) == len(set(flat)) and set(flat) <= set(range(50)), firsts
+
+    # prompt_wait spans through the real Tracer (one Zarr group per rank), one per request.
+    from slurm_align.profiling.timers import Tracer
+    from slurm_align.store.traces import read_traces
+
+    run_dir = comm.bcast(tempfile.mkdtemp(prefix="sa-balance-") if rank == 0 else None, root=0)
+    # Rank 0 opens the store first: concurrent creation of the traces.zarr root races (zarr
+    # ContainsGroupError, reported to the store's owner).
+    tracer = Tracer(run_dir, "actor", rank) if rank == 0 else None
     comm.Barrier()
+    with tracer or Tracer(run_dir, "actor", rank) as tracer:
+        with PromptServer(comm, 30, tracer=tracer, step=3) as server:
+            n_req = sum(1 for _ in server.batches(4)) + 1  # + the final "empty" answer
+    comm.Barrier()
+    if rank == 0:
+        spans = read_traces(Path(run_dir) / "traces.zarr").spans
+        per_rank = Counter(int(r) for r in spans["rank"][spans["phase"] == "prompt_wait"])
+        assert set(spans["step"].tolist()) == {3}, spans
+    counts = comm.bcast(per_rank if rank == 0 else None, root=0)
+    assert counts[rank] == n_req, (rank, counts, n_req)
+    if rank == 0:
+        shutil.rmtree(run_dir)
+        print(json.dumps({"scenario": "tracer_prompt_wait", "spans_per_rank": [counts[r] for r in range(size)]}))
 
     for strided in (False, True):
         src = StaticPrompts(23, rank, size, strided=strided)
