@@ -80,15 +80,52 @@ def check(pctx, out: Path, value_head: bool):
     assert list(full) == [k for k in ref["full"]], (list(full), list(ref["full"]))
     weight_err = max((full[k] - ref["full"][k]).abs().max().item() for k in full)
     out_err = (y - ref["out"]).abs().max().item()
+    # The same seed gives the same full weights in this layout as in the TP=1 PP=1 reference.
+    same_seed = full_state_dict(build_gpt(MODEL, pctx, value_head=value_head, seed=11), pctx)
+    init_err = max((same_seed[k] - ref["full"][k]).abs().max().item() for k in full)
     rank = dist.get_rank()
-    (out / f"check{rank}.txt").write_text(f"out_err={out_err} weight_err={weight_err} shape={tuple(y.shape)}\n")
+    (out / f"check{rank}.txt").write_text(
+        f"out_err={out_err} weight_err={weight_err} init_err={init_err} shape={tuple(y.shape)}\n")
+
+
+def ckpt_save(pctx, out: Path, value_head: bool):
+    """Save weights + AdamW state (exp_avg = 0.5 * param, a layout-free relation) under TP/PP."""
+    from slurm_align.models.checkpoint import init_optimizer_state, save_checkpoint
+    from slurm_align.models.gpt import build_gpt
+    from slurm_align.models.weights import full_state_dict
+    chunks = build_gpt(MODEL, pctx, value_head=value_head, seed=5)
+    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-3)
+    init_optimizer_state(opt)
+    for p, st in opt.state.items():
+        st["exp_avg"].copy_(0.5 * p.detach())
+    save_checkpoint(out / "ckpt", 3, chunks, opt, {"consumed_samples": 48})
+    full = full_state_dict(chunks, pctx)
+    if dist.get_rank() == 0:
+        torch.save(full, out / "saved_full.pt")
+
+
+def ckpt_load(pctx, out: Path, value_head: bool):
+    from slurm_align.models.checkpoint import find_latest, load_checkpoint
+    from slurm_align.models.gpt import build_gpt
+    from slurm_align.models.weights import full_state_dict
+    chunks = build_gpt(MODEL, pctx, value_head=value_head, seed=77)
+    opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-3)
+    common = load_checkpoint(find_latest(out / "ckpt"), chunks, opt)
+    full = full_state_dict(chunks, pctx)
+    saved = torch.load(out / "saved_full.pt")
+    weight_err = max((full[k] - saved[k]).abs().max().item() for k in saved)
+    optim_err = max((st["exp_avg"] - 0.5 * p.detach()).abs().max().item() for p, st in opt.state.items())
+    steps = {float(st["step"]) for st in opt.state.values()}
+    (out / f"load{dist.get_rank()}.txt").write_text(
+        f"weight_err={weight_err} optim_err={optim_err} step={common['step']} "
+        f"consumed={common['consumed_samples']} opt_steps={sorted(steps)}\n")
 
 
 def main(argv: list[str]) -> int:
     action, tp, pp, out = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
     pctx = init_parallel(tp, pp)
     value_head = action.endswith("_value")
-    {"reference": reference, "check": check}[action.removesuffix("_value")](pctx, out, value_head)
+    {"reference": reference, "check": check, "ckpt_save": ckpt_save, "ckpt_load": ckpt_load}[action.removesuffix("_value")](pctx, out, value_head)
     dist.barrier()
     pctx.destroy()
     return 0

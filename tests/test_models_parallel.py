@@ -30,7 +30,8 @@ def mpirun(n: int, *args: str, timeout: int = 120) -> subprocess.CompletedProces
                TEST_MASTER_PORT=str(free_port()))
     cmd = ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, str(WORKER), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 
@@ -47,4 +48,6 @@ def test_tp2_and_pp2_match_tp1(tmp_path: Path, kind: str):
             weight_err = float(re.search(r"weight_err=(\S+)", text).group(1))
             assert out_err <= 1e-5, f"TP={tp} PP={pp} rank {rank}: {text}"
             assert weight_err == 0.0, f"full_state_dict round trip TP={tp} PP={pp}: {text}"
+            init_err = float(re.search(r"init_err=(\S+)", text).group(1))
+            assert init_err == 0.0, f"same seed, different weights under TP={tp} PP={pp}: {text}"
             (tmp_path / f"check{rank}.txt").unlink()

@@ -92,7 +92,8 @@ def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, se
 
     `pctx` is a ParallelContext (slurm_align.dist.layout) or anything with tp_size, pp_size,
     is_first_stage and is_last_stage; megatron's parallel_state must already be initialised.
-    Seeding with the same `seed` on every rank gives TP ranks consistent shards.
+    Weights are drawn per tensor from (seed, global name) over the full shape, so the same
+    seed gives the same model under any TP/PP layout.
     """
     apply_cpu_compat()
     seed_model_parallel(seed)
@@ -111,6 +112,9 @@ def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, se
     )
     if cuda_present():
         model = model.cuda()
+    # Layout-independent init: the same seed gives the same full weights for any TP/PP.
+    from slurm_align.models.weights import init_weights
+    init_weights([model], pctx, seed)
     return [model]
 
 

@@ -165,3 +165,41 @@ class HostSwap:
     def _sync(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+
+
+def _init_std(name: str, std: float, num_layers: int) -> float | None:
+    """megatron's init: normal(std) for weights, std/sqrt(2L) for the layers that write into
+    the residual stream, LayerNorm to (1, 0), biases 0. None means 'not a random tensor'."""
+    if name.endswith("bias"):
+        return None
+    if "layernorm" in name:
+        return None
+    if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
+        return std / (2.0 * num_layers) ** 0.5
+    return std
+
+
+@torch.no_grad()
+def init_weights(chunks: list, pctx: Any, seed: int) -> None:
+    """Initialise every tensor from a generator seeded by (seed, global name) over its FULL
+    shape, then keep this rank's shard: the same seed gives the same model for any TP/PP."""
+    import zlib
+    for chunk in chunks:
+        std, num_layers = chunk.config.init_method_std, chunk.config.num_layers
+        for name, t in local_tensors([chunk], pctx):
+            if name.endswith("weight") and "layernorm" in name:
+                t.fill_(1.0)
+                continue
+            s = _init_std(name, std, num_layers)
+            if s is None:
+                t.zero_()
+                continue
+            dim = _tp_partition_dim(t)
+            shape = list(t.shape)
+            if dim is not None:
+                shape[dim] *= pctx.tp_size
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            full = torch.randn(shape, generator=g, dtype=torch.float32) * s
+            if dim is not None and pctx.tp_size > 1:
+                full = full.chunk(pctx.tp_size, dim=dim)[pctx.tp_rank]
+            t.copy_(full.to(t.dtype))
