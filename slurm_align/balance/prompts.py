@@ -104,7 +104,7 @@ class PromptServer:
         self._cursor = 0
         self._finished = 0  # requesters told "empty" (or said goodbye)
         self._buf: np.ndarray | None = None  # worker's reusable reply buffer (no prefetch)
-        self._msg = self._status = None
+        self._msg = self._status = self._buf_spec = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         if self._rank == root:
@@ -144,9 +144,10 @@ class PromptServer:
         comm, status, lock, order = self._comm, MPI.Status(), self._lock, self._order
         recv, send, source, any_src = comm.Recv, comm.Send, status.Get_source, MPI.ANY_SOURCE
         req = np.zeros(1, dtype=np.int64)
+        req_spec, int64 = [req, MPI.INT64_T], MPI.INT64_T
         while self._finished < self._n_requesters:
             # Blocking receive (GIL released): answers as soon as the thread is scheduled.
-            recv(req, any_src, _REQ, status)
+            recv(req_spec, any_src, _REQ, status)
             n = int(req[0])
             if n > 0:
                 with lock:
@@ -154,7 +155,7 @@ class PromptServer:
                     self._cursor = stop = min(start + n, len(order))
                     if stop == start:
                         self._finished += 1
-                send(order[start:stop], source(), _REPLY)
+                send([order[start:stop], int64], source(), _REPLY)
             elif n == 0:  # goodbye
                 with lock:
                     self._finished += 1
@@ -190,10 +191,12 @@ class PromptServer:
         if self._rank == self._root:
             return self._post(n)[0]
         if self._buf is None or len(self._buf) != n:
+            # Buffer specs built once: mpi4py parses [array, datatype] cheaper than a bare array.
             self._buf, self._status = np.empty(n, dtype=np.int64), MPI.Status()
-            self._msg = np.array([n], dtype=np.int64)
+            self._msg = [np.array([n], dtype=np.int64), MPI.INT64_T]
+            self._buf_spec = [self._buf, MPI.INT64_T]
         self._comm.Send(self._msg, self._root, _REQ)
-        self._comm.Recv(self._buf, self._root, _REPLY, self._status)
+        self._comm.Recv(self._buf_spec, self._root, _REPLY, self._status)
         return self._buf[: self._status.Get_count(MPI.INT64_T)].copy()
 
     def _wait(self, pending: tuple | int) -> np.ndarray:
