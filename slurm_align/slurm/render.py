@@ -43,11 +43,18 @@ class Entry:
 
     name: str | None = None
     extra_args: dict[str, list[str]] | None = None
+    scripts: dict[str, Path] | None = None
+    """Per component, a launcher script outside launchers/ (tests use this to inject faults)."""
 
     def launcher(self, run: RunConfig, component: str) -> str:
         if self.name:
             return self.name
         return component if run.algorithm == "ppo" else "train"
+
+    def script(self, run: RunConfig, component: str, launchers: Path) -> Path:
+        if self.scripts and component in self.scripts:
+            return Path(self.scripts[component]).resolve()
+        return launchers / f"{self.launcher(run, component)}.py"
 
     def args(self, component: str) -> list[str]:
         return list((self.extra_args or {}).get(component, []))
@@ -146,7 +153,7 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
             raise ConfigError([f"profile '{profile.name}' has no 'components.{comp}' section, "
                                f"which a '{run.algorithm}' run needs"])
         res = profile.resources(comp)
-        launcher = launchers / f"{entry.launcher(run, comp)}.py"
+        launcher = entry.script(run, comp, launchers)
         if not launcher.is_file():
             raise ConfigError.at("entry", entry.launcher(run, comp),
                                  f"no launcher {launcher}; available: "
