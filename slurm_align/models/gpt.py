@@ -84,7 +84,9 @@ class ValueGPTModel(GPTModel):
         return None
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        return super(GPTModel, self).sharded_state_dict(prefix, sharded_offsets, metadata)
+        # GPTModel/LanguageModule special-case output_layer, which this model does not have.
+        from megatron.core.transformer.module import MegatronModule
+        return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
 def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, seed: int = 1234) -> list:

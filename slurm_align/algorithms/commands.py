@@ -1,0 +1,40 @@
+"""`slurm-align train {sft,rm,dpo} CONFIG --profile NAME [--run-dir DIR] [--follow] [a.b=c ...]`
+
+Loads and validates the run config (algorithm set from the subcommand) against the profile,
+writes the resolved config into the run directory and launches it (local mpirun ranks or a
+plain Slurm job); every rank runs launchers/train.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rich.console import Console
+
+TRAIN_ALGORITHMS = {"sft": "supervised fine-tuning on {input, output} JSONL",
+                    "rm": "reward model (Bradley-Terry) on {prompt, chosen, rejected} JSONL",
+                    "dpo": "DPO against the frozen initial policy on {prompt, chosen, rejected} JSONL"}
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from slurm_align.slurm.commands import _report_final, load_inputs
+    from slurm_align.slurm.launch import launch_run
+    out, err = Console(), Console(stderr=True)
+    run, profile, run_dir = load_inputs(args, algorithm=args.algorithm)
+    job = launch_run(run, profile, run_dir)
+    out.print(f"{args.algorithm}: job [bold]{job.job_id}[/] ({job.record.backend}, profile {profile.name})")
+    out.print(f"run directory: {job.run_dir.root}  (metrics: {job.run_dir.root / 'metrics.jsonl'})")
+    if args.follow:
+        return _report_final(job, job.wait(console=err))
+    return 0
+
+
+def register(sub) -> None:
+    from slurm_align.slurm.commands import add_run_arguments
+    p = sub.add_parser("train", help="train with SFT, a reward model or DPO (one job component)")
+    algos = p.add_subparsers(dest="algorithm", required=True, metavar="ALGORITHM")
+    for name, help_text in TRAIN_ALGORITHMS.items():
+        a = algos.add_parser(name, help=help_text)
+        add_run_arguments(a)
+        a.add_argument("--follow", action="store_true", help="wait for the job and show its state")
+        a.set_defaults(func=cmd_train)
