@@ -31,6 +31,7 @@ THREADS = 2
 LAYERS, HIDDEN, HEADS, VOCAB = 4, 256, 4, 512
 N_PROMPTS, PROMPT_LEN, NEW = 32, 64, 128
 TRAIN_BATCH, TRAIN_SEQ = 32, 192
+ROUNDS = 3
 
 
 def timed(fn, repeat: int = 1) -> float:
@@ -74,23 +75,24 @@ def train_step_seconds(chunks) -> float:
     return timed(step, repeat=2)
 
 
-def hf_tokens_per_s(prompts: torch.Tensor) -> float:
+def hf_generate_fn(prompts: torch.Tensor):
+    """A closure running HF GPT-2 generate (use_cache=True) for W1, checked to make NEW tokens."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=LAYERS, n_embd=HIDDEN, n_head=HEADS, vocab_size=VOCAB, n_positions=256,
-                     activation_function="gelu", bos_token_id=None, eos_token_id=None, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                     activation_function="gelu", bos_token_id=None, eos_token_id=None, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
     model = GPT2LMHeadModel(cfg).eval()
     mask = torch.ones_like(prompts)
 
-    def run(n_new):
+    def run(n_new: int = NEW) -> None:
         with torch.inference_mode():
             out = model.generate(prompts, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0,
                                  temperature=1.0, max_new_tokens=n_new, min_new_tokens=n_new,
                                  use_cache=True, pad_token_id=0)
         assert out.shape[1] == PROMPT_LEN + n_new
 
-    run(4)
-    return N_PROMPTS * NEW / timed(lambda: run(NEW), repeat=1)
+    return run
 
 
 def naive_estimate_seconds(naive, shape, params_cls) -> tuple[float, list[tuple[int, float]]]:
@@ -133,13 +135,18 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=NEW, temperature=1.0)
     seeds = list(range(N_PROMPTS))
 
+    hf_run = hf_generate_fn(prompts)
     engine.generate(prompt_list, SamplingParams(max_new_tokens=8), seeds)  # warm-up
-    t_engine = timed(lambda: engine.generate(prompt_list, params, seeds), repeat=3)
-    engine_tps = N_PROMPTS * NEW / t_engine
+    hf_run(4)
+    # Alternate the two, best of ROUNDS each: load from other processes hits both alike.
+    t_engine = t_hf = float("inf")
+    for r in range(ROUNDS):
+        t_engine = min(t_engine, timed(lambda: engine.generate(prompt_list, params, seeds)))
+        t_hf = min(t_hf, timed(hf_run))
+        print(f"  round {r}: engine best {t_engine:.3f} s, HF best {t_hf:.3f} s", flush=True)
+    engine_tps, hf_tps = N_PROMPTS * NEW / t_engine, N_PROMPTS * NEW / t_hf
     print(f"torch KV-cache engine: {t_engine:.3f} s  {engine_tps:,.0f} tokens/s")
-
-    hf_tps = hf_tokens_per_s(prompts)
-    print(f"HF GPT-2 generate(use_cache=True): {hf_tps:,.0f} tokens/s")
+    print(f"HF GPT-2 generate(use_cache=True): {t_hf:.3f} s  {hf_tps:,.0f} tokens/s")
 
     t_naive, points = naive_estimate_seconds(naive, shape, SamplingParams)
     naive_tps = N_PROMPTS * NEW / t_naive

@@ -41,7 +41,7 @@ def counter_uniform(seeds: torch.Tensor, step: int) -> torch.Tensor:
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, then top-p (masked entries become -inf). logits [B, V] float32."""
-    x = logits / params.temperature
+    x = logits / params.temperature if params.temperature != 1.0 else logits
     if 0 < params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -58,17 +58,17 @@ def select_tokens(logits: torch.Tensor, params: SamplingParams, seeds: torch.Ten
                   vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Next tokens [B] (never >= vocab_size) and their log-probs under the raw distribution."""
     logits = logits[:, :vocab_size].float()
+    logp = torch.log_softmax(logits, -1) if params.return_logprobs else None
     if params.greedy:
         tokens = logits.argmax(-1)
     else:
-        probs = torch.softmax(filter_logits(logits, params), dim=-1)
+        plain = params.temperature == 1.0 and params.top_k == 0 and params.top_p == 1.0
+        probs = logp.exp() if plain and logp is not None else torch.softmax(filter_logits(logits, params), dim=-1)
         cdf = probs.cumsum(-1)
         target = counter_uniform(seeds, step).to(cdf.device) * cdf[:, -1]
         tokens = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=vocab_size - 1)
         # Rounding at the top end could land on a zero-probability tail entry: take the mode then.
         ok = probs.gather(1, tokens.unsqueeze(1)).squeeze(1) > 0
         tokens = torch.where(ok, tokens, probs.argmax(-1))
-    logprobs = None
-    if params.return_logprobs:
-        logprobs = torch.log_softmax(logits, -1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+    logprobs = logp.gather(1, tokens.unsqueeze(1)).squeeze(1) if logp is not None else None
     return tokens, logprobs

@@ -22,8 +22,21 @@ def _split_qkv(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tenso
     return x[0], x[1], x[2]
 
 
+# Below this many elements LayerNorm runs as plain tensor ops: ATen's layer_norm kernel splits
+# even a [32, 256] decode input across threads, and that barrier dominates decode on a busy
+# machine; the small ops below run on one thread (same result to ~1e-6).
+_SMALL_LN = 1 << 15
+
+
+def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.numel() > _SMALL_LN:
+        return F.layer_norm(x, x.shape[-1:], w, b, eps)
+    xc = x - x.mean(-1, keepdim=True)
+    return torch.addcmul(b, xc * torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps), w)
+
+
 def _mlp(x: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
-    h = F.layer_norm(x, x.shape[-1:], lw.ln2_w, lw.ln2_b, eps)
+    h = layer_norm(x, lw.ln2_w, lw.ln2_b, eps)
     return F.linear(F.gelu(F.linear(h, lw.fc1_w, lw.fc1_b)), lw.fc2_w, lw.fc2_b)
 
 
@@ -53,7 +66,7 @@ def forward_full(w: GptWeights, tokens: torch.Tensor, positions: torch.Tensor, k
     mask = attention_mask(key_valid)
     t = tokens.shape[1]
     for i, lw in enumerate(w.layers):
-        h = F.layer_norm(x, x.shape[-1:], lw.ln1_w, lw.ln1_b, s.layernorm_epsilon)
+        h = layer_norm(x, lw.ln1_w, lw.ln1_b, s.layernorm_epsilon)
         q, k, v = _split_qkv(F.linear(h, lw.qkv_w, lw.qkv_b), s.num_attention_heads)
         if kv_out is not None:
             kv_out[i, 0, :, :, :t].copy_(k)
@@ -63,8 +76,8 @@ def forward_full(w: GptWeights, tokens: torch.Tensor, positions: torch.Tensor, k
         x = x + _mlp(x, lw, s.layernorm_epsilon)
     if last_only:
         x = x[:, -1]
-    x = F.layer_norm(x, x.shape[-1:], w["decoder.final_layernorm.weight"],
-                     w["decoder.final_layernorm.bias"], s.layernorm_epsilon)
+    x = layer_norm(x, w["decoder.final_layernorm.weight"], w["decoder.final_layernorm.bias"],
+                   s.layernorm_epsilon)
     return F.linear(x, w["output_layer.weight"])
 
 
@@ -78,7 +91,7 @@ def decode_step(w: GptWeights, kv: torch.Tensor, tokens: torch.Tensor, positions
          F.embedding(positions, w["embedding.position_embeddings.weight"])).unsqueeze(1)
     bias = key_bias[..., : slot + 1]
     for i, lw in enumerate(w.layers):
-        h = F.layer_norm(x, x.shape[-1:], lw.ln1_w, lw.ln1_b, s.layernorm_epsilon)
+        h = layer_norm(x, lw.ln1_w, lw.ln1_b, s.layernorm_epsilon)
         q, k, v = _split_qkv(F.linear(h, lw.qkv_w, lw.qkv_b), s.num_attention_heads)
         kv[i, 0, :, :, slot: slot + 1].copy_(k)
         kv[i, 1, :, :, slot: slot + 1].copy_(v)
@@ -86,6 +99,6 @@ def decode_step(w: GptWeights, kv: torch.Tensor, tokens: torch.Tensor, positions
                                            attn_mask=bias)
         x = x + F.linear(a.transpose(1, 2).reshape(x.shape), lw.proj_w, lw.proj_b)
         x = x + _mlp(x, lw, s.layernorm_epsilon)
-    x = F.layer_norm(x[:, 0], x.shape[-1:], w["decoder.final_layernorm.weight"],
-                     w["decoder.final_layernorm.bias"], s.layernorm_epsilon)
+    x = layer_norm(x[:, 0], w["decoder.final_layernorm.weight"], w["decoder.final_layernorm.bias"],
+                   s.layernorm_epsilon)
     return F.linear(x, w["output_layer.weight"])
