@@ -121,11 +121,49 @@ def ckpt_load(pctx, out: Path, value_head: bool):
         f"consumed={common['consumed_samples']} opt_steps={sorted(steps)}\n")
 
 
+def greedy_score(pctx, out: Path, value_head: bool):
+    """Greedy responses of the SFT_tiny-shaped model in OUT/ckpt_path.txt (or its seed init when
+    the file says 'init') to synthetic prompts, scored by the task's own scorer."""
+    from slurm_align.config.run import ModelConfig
+    from slurm_align.data.synthetic import score
+    from slurm_align.data.jsonl import read_jsonl
+    from slurm_align.models.checkpoint import load_weights
+    from slurm_align.models.forward import forward_logits
+    from slurm_align.models.gpt import build_gpt
+    from slurm_align.models.tokenizer import ByteTokenizer
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=260, max_seq_len=32)
+    chunks = build_gpt(cfg, pctx, seed=1234)
+    src = (out / "ckpt_path.txt").read_text().strip()
+    if src != "init":
+        load_weights(src, chunks)
+    tok = ByteTokenizer()
+    prompts = [r["prompt"] for r in read_jsonl(Path(__file__).parent.parent / "examples/synthetic/prompts.jsonl",
+                                               ("prompt",), "prompt")[:32]]
+    seqs = [[tok.bos_id] + tok.encode(p) for p in prompts]
+    done = [False] * len(seqs)
+    for _ in range(9):
+        length = max(map(len, seqs))
+        batch = torch.full((len(seqs), length), tok.pad_id)
+        for i, s in enumerate(seqs):
+            batch[i, : len(s)] = torch.tensor(s)
+        logits = forward_logits(chunks, pctx, batch, cfg.vocab_size)
+        for i, s in enumerate(seqs):
+            if not done[i]:
+                nxt = int(logits[i, len(s) - 1].argmax())
+                done[i] = nxt == tok.eos_id
+                if not done[i]:
+                    s.append(nxt)
+    responses = [tok.decode(s[1 + len(tok.encode(p)):]) for s, p in zip(seqs, prompts)]
+    mean = sum(map(score, responses)) / len(responses)
+    (out / "score.txt").write_text(f"score={mean} examples={responses[:4]}\n")
+
+
 def main(argv: list[str]) -> int:
     action, tp, pp, out = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
     pctx = init_parallel(tp, pp)
     value_head = action.endswith("_value")
-    {"reference": reference, "check": check, "ckpt_save": ckpt_save, "ckpt_load": ckpt_load}[action.removesuffix("_value")](pctx, out, value_head)
+    {"reference": reference, "check": check, "ckpt_save": ckpt_save, "ckpt_load": ckpt_load,
+     "greedy_score": greedy_score}[action.removesuffix("_value")](pctx, out, value_head)
     dist.barrier()
     pctx.destroy()
     return 0

@@ -1,0 +1,76 @@
+"""JSONL formats: malformed files give errors naming file, line and problem; batching."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from slurm_align.config.errors import ConfigError
+from slurm_align.data.datasets import DataOrder, PreferenceDataset, SFTDataset
+from slurm_align.data.jsonl import PREFERENCE_KEYS, SFT_KEYS, read_jsonl
+from slurm_align.data.synthetic import score
+from slurm_align.models.tokenizer import ByteTokenizer
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "synthetic"
+
+
+@pytest.mark.parametrize("content,expected", [
+    ('{"input": "a", "output": "b"}\n{"input": "a", "output": \n', r"line 2: not valid JSON"),
+    ('{"input": "a"}\n', r"line 1: missing key\(s\) \['output'\]"),
+    ('{"input": "a", "output": 3}\n', r"line 1: values must be strings: 'output' is int"),
+    ('["input", "output"]\n', r"line 1: expected a JSON object"),
+    ("\n  \n", r"SFT data file is empty"),
+])
+def test_malformed_sft_files_name_file_line_and_problem(tmp_path: Path, content: str, expected: str):
+    path = tmp_path / "bad.jsonl"
+    path.write_text(content)
+    with pytest.raises(ConfigError, match=expected) as e:
+        read_jsonl(path, SFT_KEYS, "SFT")
+    assert str(path) in str(e.value)
+
+
+def test_missing_file_and_several_problems_reported_together(tmp_path: Path):
+    with pytest.raises(ConfigError, match="preference data file not found"):
+        read_jsonl(tmp_path / "nope.jsonl", PREFERENCE_KEYS, "preference")
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "x"}\nnot json\n{"prompt": "x", "chosen": "a", "rejected": "b"}\n')
+    with pytest.raises(ConfigError) as e:
+        read_jsonl(path, PREFERENCE_KEYS, "preference")
+    assert "2 problems" in str(e.value) and "line 1" in str(e.value) and "line 2" in str(e.value)
+
+
+def test_sft_mask_covers_response_and_eos_only(tmp_path: Path):
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps({"input": "ab=", "output": "xy"}) + "\n")
+    ds = SFTDataset(path, ByteTokenizer(), max_len=32)
+    b = ds.batch([0])
+    assert b["tokens"][0].tolist() == [256, 97, 98, 61, 120, 121, 257]
+    # position t predicts t+1: positions 3,4,5 predict 'x', 'y', EOS
+    assert b["mask"][0].tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_preference_batch_keeps_pairs_aligned():
+    ds = PreferenceDataset(EXAMPLES / "pref_val.jsonl", ByteTokenizer(), max_len=32)
+    b = ds.batch([0, 1])
+    assert b["tokens"].shape[0] == 4
+    tok = ByteTokenizer()
+    assert tok.decode(b["tokens"][0]).endswith(ds.rows[0]["chosen"])
+    assert tok.decode(b["tokens"][2]).endswith(ds.rows[0]["rejected"])
+
+
+def test_data_order_is_a_function_of_the_step():
+    a, b = DataOrder(100, 16, seed=3), DataOrder(100, 16, seed=3)
+    assert a.global_indices(9) == b.global_indices(9)   # resume needs no other state
+    first_epoch = sum((a.global_indices(s) for s in range(7)), [])[:100]
+    assert sorted(first_epoch) == list(range(100))
+    assert a.rank_indices(2, 0, 2) + a.rank_indices(2, 1, 2) == a.global_indices(2)
+
+
+def test_synthetic_scorer_and_shipped_files():
+    assert score("0123") == 1.0 and score("3210") == 0.0 and score("ab") == 0.0
+    assert 0.0 < score("1302") < 1.0
+    rows = read_jsonl(EXAMPLES / "pref_train.jsonl", PREFERENCE_KEYS, "preference")
+    assert all(score(r["chosen"]) == 1.0 for r in rows)
+    assert sum(score(r["rejected"]) for r in rows) / len(rows) < 0.7
