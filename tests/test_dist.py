@@ -20,6 +20,7 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.mpi
+@pytest.mark.slow  # 4 ranks importing megatron-core on 2 cores: 40-80 s
 def test_layout_and_refold_on_four_ranks() -> None:
     """(TP,PP,DP) in (1,1,4), (1,2,2), (2,2,1): megatron's ranks, refold mapping, groups, prompts."""
     cmd = ["mpirun", "--oversubscribe", "-n", "4", sys.executable, "-W", "ignore", "-m", "tests.mpi_progs.layout_prog"]
@@ -53,3 +54,19 @@ def test_layout_validation_names_fields() -> None:
         validate_layout(4, 1, 0)
     r = expected_ranks(5, tp=2, pp=2, world=8)  # 5 = 1 + 2*(0 + 2*1)
     assert (r.tp_rank, r.dp_rank, r.pp_rank, r.dp_size) == (1, 0, 1, 2)
+
+
+@pytest.mark.gpu
+def test_bootstrap_picks_nccl_on_gpu() -> None:
+    """On a GPU machine the default backend is NCCL and collectives run on the rank's device."""
+    code = (
+        "import torch, torch.distributed as dist\n"
+        "from slurm_align.dist.bootstrap import init_distributed, shutdown_distributed\n"
+        "env = init_distributed()\n"
+        "assert env.backend == 'nccl' and env.device == 'cuda:0', env\n"
+        "t = torch.ones(4, device=env.device); dist.all_reduce(t)\n"
+        "assert t.sum().item() == 4.0\n"
+        "shutdown_distributed(env); print('NCCL_OK')\n"
+    )
+    proc = _run([sys.executable, "-W", "ignore", "-c", code], timeout=180)
+    assert proc.returncode == 0 and "NCCL_OK" in proc.stdout, proc.stdout + proc.stderr[-4000:]

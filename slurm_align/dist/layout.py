@@ -84,6 +84,7 @@ class ParallelContext:
         self._groups = groups
         self._gen_cache: dict[bool, GenerationLayout] = {}
         self._mpi_comms: list[Any] = []
+        self._torch_groups: list[Any] = []  # groups we made ourselves (megatron frees its own)
 
     def _r(self) -> _Ranks:
         if self._ranks is None:
@@ -148,6 +149,7 @@ class ParallelContext:
             dp_group = None
             for t in range(r.tp_size):  # new_group is collective: every rank builds every group
                 g = dist.new_group(list(range(t, world, r.tp_size)))
+                self._torch_groups.append(g)
                 if t == r.tp_rank:
                     dp_group = g
             tp_group, mp_color = self._groups["tp"], self._env.rank // r.tp_size
@@ -180,9 +182,14 @@ class ParallelContext:
 
         if self._ranks is None:
             return
+        import torch.distributed as dist
+
         for c in self._mpi_comms:
             c.Free()
         self._mpi_comms.clear()
+        for g in self._torch_groups:
+            dist.destroy_process_group(g)
+        self._torch_groups.clear()
         self._gen_cache.clear()
         self._groups.clear()
         self._ranks = None
