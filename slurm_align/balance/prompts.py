@@ -223,6 +223,7 @@ class PromptServer:
         if not self._requester:
             raise RuntimeError("batches() called on a rank built with requester=False")
         n = int(batch_size)
+        prefetch = prefetch and self._rank != self._root  # the root's own takes cost no round trip
         # `pending` is a request in flight (prefetch) or just the size of the next request.
         pending: tuple | int | None = self._post(n) if prefetch else n
         exhausted = False
