@@ -85,6 +85,43 @@ class CriticProcess:
             pass
         self.log.close()
 
+    def check_alive(self) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            raise AssertionError(f"critic exited early with code {code}:\n{self.log_text()}")
+
+    def wait_ready(self, port: int, timeout: float = 120) -> None:
+        """Poll the server's health while making sure the critic has not died meanwhile."""
+        import urllib.request
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise AssertionError(f"critic not ready after {timeout} s:\n{self.log_text()}")
+
+    def run_alongside(self, cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
+        """Run a client command while watching the critic: fail at once if the critic dies."""
+        child = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, **CHILD_ENV}, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        deadline = time.monotonic() + timeout
+        try:
+            while child.poll() is None:
+                if self.proc.poll() not in (None, 0) or time.monotonic() > deadline:
+                    os.killpg(child.pid, signal.SIGKILL)
+                    out = child.communicate()[0]
+                    raise AssertionError(f"client output:\n{out[-3000:]}\ncritic log:\n{self.log_text()}")
+                time.sleep(0.25)
+        finally:
+            if child.poll() is None:
+                os.killpg(child.pid, signal.SIGKILL)
+        return subprocess.CompletedProcess(cmd, child.returncode, child.communicate()[0], "")
+
     def log_text(self) -> str:
         if not self.log.closed:
             self.log.flush()

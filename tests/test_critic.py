@@ -18,10 +18,11 @@ def critic(tmp_path_factory):
     proc = CriticProcess(run_dir)
     client = CriticClient("127.0.0.1", port, connect_timeout_s=90, request_timeout_s=60)
     try:
-        client.connect()  # retries with backoff while the server starts
-    except CriticUnavailableError:
+        proc.wait_ready(port)
+        client.connect()
+    except AssertionError:
         proc.stop()
-        raise AssertionError(f"critic did not start:\n{proc.log_text()}")
+        raise
     yield client, run_dir, proc
     client.close()
     proc.stop()

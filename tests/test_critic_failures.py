@@ -19,6 +19,7 @@ def test_hung_then_killed_critic_gives_clear_errors_within_bound(tmp_path):
     proc = CriticProcess(write_run_dir(tmp_path, port=port, request_timeout_s=REQUEST_TIMEOUT_S))
     client = CriticClient("127.0.0.1", port, connect_timeout_s=90, request_timeout_s=REQUEST_TIMEOUT_S)
     try:
+        proc.wait_ready(port)
         rng = np.random.default_rng(5)
         tokens, lengths = random_batch(rng, 2, 8)
         assert client.infer(tokens, lengths)[0].shape == (2, 8)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.critic_support import CHILD_ENV, REPO, CriticProcess, free_port_triple, run_child, write_run_dir
+from slurm_align.store.traces import read_traces
+from tests.critic_support import CriticProcess, free_port_triple, run_child, write_run_dir
 
 pytestmark = pytest.mark.mpi
 
@@ -23,10 +23,10 @@ tokens = rng.integers(0, 100, size=(5, 11)); lengths = rng.integers(1, 12, size=
 result = None
 if comm.Get_rank() == 0:  # the model-parallel source rank talks to the critic
     c = CriticClient("127.0.0.1", port, connect_timeout_s=120, request_timeout_s=60)
-    v, r = c.infer(tokens, lengths)
+    v, r = c.infer(tokens, lengths, step=0)
     mask = np.ones((5, 11), np.float32); ret = np.ones((5, 11), np.float32)
-    losses = [c.train(tokens, lengths, ret, v, mask) for _ in range(3)]
-    v2, r2 = c.infer(tokens, lengths)
+    losses = [c.train(tokens, lengths, ret, v, mask, step=i) for i in range(3)]
+    v2, r2 = c.infer(tokens, lengths, step=3)
     ckpt = c.save("mp.pt")
     result = dict(v=v, r=r, v2=v2, r2=r2, losses=losses, ckpt=ckpt)
 result = share_from_source(result, mpi_comm=comm)
@@ -46,14 +46,20 @@ def test_two_rank_critic_serves_two_rank_actor(tmp_path, layout):
     run_dir = write_run_dir(tmp_path, port=port, critic=layout)
     critic = CriticProcess(run_dir, ranks=2)
     try:
-        actor = subprocess.run(["mpirun", "--oversubscribe", "-n", "2", sys.executable, "-c", ACTOR, str(port),
-                                str(tmp_path / "actor")], cwd=REPO, env={**__import__("os").environ, **CHILD_ENV},
-                               capture_output=True, text=True, timeout=240)
-        assert actor.returncode == 0, actor.stdout[-2000:] + actor.stderr[-3000:] + critic.log_text()
+        actor = critic.run_alongside(["mpirun", "--oversubscribe", "-n", "2", sys.executable, "-c", ACTOR,
+                                      str(port), str(tmp_path / "actor")], timeout=240)
+        assert actor.returncode == 0, actor.stdout[-3000:] + critic.log_text()
         assert critic.wait(timeout=60) == 0, critic.log_text()  # both critic ranks shut down cleanly
     finally:
         critic.stop()
     assert critic.log_text().count("shut down after") == 2
+    # Every critic rank traced its work under the actor's step numbers.
+    spans = read_traces(run_dir / "traces.zarr", {"critic": 2}).spans
+    for rank in (0, 1):
+        mine = spans[spans["rank"] == rank]
+        got = sorted((int(s["step"]), str(s["phase"])) for s in mine)
+        assert got == [(0, "critic_infer"), (0, "critic_train"), (1, "critic_train"), (2, "critic_train"),
+                       (3, "critic_infer")], got
     r0, r1 = (np.load(tmp_path / f"actor.{i}.npz") for i in range(2))
     for k in ("v", "r", "v2", "losses"):  # the non-source actor rank got the same answers
         np.testing.assert_array_equal(r0[k], r1[k])

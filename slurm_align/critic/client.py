@@ -135,14 +135,18 @@ class CriticClient:
         return {n: res.as_numpy(n) for n in outputs}
 
     # -- requests --------------------------------------------------------------------------
-    def infer_async(self, tokens: np.ndarray, lengths: np.ndarray, *, timing: bool = False) -> Future:
+    def infer_async(self, tokens: np.ndarray, lengths: np.ndarray, *, timing: bool = False,
+                    step: int | None = None) -> Future:
         """Values float32 [B,T] per token and rewards float32 [B] per sequence; with `timing`,
         also the critic's compute time in ms (queueing and transport excluded)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int64)
         lengths = np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1, 1)
+        inputs = {"tokens": tokens, "lengths": lengths}
+        if step is not None:
+            inputs["step"] = np.full_like(lengths, step)
 
         def run():
-            out = self._call(P.INFER, {"tokens": tokens, "lengths": lengths},
+            out = self._call(P.INFER, inputs,
                              ["values", "rewards", "compute_ms"])
             if timing:
                 return out["values"], out["rewards"].reshape(-1), float(out["compute_ms"].reshape(-1)[0])
@@ -150,19 +154,21 @@ class CriticClient:
         return self._pool.submit(run)
 
     def train_async(self, tokens: np.ndarray, lengths: np.ndarray, returns: np.ndarray,
-                    prev_values: np.ndarray, mask: np.ndarray) -> "Future[float]":
+                    prev_values: np.ndarray, mask: np.ndarray, *, step: int | None = None) -> "Future[float]":
         """One value-model update (clipped value loss); the Future gives the loss before it."""
         f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
         inputs = {"tokens": np.ascontiguousarray(tokens, dtype=np.int64),
                   "lengths": np.ascontiguousarray(lengths, dtype=np.int64).reshape(-1),
                   "returns": f32(returns), "prev_values": f32(prev_values), "mask": f32(mask)}
+        if step is not None:
+            inputs["step"] = np.array([step], dtype=np.int64)
         return self._pool.submit(lambda: float(self._call(P.TRAIN, inputs, ["loss"])["loss"][0]))
 
-    def infer(self, tokens, lengths, *, timing: bool = False):
-        return self.infer_async(tokens, lengths, timing=timing).result()
+    def infer(self, tokens, lengths, *, timing: bool = False, step: int | None = None):
+        return self.infer_async(tokens, lengths, timing=timing, step=step).result()
 
-    def train(self, *args) -> float:
-        return self.train_async(*args).result()
+    def train(self, *args, step: int | None = None) -> float:
+        return self.train_async(*args, step=step).result()
 
     def save(self, path: str) -> str:
         """Write the value model's checkpoint; returns the path once it is durable."""

@@ -15,10 +15,12 @@ import torch
 
 from slurm_align.config import load_run_config
 from slurm_align.config.run import RunConfig
-from slurm_align.critic.channel import CommandChannel
+from slurm_align.critic.channel import Command, CommandChannel
 from slurm_align.critic.server import CriticServer, ServerLimits
 from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
 from slurm_align.critic.worker import CriticWorker
+from slurm_align.profiling import phases
+from slurm_align.profiling.timers import Tracer
 from slurm_align.rundir import RunDir
 
 
@@ -45,7 +47,29 @@ def build_models(run: RunConfig, pctx) -> dict[str, list]:
     return {VALUE: value, REWARD: reward}
 
 
-def serve(server: CriticServer, channel: CommandChannel, worker: CriticWorker) -> None:
+class TracedWorker:
+    """Runs commands with a trace span (critic_infer / critic_train) on this rank.
+
+    The span's step is the actor's PPO step when the request carried one, else the last seen."""
+
+    PHASES = {"infer": phases.CRITIC_INFER, "train": phases.CRITIC_TRAIN}
+
+    def __init__(self, worker: CriticWorker, tracer: Tracer):
+        self.worker, self.tracer, self.step = worker, tracer, 0
+
+    def execute(self, cmd: Command):
+        step = cmd.data.pop("step", None)
+        if step is not None:
+            self.step = int(step)
+        phase = self.PHASES.get(cmd.kind)
+        if phase is None:
+            self.tracer.flush()
+            return self.worker.execute(cmd)
+        with self.tracer.span(phase, self.step):
+            return self.worker.execute(cmd)
+
+
+def serve(server: CriticServer, channel: CommandChannel, worker: TracedWorker) -> None:
     """Rank 0: take commands from the HTTP endpoints one by one, broadcast, execute, answer."""
     while True:
         pending = server.next_command(timeout=1.0)
@@ -63,7 +87,7 @@ def serve(server: CriticServer, channel: CommandChannel, worker: CriticWorker) -
             return
 
 
-def follow(channel: CommandChannel, worker: CriticWorker) -> None:
+def follow(channel: CommandChannel, worker: TracedWorker) -> None:
     """Ranks > 0: execute rank 0's commands until shutdown."""
     while True:
         cmd = channel.recv()
@@ -92,6 +116,8 @@ def main(run_dir: str | Path) -> int:
     worker = CriticWorker(swap, pctx, env.comm, lr=run.ppo.critic_lr, value_clip=run.ppo.value_clip,
                           checkpoint_dir=rd.checkpoints("critic"))
     channel = CommandChannel(env.comm)
+    tracer = Tracer(rd.root, "critic", env.rank)
+    worker = TracedWorker(worker, tracer)
     if env.rank == 0:
         mcfg = run.critic_model_config
         server = CriticServer(bind_host(run), run.critic_server.port,
@@ -105,6 +131,7 @@ def main(run_dir: str | Path) -> int:
             server.stop()
     else:
         follow(channel, worker)
+    tracer.close()
     print(f"critic rank {env.rank}: shut down after {swap.swaps} model swaps", flush=True)
     pctx.destroy()
     return 0

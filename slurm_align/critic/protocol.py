@@ -8,6 +8,8 @@ Both sides import this module, so a change of layout is made in one place.
                        compute_ms float32 [B] (the critic's time on the merged batch, for traces)
     critic_train    tokens int64 [B,T], lengths int64 [B], returns float32 [B,T],
                     prev_values float32 [B,T], mask float32 [B,T] -> loss float32 [1]
+    critic_infer and critic_train also take an optional `step` int64 (the actor's PPO step; [B,1]
+    resp. [1]) that labels the critic's trace spans.
     critic_save     path bytes [1] -> path bytes [1], returned once the checkpoint is durable
     critic_shutdown flag int64 [1] -> ack int64 [1]; the critic stops after answering
 """

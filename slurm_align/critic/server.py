@@ -30,6 +30,12 @@ def put_libpython_first() -> None:
         os.environ["LD_LIBRARY_PATH"] = ":".join([libdir, *[p for p in parts if p != libdir]])
 
 
+def _step(requests) -> int | None:
+    """The actor's PPO step carried by the requests (optional input), for the critic's traces."""
+    steps = [int(np.max(r["step"])) for r in requests if "step" in r.keys()]
+    return max(steps) if steps else None
+
+
 @dataclass
 class PendingCommand:
     command: Command
@@ -94,7 +100,8 @@ class CriticServer:
         lim = self.limits
         triton.bind(P.INFER, self._infer,
                     inputs=[Tensor(name="tokens", dtype=i64, shape=(-1,)),
-                            Tensor(name="lengths", dtype=i64, shape=(1,))],
+                            Tensor(name="lengths", dtype=i64, shape=(1,)),
+                            Tensor(name="step", dtype=i64, shape=(1,), optional=True)],
                     outputs=[Tensor(name="values", dtype=f32, shape=(-1,)),
                              Tensor(name="rewards", dtype=f32, shape=(1,)),
                              Tensor(name="compute_ms", dtype=f32, shape=(1,))],
@@ -104,7 +111,8 @@ class CriticServer:
         triton.bind(P.TRAIN, self._train,
                     inputs=[Tensor(name="tokens", dtype=i64, shape=(-1, -1)),
                             Tensor(name="lengths", dtype=i64, shape=(-1,)),
-                            *[Tensor(name=n, dtype=f32, shape=(-1, -1)) for n in P.TRAIN_FLOAT_INPUTS]],
+                            *[Tensor(name=n, dtype=f32, shape=(-1, -1)) for n in P.TRAIN_FLOAT_INPUTS],
+                            Tensor(name="step", dtype=i64, shape=(1,), optional=True)],
                     outputs=[Tensor(name="loss", dtype=f32, shape=(1,))],
                     config=ModelConfig(batching=False), strict=True)
         triton.bind(P.SAVE, self._save,
@@ -127,7 +135,8 @@ class CriticServer:
             tokens.append(r["tokens"])
         t0 = time.perf_counter()
         values, rewards = self._submit("infer", {"tokens": P.pad_concat(tokens),
-                                                 "lengths": np.concatenate(lengths)})
+                                                 "lengths": np.concatenate(lengths),
+                                                 "step": _step(requests)})
         ms = np.full((1, 1), (time.perf_counter() - t0) * 1e3, dtype=np.float32)
         out, row = [], 0
         for t in tokens:
@@ -145,7 +154,8 @@ class CriticServer:
             floats = {n: r[n] for n in P.TRAIN_FLOAT_INPUTS}
             lengths = P.validate_train(r["tokens"], r["lengths"], floats,
                                        max_seq_len=lim.max_seq_len, vocab_size=lim.vocab_size)
-            loss = self._submit("train", {"tokens": r["tokens"], "lengths": lengths, **floats})
+            loss = self._submit("train", {"tokens": r["tokens"], "lengths": lengths, **floats,
+                                          "step": _step([r])})
             out.append({"loss": np.array([loss], dtype=np.float32)})
         return out
 
