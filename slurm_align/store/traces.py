@@ -47,11 +47,21 @@ def _require_group(root: zarr.Group, path: str) -> zarr.Group:
     return node
 
 
+def _open_root(path: Path) -> zarr.Group:
+    # Every rank of a new run opens (creates) the root at once; the losers find it there.
+    for attempt in range(20):
+        try:
+            return zarr.open_group(store=AtomicLocalStore(path), mode="a")
+        except (ContainsGroupError, FileExistsError):
+            time.sleep(0.01 * (attempt + 1))
+    return zarr.open_group(store=AtomicLocalStore(path), mode="a")
+
+
 class TraceWriter:
     """Appends span batches to one rank's group. Only this rank writes there."""
 
     def __init__(self, path: Path, component: str, rank: int):
-        self.root = zarr.open_group(store=AtomicLocalStore(path), mode="a")
+        self.root = _open_root(path)
         self.group = _require_group(self.root, rank_group_path(component, rank))
         self.arrays = {name: growable(self.group, name, dt, chunk=4096) for name, dt in _ARRAYS.items()}
         attrs = self.group.attrs.asdict()
