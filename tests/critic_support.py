@@ -208,8 +208,32 @@ def _swap_check(run_dir: str) -> None:
         else:
             assert a == b, (kind, a, b)
     print(f"SWAP_OK swaps={n_swap}")
+    _init_from_reward_checkpoint(run, pctx, Path(run_dir))
+
+
+def _init_from_reward_checkpoint(run, pctx, run_dir: Path) -> None:
+    """A reward model from an RM-trainer checkpoint folder; the value model starts as its copy."""
+    import torch
+    from slurm_align.critic.main import build_models
+    from slurm_align.models.checkpoint import save_checkpoint
+    from slurm_align.models.gpt import build_gpt
+    from slurm_align.models.weights import full_state_dict
+
+    rm = build_gpt(run.critic_model_config, pctx, value_head=True, seed=999)
+    save_checkpoint(run_dir / "rm_ckpt", 3, rm, None, {"algorithm": "rm"})
+    want = full_state_dict(rm, pctx)
+    run.critic_model_config.init_checkpoint = run_dir / "rm_ckpt"
+    models = build_models(run, pctx)
+    for name in ("reward", "value"):
+        got = full_state_dict(models[name], pctx)
+        assert got.keys() == want.keys(), name
+        assert all(torch.equal(got[k], want[k]) for k in want), name
+    print("INIT_OK")
 
 
 if __name__ == "__main__":
     what, *rest = sys.argv[1:]
-    {"reference": _reference, "swap-check": _swap_check}[what](*rest)
+    if what == "swap-check":  # torch_dist checkpoint save re-imports __main__: keep this guarded
+        _swap_check(*rest)
+    else:
+        _reference(*rest)

@@ -126,6 +126,8 @@ def test_unreachable_critic_fails_after_connect_timeout_naming_address():
     client.close()
 
 
-def test_swapped_models_give_outputs_identical_to_resident(tmp_path):
+def test_swapped_models_give_outputs_identical_to_resident_and_init_from_rm_checkpoint(tmp_path):
     run_dir = write_run_dir(tmp_path, port=free_port_triple())
-    assert "SWAP_OK swaps=5" in run_child("swap-check", str(run_dir))
+    out = run_child("swap-check", str(run_dir))
+    assert "SWAP_OK swaps=5" in out
+    assert "INIT_OK" in out

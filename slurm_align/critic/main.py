@@ -25,11 +25,23 @@ from slurm_align.rundir import RunDir
 
 
 def load_full_weights(path: Path) -> dict[str, torch.Tensor]:
-    """A full state dict saved by critic_save (or any torch.save of the shared naming)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"critic_model.init_checkpoint={str(path)!r}: expected a file holding a full "
-                                "state dict (as written by critic_save); not found")
+    """A full state dict file, as written by critic_save."""
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_reward_weights(path: Path, chunks: list, pctx) -> None:
+    """init_checkpoint: a sharded checkpoint folder (the RM trainer's iter_* or its checkpoints
+    folder, newest complete one) or a full-state-dict file written by critic_save."""
+    from slurm_align.models.checkpoint import find_latest, load_weights
+    from slurm_align.models.weights import load_full_state_dict
+
+    if path.is_file():
+        load_full_state_dict(chunks, pctx, load_full_weights(path))
+    elif path.is_dir():
+        load_weights(find_latest(path) or path, chunks)
+    else:
+        raise FileNotFoundError(f"critic_model.init_checkpoint={str(path)!r} does not exist (expected a "
+                                "checkpoint folder from the RM trainer or a critic_save file)")
 
 
 def build_models(run: RunConfig, pctx) -> dict[str, list]:
@@ -40,7 +52,7 @@ def build_models(run: RunConfig, pctx) -> dict[str, list]:
     mcfg = run.critic_model_config
     reward = build_gpt(mcfg, pctx, value_head=True, seed=run.seed)
     if mcfg.init_checkpoint is not None:
-        load_full_state_dict(reward, pctx, load_full_weights(Path(mcfg.init_checkpoint)))
+        load_reward_weights(Path(mcfg.init_checkpoint), reward, pctx)
     value = build_gpt(mcfg, pctx, value_head=True, seed=run.seed + 1)
     # As NeMo-Aligner does: the critic starts as a copy of the reward model.
     load_full_state_dict(value, pctx, full_state_dict(reward, pctx, to_all=True))
