@@ -54,6 +54,10 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, MODEL.vocab_size, (6, 20), generator=g)
 
 
+def _kind(value_head: bool) -> str:
+    return "value" if value_head else "lm"
+
+
 def reference(pctx, out: Path, value_head: bool):
     """TP=1 PP=1: write full weights and the outputs they give."""
     from slurm_align.models.forward import forward_logits, forward_values
@@ -63,7 +67,7 @@ def reference(pctx, out: Path, value_head: bool):
     full = full_state_dict(chunks, pctx)
     y = (forward_values(chunks, pctx, tokens()) if value_head
          else forward_logits(chunks, pctx, tokens(), MODEL.vocab_size))
-    torch.save({"full": full, "out": y, "keys": list(chunks[0].state_dict().keys())}, out / "ref.pt")
+    torch.save({"full": full, "out": y, "keys": list(chunks[0].state_dict().keys())}, out / f"ref_{_kind(value_head)}.pt")
 
 
 def check(pctx, out: Path, value_head: bool):
@@ -71,7 +75,7 @@ def check(pctx, out: Path, value_head: bool):
     from slurm_align.models.forward import forward_logits, forward_values
     from slurm_align.models.gpt import build_gpt
     from slurm_align.models.weights import full_state_dict, load_full_state_dict
-    ref = torch.load(out / "ref.pt")
+    ref = torch.load(out / f"ref_{_kind(value_head)}.pt")
     chunks = build_gpt(MODEL, pctx, value_head=value_head, seed=99)  # different init on purpose
     load_full_state_dict(chunks, pctx, ref["full"])
     y = (forward_values(chunks, pctx, tokens(), micro_batch_size=2, broadcast=True) if value_head
@@ -84,7 +88,7 @@ def check(pctx, out: Path, value_head: bool):
     same_seed = full_state_dict(build_gpt(MODEL, pctx, value_head=value_head, seed=11), pctx)
     init_err = max((same_seed[k] - ref["full"][k]).abs().max().item() for k in full)
     rank = dist.get_rank()
-    (out / f"check{rank}.txt").write_text(
+    (out / f"check_{_kind(value_head)}{rank}.txt").write_text(
         f"out_err={out_err} weight_err={weight_err} init_err={init_err} shape={tuple(y.shape)}\n")
 
 
@@ -161,9 +165,11 @@ def greedy_score(pctx, out: Path, value_head: bool):
 def main(argv: list[str]) -> int:
     action, tp, pp, out = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
     pctx = init_parallel(tp, pp)
-    value_head = action.endswith("_value")
-    {"reference": reference, "check": check, "ckpt_save": ckpt_save, "ckpt_load": ckpt_load,
-     "greedy_score": greedy_score}[action.removesuffix("_value")](pctx, out, value_head)
+    if action in ("reference", "check"):  # both model kinds in one launch (start-up is the cost)
+        for value_head in (False, True):
+            {"reference": reference, "check": check}[action](pctx, out, value_head)
+    else:
+        {"ckpt_save": ckpt_save, "ckpt_load": ckpt_load, "greedy_score": greedy_score}[action](pctx, out, False)
     dist.barrier()
     pctx.destroy()
     return 0

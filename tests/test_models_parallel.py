@@ -36,18 +36,19 @@ def mpirun(n: int, *args: str, timeout: int = 120) -> subprocess.CompletedProces
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("kind", ["lm", "value"])
-def test_tp2_and_pp2_match_tp1(tmp_path: Path, kind: str):
-    suffix = "" if kind == "lm" else "_value"
-    mpirun(1, "reference" + suffix, "1", "1", str(tmp_path))
+def test_tp2_and_pp2_match_tp1(tmp_path: Path):
+    """LM logits and value-model values, each from the same full weights."""
+    mpirun(1, "reference", "1", "1", str(tmp_path))
     for tp, pp in [(2, 1), (1, 2)]:
-        mpirun(2, "check" + suffix, str(tp), str(pp), str(tmp_path))
-        for rank in range(2):
-            text = (tmp_path / f"check{rank}.txt").read_text()
-            out_err = float(re.search(r"out_err=(\S+)", text).group(1))
-            weight_err = float(re.search(r"weight_err=(\S+)", text).group(1))
-            assert out_err <= 1e-5, f"TP={tp} PP={pp} rank {rank}: {text}"
-            assert weight_err == 0.0, f"full_state_dict round trip TP={tp} PP={pp}: {text}"
-            init_err = float(re.search(r"init_err=(\S+)", text).group(1))
-            assert init_err == 0.0, f"same seed, different weights under TP={tp} PP={pp}: {text}"
-            (tmp_path / f"check{rank}.txt").unlink()
+        mpirun(2, "check", str(tp), str(pp), str(tmp_path))
+        for kind in ("lm", "value"):
+            for rank in range(2):
+                path = tmp_path / f"check_{kind}{rank}.txt"
+                text = path.read_text()
+                out_err = float(re.search(r"out_err=(\S+)", text).group(1))
+                weight_err = float(re.search(r"weight_err=(\S+)", text).group(1))
+                init_err = float(re.search(r"init_err=(\S+)", text).group(1))
+                assert out_err <= 1e-5, f"{kind} TP={tp} PP={pp} rank {rank}: {text}"
+                assert weight_err == 0.0, f"{kind} full_state_dict round trip TP={tp} PP={pp}: {text}"
+                assert init_err == 0.0, f"{kind}: same seed, different weights under TP={tp} PP={pp}: {text}"
+                path.unlink()
