@@ -119,7 +119,6 @@ def main(run_dir: str | Path) -> int:
     from slurm_align.dist.bootstrap import init_distributed
     from slurm_align.dist.layout import initialize_model_parallel
 
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     rd = RunDir(Path(run_dir))
     run = load_run_config(rd.config)
     env = init_distributed()
