@@ -27,7 +27,7 @@ from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_wei
 from slurm_align.models.forward import run_schedule
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.tokenizer import build_tokenizer
-from slurm_align.rundir import RunDir
+from slurm_align.rundir import RunDir, write_atomic
 
 
 def make_microbatches(ds, indices: list[int], micro: int) -> list[dict]:
@@ -63,6 +63,7 @@ class Trainer:
             load_weights(run.model.init_checkpoint, self.chunks)
         algo.setup(self)
         self.params = [p for c in self.chunks for p in c.parameters()]
+        self.device = self.params[0].device  # collectives run here (gloo: CPU, NCCL: the GPU)
         self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
         self.order = DataOrder(len(self.train_ds), tc.global_batch_size, run.seed)
         self.ckpt_root = RunDir(self.run_dir).checkpoints(algo.name)
@@ -70,7 +71,7 @@ class Trainer:
 
     # --- one step -------------------------------------------------------------
     def _global_norm(self, microbatches) -> float:
-        t = torch.tensor(self.algo.local_norm(microbatches), dtype=torch.float64)
+        t = torch.tensor(self.algo.local_norm(microbatches), dtype=torch.float64, device=self.device)
         if self.pctx.dp_size > 1:
             dist.all_reduce(t, group=self.pctx.dp_group)
         return max(float(t), 1.0)
@@ -83,14 +84,14 @@ class Trainer:
             src = dist.get_global_rank(self.pctx.pp_group, self.pctx.pp_size - 1)
             dist.broadcast_object_list(obj, src=src, group=self.pctx.pp_group)
         keys = obj[0]
-        vec = torch.zeros(len(keys), dtype=torch.float64)
+        vec = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
         for info in infos:
-            vec += torch.stack([info[k].detach().double().cpu() for k in keys])
+            vec += torch.stack([info[k].detach().double().to(self.device) for k in keys])
         if self.pctx.dp_size > 1:
             dist.all_reduce(vec, group=self.pctx.dp_group)
         if self.pctx.pp_size > 1:
             dist.all_reduce(vec, group=self.pctx.pp_group)
-        return dict(zip(keys, vec))
+        return dict(zip(keys, vec.cpu()))
 
     def _reduce_grads(self) -> float:
         for p in self.params:
@@ -103,7 +104,7 @@ class Trainer:
                             torch._utils._unflatten_dense_tensors(flat, [p.grad for p in self.params])):
                 g.copy_(r)
         # Global grad norm over TP x PP; TP-replicated params are counted once (tp rank 0).
-        sq = torch.zeros((), dtype=torch.float64)
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
         for p in self.params:
             if getattr(p, "tensor_model_parallel", False) or self.pctx.tp_rank == 0:
                 sq += p.grad.double().pow(2).sum()
@@ -163,8 +164,17 @@ class Trainer:
         common = load_checkpoint(latest, self.chunks, self.optimizer)
         self.step = int(common["step"])
         torch.set_rng_state(common["rng"])
+        self._drop_metrics_after(self.step)
         self._print(f"resumed from {latest} at step {self.step}")
         return True
+
+    def _drop_metrics_after(self, step: int) -> None:
+        """Steps logged after the checkpoint we resume from will be redone: forget them."""
+        path = self.run_dir / "metrics.jsonl"
+        if self.rank != 0 or not path.exists():
+            return
+        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        write_atomic(path, "".join(line + "\n" for line in keep))
 
     def _print(self, text: str) -> None:
         if self.rank == 0:

@@ -122,8 +122,9 @@ def _forward(chunks, pctx, tokens, post, micro_batch_size, broadcast, extra_dim)
         result = torch.cat([i["out"] for i in infos])[: tokens.shape[0]]
     if broadcast and pctx.pp_size > 1:
         shape = (tokens.shape[0], tokens.shape[1], *extra_dim)
-        if result is None:
-            result = torch.empty(shape, dtype=torch.float32)
+        device = model_device(chunks)  # NCCL broadcasts device tensors only
+        buf = result.to(device) if result is not None else torch.empty(shape, dtype=torch.float32, device=device)
         src = torch.distributed.get_global_rank(pctx.pp_group, pctx.pp_size - 1)
-        torch.distributed.broadcast(result, src=src, group=pctx.pp_group)
+        torch.distributed.broadcast(buf, src=src, group=pctx.pp_group)
+        result = buf.cpu()
     return result

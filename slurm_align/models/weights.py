@@ -41,12 +41,12 @@ def _tp_partition_dim(t: torch.Tensor) -> int | None:
 
 def _gather_tp(t: torch.Tensor, pctx: Any) -> torch.Tensor:
     dim = _tp_partition_dim(t)
-    data = t.detach().float().cpu().contiguous()
+    data = t.detach().float().contiguous()  # gathered on the parameter's device (NCCL needs it)
     if dim is None or pctx.tp_size == 1:
-        return data.clone()
+        return data.cpu().clone()
     parts = [torch.empty_like(data) for _ in range(pctx.tp_size)]
     dist.all_gather(parts, data, group=pctx.tp_group)
-    return torch.cat(parts, dim=dim)
+    return torch.cat(parts, dim=dim).cpu()
 
 
 @torch.no_grad()
