@@ -167,6 +167,25 @@ def greedy_score(pctx, out: Path, value_head: bool):
     (out / "score.txt").write_text(f"score={mean} examples={responses[:4]}\n")
 
 
+def rm_accuracy(pctx, out: Path, value_head: bool):
+    """Load the RM checkpoint in OUT/ckpt_path.txt into a fresh value model (as the critic will)
+    and measure pairwise accuracy of last-token rewards on the held-out preference pairs."""
+    from slurm_align.config.run import ModelConfig
+    from slurm_align.data.datasets import PreferenceDataset
+    from slurm_align.models.checkpoint import load_weights
+    from slurm_align.models.forward import forward_values, last_token_values
+    from slurm_align.models.gpt import build_gpt
+    from slurm_align.models.tokenizer import ByteTokenizer
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=260, max_seq_len=32)
+    chunks = build_gpt(cfg, pctx, value_head=True, seed=4321)
+    load_weights((out / "ckpt_path.txt").read_text().strip(), chunks)
+    ds = PreferenceDataset(Path(__file__).parent.parent / "examples/synthetic/pref_val.jsonl", ByteTokenizer(), 32)
+    b = ds.batch(list(range(64)))
+    rewards = last_token_values(forward_values(chunks, pctx, b["tokens"]), b["lengths"])
+    acc = (rewards[:64] > rewards[64:]).float().mean().item()
+    (out / "rm_accuracy.txt").write_text(f"accuracy={acc}\n")
+
+
 def main(argv: list[str]) -> int:
     action, tp, pp, out = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
     pctx = init_parallel(tp, pp)
@@ -174,7 +193,8 @@ def main(argv: list[str]) -> int:
         for value_head in (False, True):
             {"reference": reference, "check": check}[action](pctx, out, value_head)
     else:
-        {"ckpt_save": ckpt_save, "ckpt_load": ckpt_load, "greedy_score": greedy_score}[action](pctx, out, False)
+        {"ckpt_save": ckpt_save, "ckpt_load": ckpt_load, "greedy_score": greedy_score,
+         "rm_accuracy": rm_accuracy}[action](pctx, out, False)
     dist.barrier()
     pctx.destroy()
     return 0

@@ -54,6 +54,12 @@ def test_reward_model_accuracy_well_above_chance(tmp_path: Path):
     assert m[-1]["val_accuracy"] >= 0.9, m[-1]   # chance is 0.5; a sign error gives ~0
     assert m[-1]["val_reward_margin"] > 1.0, m[-1]
     assert m[-1]["loss"] < 0.5 * m[0]["loss"], (m[0], m[-1])
+    # The final checkpoint, loaded into a fresh value model the way the PPO critic loads its
+    # reward model, ranks held-out pairs with last-token rewards just as well.
+    (tmp_path / "ckpt_path.txt").write_text(str(tmp_path / "rm" / "checkpoints" / "rm" / "iter_0000040"))
+    mpirun(1, "rm_accuracy", "1", "1", str(tmp_path))
+    acc = float((tmp_path / "rm_accuracy.txt").read_text().split("=")[1])
+    assert acc >= 0.9, acc
 
 
 def test_dpo_implicit_reward_margin_rises(tmp_path: Path):
