@@ -78,9 +78,10 @@ def response_logprobs(logits: torch.Tensor, tokens: torch.Tensor, plen: torch.Te
                       T: int) -> torch.Tensor:
     """log p(response token t) [B, T] from logits [B, L, V] (0 past each response's end)."""
     pos, mask = response_positions(plen, rlen, T)
-    logp_all = torch.log_softmax(logits.float(), dim=-1)
     L = tokens.shape[1]
-    target_pos = (pos + 1).clamp(max=L - 1)
+    pos = pos.clamp(max=L - 2)   # positions past a sequence's end are masked anyway
+    logp_all = torch.log_softmax(logits.float(), dim=-1)
+    target_pos = pos + 1
     targets = tokens.gather(1, target_pos)
     picked = logp_all.gather(1, pos.unsqueeze(-1).expand(-1, -1, logp_all.shape[-1]))
     return picked.gather(2, targets.unsqueeze(-1)).squeeze(-1) * mask
@@ -99,10 +100,11 @@ class PPOActor:
         from slurm_align.data.jsonl import PROMPT_KEYS, read_jsonl
         from slurm_align.dist.bootstrap import init_distributed
         from slurm_align.dist.layout import initialize_model_parallel
-        from slurm_align.generation import GptShape, make_engine
+        from slurm_align.generation import engine_from_config
         from slurm_align.generation.memory import TrainingStateOffload
         from slurm_align.models.gpt import build_gpt
         from slurm_align.models.tokenizer import build_tokenizer
+        from slurm_align.models.checkpoint import find_latest, load_weights
         from slurm_align.models.weights import HostSwap
 
         self.run, self.rd = run, RunDir(run_dir)
@@ -117,14 +119,16 @@ class PPOActor:
         self.prompts = [np.asarray([self.tokenizer.bos_id, *self.tokenizer.encode(row["prompt"])], dtype=np.int64)
                         for row in read_jsonl(run.data.train_path, PROMPT_KEYS, "prompts")]
         self.policy = build_gpt(run.model, self.pctx, seed=run.seed)
-        self.start_step = self._load_checkpoint()
-        # The reference policy is the initial policy; it lives in host memory and is swapped in.
-        self.reference = HostSwap(self.policy)
         self.optimizer = torch.optim.AdamW([p for c in self.policy for p in c.parameters()],
                                            lr=run.ppo.actor_lr, weight_decay=0.0)
+        if run.model.init_checkpoint is not None:
+            # an iter_* folder, or a trainer's checkpoints folder (then its newest complete one)
+            load_weights(find_latest(run.model.init_checkpoint) or run.model.init_checkpoint, self.policy)
+        # The reference policy is the initial policy; it lives in host memory and is swapped in.
+        self.reference = HostSwap(self.policy)
+        self.start_step = self._resume()
         self.offload = TrainingStateOffload(self.optimizer, self.policy) if run.switches.offload_optimizer else None
-        engine_kind = run.generation.engine if run.switches.kv_cache_engine else "naive"
-        self.engine = make_engine(engine_kind, GptShape.from_model_config(run.model))
+        self.engine = engine_from_config(run)
         self.critic = CriticClient.from_run_config(run)
         self.critic.connect()   # waits (with backoff) while the critic starts; not part of step 0
         self.tracer = Tracer(self.rd.root, "actor", self.rank, resume_from_step=self.start_step)
@@ -138,20 +142,19 @@ class PPOActor:
         self.metrics_path = self.rd.root / "metrics.jsonl"
 
     # -- checkpoints -------------------------------------------------------------------------
-    def _load_checkpoint(self) -> int:
-        from slurm_align.models import checkpoint as ckpt
-        latest = ckpt.latest_checkpoint(self.rd.checkpoints("actor"))
-        if latest is not None:
-            state = ckpt.load_checkpoint(latest, self.policy, self.pctx)
-            return int(state["step"]) + 1
-        if self.run.model.init_checkpoint is not None:
-            ckpt.load_checkpoint(Path(self.run.model.init_checkpoint), self.policy, self.pctx, weights_only=True)
-        return 0
+    def _resume(self) -> int:
+        """Continue after the newest complete checkpoint of this run (policy, optimizer, RNG)."""
+        from slurm_align.models.checkpoint import find_latest, load_checkpoint
+        latest = find_latest(self.rd.checkpoints("actor"))
+        if latest is None:
+            return 0
+        common = load_checkpoint(latest, self.policy, self.optimizer)
+        torch.set_rng_state(common["rng"])
+        return int(common["step"]) + 1
 
     def save_checkpoint(self, step: int) -> None:
-        from slurm_align.models import checkpoint as ckpt
-        ckpt.save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.pctx,
-                             optimizer=self.optimizer, extra={"step": step})
+        from slurm_align.models.checkpoint import save_checkpoint
+        save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer, {"algorithm": "ppo"})
         if self.rank == 0:
             self.critic.save(str(self.rd.checkpoints("critic") / f"iter_{step:07d}.pt"))
 
@@ -187,7 +190,7 @@ class PPOActor:
                        for i, r, e in zip(idx, out.responses(), out.is_end.tolist())]
                 samples += new
                 tokens, plen, rlen = pad_sequences(new, self.tokenizer.pad_id)
-                fut = self.critic.infer_async(tokens.numpy(), (plen + rlen).numpy())
+                fut = self.critic.infer_async(tokens.numpy(), (plen + rlen).numpy(), step=step)
                 if not run.switches.async_critic:
                     with self.tracer.span(P.CRITIC_WAIT, step):
                         fut.result()
@@ -286,7 +289,7 @@ class PPOActor:
             "rank": np.array([s.rank for s in samples]),
         })
 
-    def critic_train(self, samples: list[Sample], batch: dict) -> Future | None:
+    def critic_train(self, samples: list[Sample], batch: dict, step: int) -> Future | None:
         """Rank 0 sends the value-model update for the whole batch; the actor trains meanwhile."""
         if self.rank != 0:
             return None
@@ -299,7 +302,7 @@ class PPOActor:
             full["values"][i, a:a + r] = batch["values"][i, :r].numpy()
             full["mask"][i, a:a + r] = 1.0
         return self.critic.train_async(tokens.numpy(), (plen + rlen).numpy(), full["returns"], full["values"],
-                                       full["mask"])
+                                       full["mask"], step=step)
 
     def train(self, samples: list[Sample], shard_ids: set[int], batch: dict, step: int) -> dict:
         """One PPO update of the policy on this DP rank's shard (grads summed over DP)."""
@@ -383,7 +386,7 @@ class PPOActor:
             batch = self.finish_batch(samples, critic, lp)
         with self.tracer.span(P.STORE, step):
             self.write_rollouts(step, samples, batch)
-        critic_future = self.critic_train(samples, batch)
+        critic_future = self.critic_train(samples, batch, step)
         if step >= run.ppo.critic_warmup_steps:
             metrics = self.train(samples, {s.index for s in shard}, batch, step)
         else:

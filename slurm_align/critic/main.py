@@ -108,6 +108,14 @@ def follow(channel: CommandChannel, worker: TracedWorker) -> None:
             return
 
 
+def resume_step(rd: RunDir) -> int | None:
+    """The step of the actor's newest complete checkpoint: a resumed PPO run redoes the steps
+    after it, so the critic takes its value model from that step and drops later spans."""
+    from slurm_align.models.checkpoint import find_latest, verify_checkpoint
+    latest = find_latest(rd.checkpoints("actor"))
+    return None if latest is None else int(verify_checkpoint(latest)["step"])
+
+
 def bind_host(run: RunConfig) -> str:
     if run.critic_server.bind_host:
         return run.critic_server.bind_host
@@ -123,11 +131,18 @@ def main(run_dir: str | Path) -> int:
     run = load_run_config(rd.config)
     env = init_distributed()
     pctx = initialize_model_parallel(env, run.critic.tensor_parallel, run.critic.pipeline_parallel)
-    swap = ModelSwap(build_models(run, pctx), keep_resident=run.switches.keep_critic_models_resident)
+    models = build_models(run, pctx)
+    resumed = resume_step(rd)
+    if resumed is not None:
+        saved = rd.checkpoints("critic") / f"iter_{resumed:07d}.pt"
+        if saved.is_file():
+            from slurm_align.models.weights import load_full_state_dict
+            load_full_state_dict(models[VALUE], pctx, load_full_weights(saved))
+    swap = ModelSwap(models, keep_resident=run.switches.keep_critic_models_resident)
     worker = CriticWorker(swap, pctx, env.comm, lr=run.ppo.critic_lr, value_clip=run.ppo.value_clip,
                           checkpoint_dir=rd.checkpoints("critic"))
     channel = CommandChannel(env.comm)
-    tracer = Tracer(rd.root, "critic", env.rank)
+    tracer = Tracer(rd.root, "critic", env.rank, resume_from_step=None if resumed is None else resumed + 1)
     worker = TracedWorker(worker, tracer)
     if env.rank == 0:
         mcfg = run.critic_model_config
