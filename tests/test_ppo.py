@@ -15,6 +15,7 @@ from slurm_align.data.jsonl import PROMPT_KEYS, read_jsonl
 from slurm_align.models.tokenizer import ByteTokenizer
 from slurm_align.profiling import phases as P
 from slurm_align.slurm.launch import launch_run
+from slurm_align.slurm.render import Entry
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
 
@@ -129,3 +130,44 @@ def test_resume_continues_store_without_gaps(tmp_path):
     actor0 = table.spans[(table.spans["component"] == "actor") & (table.spans["rank"] == 0)]
     refits = actor0[actor0["phase"] == P.REFIT]
     assert sorted(refits["step"].tolist()) == [0, 1, 2]   # spans of the redone step are not doubled
+
+
+# --- learning -------------------------------------------------------------------------------
+EXAMPLES = REPO_ROOT / "examples"
+SYNTH = EXAMPLES / "synthetic"
+
+
+@pytest.fixture(scope="module")
+def sft_and_rm(tmp_path_factory):
+    """An SFT policy that has partly learnt the task and a reward model, trained for real."""
+    base = tmp_path_factory.mktemp("pipeline")
+    data = {"sft": ("sft_train", "sft_val", ["trainer.num_steps=50"]), "rm": ("pref_train", "pref_val", [])}
+    for algo, (train, val, extra) in data.items():
+        run = load_run_config(EXAMPLES / f"{algo}_tiny.yaml", [
+            f"data.train_path={SYNTH / train}.jsonl", f"data.val_path={SYNTH / val}.jsonl",
+            "trainer.save_interval=0", *extra])
+        job = launch_run(run, load_profile("local"), base / algo)
+        assert job.wait(timeout_s=600) == "COMPLETED", job.failed_logs()
+    return base / "sft" / "checkpoints" / "sft", base / "rm" / "checkpoints" / "rm"
+
+
+def reward_gain(run_dir: Path, first: int = 3, last: int = 3) -> float:
+    store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
+    means = [float(store.read(s)["reward"].mean()) for s in store.steps.tolist()]
+    return float(np.mean(means[-last:]) - np.mean(means[:first]))
+
+
+@pytest.mark.slow
+def test_ppo_learns_and_a_flipped_advantage_does_not(tmp_path, sft_and_rm):
+    sft, rm = sft_and_rm
+    learn = [f"model.init_checkpoint={sft}", f"critic_model.init_checkpoint={rm}", "ppo.num_steps=15",
+             "ppo.num_rollout_samples=32", "generation.max_new_tokens=12", "generation.prompt_batch_size=4",
+             "ppo.train_micro_batch_size=8", "ppo.actor_lr=1e-3"]
+    good = reward_gain(run_ppo(tmp_path, "local", *learn, name="good"))
+    # The same run with the advantage sign flipped (tests/ppo_flipped_actor.py) must not learn.
+    job = launch_run(tiny_run(*learn), load_profile("local"), tmp_path / "flipped",
+                     entry=Entry(scripts={"actor": Path(__file__).parent / "ppo_flipped_actor.py"}))
+    assert job.wait(timeout_s=600) == "COMPLETED", job.failed_logs()
+    flipped = reward_gain(tmp_path / "flipped")
+    assert good > 1.0, f"PPO did not raise the mean reward enough: {good:+.2f}"
+    assert flipped < 0.3, f"a PPO with the advantage sign flipped must not learn, yet gained {flipped:+.2f}"

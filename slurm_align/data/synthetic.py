@@ -42,11 +42,26 @@ def sft_rows(rng: random.Random, n: int) -> list[dict]:
     return [{"input": p, "output": good} for p, good in (make_prompt(rng) for _ in range(n))]
 
 
+def corrupted(rng: random.Random, good: str) -> str:
+    """A bad response for the preference data. Not only shuffles: a reward model that has seen
+    only shuffles rates a short or empty answer highly, and PPO finds that hole at once."""
+    kind = rng.random()
+    if kind < 0.5:
+        return shuffled(rng, good)
+    if kind < 0.7:                       # a digit dropped (sorted, but not the prompt's digits)
+        i = rng.randrange(len(good))
+        return good[:i] + good[i + 1:]
+    if kind < 0.85:                      # truncated to a prefix, possibly empty
+        return good[: rng.randrange(len(good) - 1)]
+    i = rng.randrange(len(good) + 1)     # a digit added
+    return good[:i] + str(rng.randrange(10)) + good[i:]
+
+
 def preference_rows(rng: random.Random, n: int) -> list[dict]:
     rows = []
     for _ in range(n):
         p, good = make_prompt(rng)
-        rows.append({"prompt": p, "chosen": good, "rejected": shuffled(rng, good)})
+        rows.append({"prompt": p, "chosen": good, "rejected": corrupted(rng, good)})
     return rows
 
 
