@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from slurm_align.algorithms import ppo_math
 from slurm_align.config import RunConfig, load_run_config
@@ -307,6 +306,7 @@ class PPOActor:
     def train(self, samples: list[Sample], shard_ids: set[int], batch: dict, step: int) -> dict:
         """One PPO update of the policy on this DP rank's shard (grads summed over DP)."""
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        from slurm_align.algorithms.trainer import reduce_gradients
         from slurm_align.models.forward import run_schedule
 
         run = self.run
@@ -353,11 +353,8 @@ class PPOActor:
                 c.train()
             self.optimizer.zero_grad(set_to_none=True)
             run_schedule(self.policy, micro, loss_fn, forward_only=False)
-            params = [p for c in self.policy for p in c.parameters() if p.grad is not None]
-            if self.pctx.dp_size > 1:
-                for p in params:
-                    dist.all_reduce(p.grad, group=self.pctx.dp_group)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 1.0)) if params else 0.0
+            grad_norm = reduce_gradients([p for c in self.policy for p in c.parameters()], self.pctx,
+                                         run.ppo.grad_clip)
             self.optimizer.step()
         out = {"grad_norm": grad_norm, "lr": run.ppo.actor_lr}
         if stats:

@@ -43,6 +43,33 @@ def make_microbatches(ds, indices: list[int], micro: int) -> list[dict]:
     return mbs
 
 
+def reduce_gradients(params: list, pctx: Any, clip: float | None) -> float:
+    """Sum gradients over DP (one flat all-reduce), clip them to the global norm over TP x PP and
+    return that norm. Parameters without a gradient get zeros, so every rank joins the same
+    collectives. Shared by every trainer and by PPO's actor update."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [p.grad for p in params]
+    if pctx.dp_size > 1:
+        flat = torch._utils._flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=pctx.dp_group)
+        for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+            g.copy_(r)
+    # Global grad norm over TP x PP; TP-replicated params are counted once (tp rank 0).
+    sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+    for p in params:
+        if getattr(p, "tensor_model_parallel", False) or pctx.tp_rank == 0:
+            sq += p.grad.double().pow(2).sum()
+    if pctx.tp_size * pctx.pp_size > 1:
+        dist.all_reduce(sq, group=pctx.mp_group)
+    norm = math.sqrt(float(sq))
+    if clip and norm > clip:
+        for g in grads:
+            g.mul_(clip / (norm + 1e-6))
+    return norm
+
+
 class Trainer:
     def __init__(self, run: RunConfig, pctx: Any, run_dir: Path, algo, *, console: Console | None = None):
         self.run, self.pctx, self.algo = run, pctx, algo
@@ -94,28 +121,7 @@ class Trainer:
         return dict(zip(keys, vec.cpu()))
 
     def _reduce_grads(self) -> float:
-        for p in self.params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        if self.pctx.dp_size > 1:
-            flat = torch._utils._flatten_dense_tensors([p.grad for p in self.params])
-            dist.all_reduce(flat, group=self.pctx.dp_group)
-            for g, r in zip([p.grad for p in self.params],
-                            torch._utils._unflatten_dense_tensors(flat, [p.grad for p in self.params])):
-                g.copy_(r)
-        # Global grad norm over TP x PP; TP-replicated params are counted once (tp rank 0).
-        sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for p in self.params:
-            if getattr(p, "tensor_model_parallel", False) or self.pctx.tp_rank == 0:
-                sq += p.grad.double().pow(2).sum()
-        if self.pctx.tp_size * self.pctx.pp_size > 1:
-            dist.all_reduce(sq, group=self.pctx.mp_group)
-        norm = math.sqrt(float(sq))
-        clip = self.run.trainer.grad_clip
-        if clip and norm > clip:
-            for p in self.params:
-                p.grad.mul_(clip / (norm + 1e-6))
-        return norm
+        return reduce_gradients(self.params, self.pctx, self.run.trainer.grad_clip)
 
     def train_step(self, step: int) -> dict:
         for c in self.chunks:

@@ -152,6 +152,8 @@ class PPOConfig(StrictModel):
     """Entropy bonus."""
     critic_warmup_steps: int = Field(0, ge=0)
     """Steps in which only the critic trains."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Clip the policy's gradient to this global norm (0: no clipping)."""
     save_interval: int = Field(0, ge=0)
     """Checkpoint every K steps (0: only at the end)."""
 
