@@ -129,20 +129,13 @@ class ClusterProfile(StrictModel):
                 raise ValueError(f"sbatch_extra key {key!r} is set by slurm-align; use the profile field instead")
         return v
 
-    @field_validator("env")
+    @field_validator("env", "secret_env")
     @classmethod
-    def _env_names(cls, v):
+    def _variable_names(cls, v, info):
         for key in v:
             if not _ENV_NAME.match(key):
-                raise ValueError(f"env name {key!r} is not a valid variable name")
-        return v
-
-    @field_validator("secret_env")
-    @classmethod
-    def _secret_names(cls, v):
-        for key in v:
-            if not _ENV_NAME.match(key):
-                raise ValueError(f"secret_env name {key!r} is not a valid variable name")
+                raise ValueError(f"{info.field_name} name {key!r} is not a valid variable name "
+                                 "(letters, digits and _, not starting with a digit)")
         return v
 
     @field_validator("hostname_pattern")
