@@ -55,6 +55,7 @@ BAD_INPUTS = [
      ["BAD KEY", "sbatch option name"]),
     ("missing data file", dict(overrides=["data.train_path=/no/such/prompts.jsonl"]),
      ["data.train_path", "/no/such/prompts.jsonl", "no such file"]),
+    ("no training data", dict(overrides=["data.train_path=null"]), ["data.train_path", "required"]),
     ("bad secret name", dict(profile="local-slurm", profile_set=["secret_env=['MY-KEY']"]), ["MY-KEY"]),
 ]
 

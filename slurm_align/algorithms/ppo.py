@@ -112,8 +112,6 @@ class PPOActor:
         self.rank = self.env.rank
         torch.manual_seed(run.seed)
         self.tokenizer = build_tokenizer(run.model)
-        if run.data.train_path is None:
-            raise ValueError(f"{self.rd.config}: field 'data.train_path' must name a prompts JSONL file for PPO")
         # Prompts are BOS + text, as the SFT trainer formats its inputs.
         self.prompts = [np.asarray([self.tokenizer.bos_id, *self.tokenizer.encode(row["prompt"])], dtype=np.int64)
                         for row in read_jsonl(run.data.train_path, PROMPT_KEYS, "prompts")]
@@ -165,8 +163,7 @@ class PPOActor:
 
         run = self.run
         with self.tracer.span(P.REFIT, step):
-            refit = refit_from_training(self.engine, self.policy, self.pctx, refold=run.switches.refold)
-        layout = refit.layout
+            refit_from_training(self.engine, self.policy, self.pctx, refold=run.switches.refold)
         n = run.ppo.num_rollout_samples
         rng = np.random.default_rng(run.seed + step)
         order = rng.choice(len(self.prompts), size=n, replace=n > len(self.prompts)) if n != len(self.prompts) \

@@ -180,6 +180,9 @@ def resolve_input_paths(run: RunConfig) -> RunConfig:
     """Data, tokenizer and initial checkpoints as absolute paths (relative ones are taken from
     the directory `slurm-align` runs in), each checked to exist before anything is submitted."""
     problems, updates = [], {}
+    if run.data.train_path is None:
+        problems.append(f"field 'data.train_path': required for algorithm '{run.algorithm}' "
+                        "(a JSONL file: prompts for ppo, SFT pairs for sft, preferences for rm/dpo)")
     fields = {"data": ("train_path", "val_path"), "model": ("init_checkpoint",),
               "critic_model": ("init_checkpoint",)}
     for section, names in fields.items():
