@@ -13,7 +13,10 @@ console = Console(stderr=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="slurm-align", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="slurm-align",
+        description="Slurm-native RLHF: PPO as one actor+critic heterogeneous job, SFT/RM/DPO jobs, "
+                    "step-time breakdowns and scaling sweeps.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # Imported here so `slurm-align --help` stays fast and each area owns its commands.
     from slurm_align.slurm import commands as slurm_commands
