@@ -23,11 +23,11 @@ from slurm_align import REPO_ROOT
 from slurm_align.analysis.breakdown import compute_breakdown
 from slurm_align.analysis.runs import load_run
 from slurm_align.config import load_profile, load_run_config
-from slurm_align.slurm.launch import launch_run
+from slurm_align.slurm.launch import Job, JobRecord, launch_run
 
 SWITCHES = ("kv_cache_engine", "dynamic_prompts", "async_critic", "refold", "offload_optimizer")
-W1 = ["model.num_layers=4", "model.hidden_size=256", "model.num_attention_heads=4", "model.vocab_size=512",
-      "model.max_seq_len=256", "generation.max_new_tokens=128", "actor.tensor_parallel=1",
+W1_SHAPE = ["num_layers=4", "hidden_size=256", "num_attention_heads=4", "vocab_size=512", "max_seq_len=256"]
+W1 = [*(f"model.{x}" for x in W1_SHAPE), *(f"critic_model.{x}" for x in W1_SHAPE), "generation.max_new_tokens=128", "actor.tensor_parallel=1",
       "actor.pipeline_parallel=2", "actor.data_parallel=1", "generation.prompt_batch_size=4",
       "ppo.train_micro_batch_size=4"]
 
@@ -45,9 +45,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="PPO steps per variant (the first is skipped)")
     ap.add_argument("--samples", type=int, default=32, help="rollout samples per step")
     ap.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temp dir)")
+    ap.add_argument("--reuse", action="store_true",
+                    help="re-analyse variants that already completed under --out instead of rerunning them")
     args = ap.parse_args()
     os.chdir(REPO_ROOT)   # the example config's data path is relative to the repo
-    console = Console()
+    console = Console(width=None if Console().is_terminal else 220)   # logs get the whole table
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-ppo-"))
     profile = load_profile("local")
     base = [*W1, f"ppo.num_steps={args.steps}", f"ppo.num_rollout_samples={args.samples}"]
@@ -55,8 +57,10 @@ def main() -> None:
     for name, overrides in variants().items():
         run = load_run_config(REPO_ROOT / "examples" / "ppo_tiny.yaml", [*base, *overrides])
         console.print(f"[bold]{name}[/]: {' '.join(overrides) or 'all optimisations on'}")
-        job = launch_run(run, profile, out / name)
-        state = job.wait(console=console)
+        if args.reuse and (out / name / "job.json").exists():
+            state = Job(JobRecord.load(out / name)).state()
+        else:
+            state = launch_run(run, profile, out / name).wait(console=console)
         if state != "COMPLETED":
             raise SystemExit(f"variant {name} ended {state}; logs in {out / name / 'logs'}")
         traces = load_run(out / name, allow_incomplete=True)

@@ -15,6 +15,7 @@ from slurm_align.config import ConfigError, RunConfig, load_profile
 from slurm_align.slurm.sweep import critic_nodes_for, parse_nodes, plan_sweep
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
+from tests.test_ppo import free_port_block
 
 EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"
 
@@ -63,10 +64,13 @@ def test_plan_errors_name_the_problem():
 def test_real_sweep_on_slurm_then_scaling_report(slurm_cluster, tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
+        # Real PPO runs. One point at a time: on this one-host cluster every critic would bind
+        # the same address and port (on a real cluster they sit on different nodes).
         [sys.executable, "-m", "slurm_align.cli", "sweep", str(EXAMPLE), "ppo.num_steps=3",
-         "ppo.num_rollout_samples=4", "--profile", "local-slurm", "--nodes", "1,2", "--mode", "weak",
-         "--sweep-dir", str(sweep), "--entry", "trace_demo", "--poll-s", "0.5"],
-        capture_output=True, text=True, timeout=240)
+         "ppo.num_rollout_samples=4", "generation.max_new_tokens=8", "generation.prompt_batch_size=2",
+         "ppo.train_micro_batch_size=2", f"critic_server.port={free_port_block()}", "--profile", "local-slurm",
+         "--nodes", "1,2", "--mode", "weak", "--sweep-dir", str(sweep), "--max-concurrent", "1", "--poll-s", "0.5"],
+        capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     manifest = json.loads((sweep / "sweep.json").read_text())
     assert [(p["nodes"], p["critic_nodes"], p["rollout_samples"], p["state"]) for p in manifest["points"]] == [

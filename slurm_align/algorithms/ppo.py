@@ -342,7 +342,7 @@ class PPOActor:
                 entropy = -(lp_all.exp() * lp_all).sum(-1)
             loss, st = ppo_math.ppo_policy_loss(logp, mb["old"], mb["adv"], mb["mask"], mb["is_end"],
                                                 run.ppo.ratio_clip, entropy, run.ppo.entropy_coef, token_count)
-            stats.append(st)
+            stats.append((st, float((mb["mask"] * mb["is_end"][:, None]).sum())))
             return loss, {"loss": loss.detach()}
 
         with self.tracer.span(P.TRAIN, step):
@@ -353,12 +353,16 @@ class PPOActor:
             grad_norm = reduce_gradients([p for c in self.policy for p in c.parameters()], self.pctx,
                                          run.ppo.grad_clip)
             self.optimizer.step()
-        out = {"grad_norm": grad_norm, "lr": run.ppo.actor_lr}
-        if stats:
-            out.update(loss=float(np.sum([s.loss for s in stats])),
-                       ppo_ratio=float(np.mean([s.ppo_ratio for s in stats])),
-                       ppo_ratio_clamped=float(np.mean([s.ppo_ratio_clamped for s in stats])))
-        return out
+        # Sums over this rank's micro-batches; only last-stage ranks of TP rank 0 computed a loss
+        # (one per DP rank): add their shares, weight the ratio statistics by ended tokens.
+        mine = None
+        if stats and self.pctx.tp_rank == 0:
+            mine = [(st.loss, st.ppo_ratio * n, st.ppo_ratio_clamped * n, n) for st, n in stats]
+        parts = [x for part in self.env.comm.allgather(mine) if part for x in part]
+        loss, ratio, clamped, tokens = (sum(col) for col in zip(*parts)) if parts else (0.0, 0.0, 0.0, 0.0)
+        tokens = max(tokens, 1.0)
+        return {"loss": loss, "ppo_ratio": ratio / tokens, "ppo_ratio_clamped": clamped / tokens,
+                "grad_norm": grad_norm, "lr": run.ppo.actor_lr}
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self, step: int) -> dict:
