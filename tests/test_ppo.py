@@ -157,12 +157,15 @@ def reward_gain(run_dir: Path, first: int = 3, last: int = 3) -> float:
     return float(np.mean(means[-last:]) - np.mean(means[:first]))
 
 
+def learning_run(sft: Path, rm: Path) -> list[str]:
+    return [f"model.init_checkpoint={sft}", f"critic_model.init_checkpoint={rm}", "ppo.num_steps=15",
+            "ppo.num_rollout_samples=32", "generation.max_new_tokens=12", "generation.prompt_batch_size=4",
+            "ppo.train_micro_batch_size=8", "ppo.actor_lr=1e-3"]
+
+
 @pytest.mark.slow
 def test_ppo_learns_and_a_flipped_advantage_does_not(tmp_path, sft_and_rm):
-    sft, rm = sft_and_rm
-    learn = [f"model.init_checkpoint={sft}", f"critic_model.init_checkpoint={rm}", "ppo.num_steps=15",
-             "ppo.num_rollout_samples=32", "generation.max_new_tokens=12", "generation.prompt_batch_size=4",
-             "ppo.train_micro_batch_size=8", "ppo.actor_lr=1e-3"]
+    learn = learning_run(*sft_and_rm)
     good = reward_gain(run_ppo(tmp_path, "local", *learn, name="good"))
     # The same run with the advantage sign flipped (tests/ppo_flipped_actor.py) must not learn.
     job = launch_run(tiny_run(*learn), load_profile("local"), tmp_path / "flipped",
@@ -171,3 +174,14 @@ def test_ppo_learns_and_a_flipped_advantage_does_not(tmp_path, sft_and_rm):
     flipped = reward_gain(tmp_path / "flipped")
     assert good > 1.0, f"PPO did not raise the mean reward enough: {good:+.2f}"
     assert flipped < 0.3, f"a PPO with the advantage sign flipped must not learn, yet gained {flipped:+.2f}"
+
+
+@pytest.mark.slow
+def test_ppo_learns_with_every_switch_off(tmp_path, sft_and_rm):
+    """Naive engine, static sharding, synchronous critic, no refold (PP=2), no offload."""
+    off = [f"switches.{s}=false" for s in ("kv_cache_engine", "dynamic_prompts", "async_critic", "refold",
+                                             "offload_optimizer")]
+    run_dir = run_ppo(tmp_path, "local", *learning_run(*sft_and_rm), *off, "actor.pipeline_parallel=2",
+                      "actor.data_parallel=1", name="all-off")
+    gain = reward_gain(run_dir)
+    assert gain > 1.0, f"PPO with every switch off did not raise the mean reward enough: {gain:+.2f}"
