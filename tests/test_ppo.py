@@ -91,6 +91,11 @@ def check_complete_run(run_dir: Path, steps: int, samples: int, actor_ranks: int
     assert {P.CRITIC_INFER, P.CRITIC_TRAIN} <= set(critic["phase"].tolist())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(steps))
+    for m in metrics:   # NeMo-Aligner's metric names
+        assert {"train_rollouts/rewards", "train_rollouts/kl", "train_rollouts/fraction_of_samples_properly_ended",
+                "train_optim/loss", "train_optim/ppo_ratio", "train_optim/grad_norm", "train_optim/critic_loss",
+                "timers/generate", "timers/train", "timers/step"} <= set(m)
+        assert m["timers/generate"] > 0 and m["timers/step"] >= m["timers/train"]
 
 
 def test_ppo_on_local_profile(tmp_path):
@@ -122,6 +127,8 @@ def test_resume_continues_store_without_gaps(tmp_path):
     assert job.wait(timeout_s=600) == "COMPLETED", job.failed_logs()
     store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
     assert store.steps.tolist() == [0, 1, 2]           # step 1 redone once, no gap, no duplicate
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
     redone = store.read(1)
     assert len(redone["reward"]) == 8
     # the redone step starts from the same policy and seeds: the same prompts are drawn

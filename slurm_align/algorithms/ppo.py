@@ -29,7 +29,7 @@ from slurm_align.algorithms import ppo_math
 from slurm_align.config import RunConfig, load_run_config
 from slurm_align.profiling import phases as P
 from slurm_align.profiling.timers import Tracer
-from slurm_align.rundir import RunDir
+from slurm_align.rundir import RunDir, write_atomic
 
 
 @dataclass
@@ -134,9 +134,13 @@ class PPOActor:
             from slurm_align.store.rollouts import RolloutStore
             path = self.rd.rollouts
             self.store = RolloutStore.open(path) if path.exists() else RolloutStore.create(path)
-            # A resumed run redoes the steps after its checkpoint: drop their rollouts.
+            # A resumed run redoes the steps after its checkpoint: drop their rollouts and metrics.
             self.store.truncate_to(self.start_step)
         self.metrics_path = self.rd.root / "metrics.jsonl"
+        if self.rank == 0 and self.metrics_path.exists():
+            kept = [line for line in self.metrics_path.read_text().splitlines()
+                    if line and json.loads(line)["step"] < self.start_step]
+            write_atomic(self.metrics_path, "".join(f"{line}\n" for line in kept))
 
     # -- checkpoints -------------------------------------------------------------------------
     def _resume(self) -> int:
@@ -385,20 +389,23 @@ class PPOActor:
         with self.tracer.span(P.STORE, step):
             self.write_rollouts(step, samples, batch)
         critic_future = self.critic_train(samples, batch, step)
+        optim = {}
         if step >= run.ppo.critic_warmup_steps:
-            metrics = self.train(samples, {s.index for s in shard}, batch, step)
-        else:
-            metrics = {}
+            optim = self.train(samples, {s.index for s in shard}, batch, step)
         if critic_future is not None:
             with self.tracer.span(P.CRITIC_WAIT, step):
-                metrics["critic_loss"] = critic_future.result()
+                optim["critic_loss"] = critic_future.result()
         mask = batch["mask"]
-        kl = float(((batch["logp"] - batch["ref"]) * mask).sum() / mask.sum())
-        metrics.update(
-            step=step, reward_mean=float(batch["score"].mean()), kl=kl,
-            response_length=float(mask.sum(1).mean()),
-            fraction_ended=float(np.mean([s.is_end for s in samples])))
-        return metrics
+        rollouts = {
+            "rewards": float(batch["score"].mean()),
+            "kl": float(((batch["logp"] - batch["ref"]) * mask).sum() / mask.sum()),
+            "response_lengths": float(mask.sum(1).mean()),
+            "fraction_of_samples_properly_ended": float(np.mean([s.is_end for s in samples])),
+        }
+        # Named as NeMo-Aligner users know them: train_rollouts/, train_optim/, timers/.
+        return {"step": step, **{f"train_rollouts/{k}": v for k, v in rollouts.items()},
+                **{f"train_optim/{k}": v for k, v in optim.items()},
+                **{f"timers/{k}": v for k, v in self.tracer.durations(step).items()}}
 
     def run_loop(self) -> None:
         from rich.progress import Progress
@@ -409,7 +416,7 @@ class PPOActor:
             for step in steps:
                 t0 = time.perf_counter()
                 metrics = self.step(step)
-                metrics["step_time_s"] = time.perf_counter() - t0
+                metrics["timers/step"] = time.perf_counter() - t0
                 self.tracer.step_done(step)
                 last = step == run.ppo.num_steps - 1
                 if (run.ppo.save_interval and (step + 1) % run.ppo.save_interval == 0) or last:
@@ -417,11 +424,13 @@ class PPOActor:
                 if self.rank == 0:
                     with open(self.metrics_path, "a") as f:
                         f.write(json.dumps(metrics) + "\n")
+                    m = lambda k: metrics.get(k, float("nan"))  # noqa: E731  (no update in warm-up)
                     progress.console.print(
-                        f"step {step}: reward {metrics['reward_mean']:+.3f}  kl {metrics['kl']:.4f}  "
-                        f"len {metrics['response_length']:.1f}  ended {metrics['fraction_ended']:.2f}  "
-                        f"loss {metrics.get('loss', float('nan')):+.4f}  critic {metrics.get('critic_loss', float('nan')):.4f}  "
-                        f"{metrics['step_time_s']:.2f}s", highlight=False)
+                        f"step {step}: reward {m('train_rollouts/rewards'):+.3f}  kl {m('train_rollouts/kl'):.4f}  "
+                        f"len {m('train_rollouts/response_lengths'):.1f}  "
+                        f"ended {m('train_rollouts/fraction_of_samples_properly_ended'):.2f}  "
+                        f"loss {m('train_optim/loss'):+.4f}  critic {m('train_optim/critic_loss'):.4f}  "
+                        f"{m('timers/step'):.2f}s", highlight=False)
                 progress.update(task, completed=step + 1)
 
     def close(self) -> None:

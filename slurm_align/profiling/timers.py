@@ -75,6 +75,15 @@ class Tracer:
     def _add(self, step: int, phase: str, start_pc: int, end_pc: int) -> None:
         self.record(phase, step, self._origin + start_pc, self._origin + end_pc)
 
+    def durations(self, step: int) -> dict[str, float]:
+        """Seconds per phase of `step` on this rank, from the spans not yet flushed (call before
+        step_done): the `timers/` metrics."""
+        out: dict[str, float] = {}
+        for st, ph, a, b in zip(self._steps, self._phases, self._starts, self._ends):
+            if st == step:
+                out[ph] = out.get(ph, 0.0) + (b - a) / 1e9
+        return out
+
     def now_ns(self) -> int:
         """The tracer's clock, for spans passed to record()."""
         return self._origin + time.perf_counter_ns()
