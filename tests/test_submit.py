@@ -12,7 +12,7 @@ import pytest
 
 from slurm_align import REPO_ROOT
 from slurm_align.config import load_profile, load_run_config
-from slurm_align.slurm.launch import Job, JobRecord, launch_run
+from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.render import Entry
 
 EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"

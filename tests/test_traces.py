@@ -10,7 +10,6 @@ import textwrap
 import time
 
 import numpy as np
-import pytest
 
 from slurm_align.profiling import phases
 from slurm_align.profiling.timers import Tracer

@@ -19,7 +19,7 @@ import sys
 import traceback
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +45,6 @@ class Sample:
     reward: float | None = None
     logprobs: np.ndarray | None = None
     ref_logprobs: np.ndarray | None = None
-    extra: dict = field(default_factory=dict)
 
 
 def sample_seed(run_seed: int, step: int, index: int) -> int:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from slurm_align.algorithms.losses import token_logprobs
 from slurm_align.data.datasets import SFTDataset

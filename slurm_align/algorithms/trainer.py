@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.run import RunConfig
-from slurm_align.data.datasets import DataOrder, pad
+from slurm_align.data.datasets import DataOrder
 from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_weights, save_checkpoint
 from slurm_align.models.forward import run_schedule
 from slurm_align.models.gpt import build_gpt

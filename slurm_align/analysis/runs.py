@@ -42,8 +42,8 @@ def expected_ranks(config) -> dict[str, int]:
 def load_run(path: str | Path, *, allow_incomplete: bool = False, console: Console | None = None) -> RunTraces:
     rd = RunDir(Path(path))
     if not rd.root.is_dir():
-        raise NotARunDirError([f"no such directory (expected a run directory holding config.yaml "
-                               f"and traces.zarr)"], rd.root)
+        raise NotARunDirError(["no such directory (expected a run directory holding config.yaml "
+                               "and traces.zarr)"], rd.root)
     if not rd.is_run_dir() and not rd.traces.is_dir():
         raise NotARunDirError(["not a run directory: it has neither config.yaml nor traces.zarr "
                                "(give the folder `slurm-align submit` printed, e.g. runs/run-...)"], rd.root)

@@ -7,7 +7,7 @@ passes the same batch (stages other than the first ignore the tokens).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
