@@ -10,8 +10,12 @@ def token_logprobs(output: torch.Tensor, tokens: torch.Tensor, vocab_size: int) 
     """log p(tokens[:, t+1] | tokens[:, :t+1]) as [b, s-1]. `output` is the LM's TP-sharded
     logits [b, s, V/tp]; they are gathered (backward splits the gradient again) and the
     padding vocabulary is dropped, so padding ids never get probability mass."""
-    logits = gather_from_tensor_model_parallel_region(output)[..., :vocab_size].float()
-    logp = torch.log_softmax(logits[:, :-1], dim=-1)
+    return next_token_logprobs(gather_from_tensor_model_parallel_region(output)[..., :vocab_size], tokens)
+
+
+def next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The same from already gathered, padding-free logits [b, s, vocab]: [b, s-1]."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     return logp.gather(-1, tokens[:, 1:].unsqueeze(-1).to(logp.device)).squeeze(-1)
 
 

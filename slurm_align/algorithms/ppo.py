@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from slurm_align.algorithms import ppo_math
+from slurm_align.algorithms.losses import next_token_logprobs, token_logprobs
 from slurm_align.config import RunConfig, load_run_config
 from slurm_align.profiling import phases as P
 from slurm_align.profiling.timers import Tracer
@@ -72,17 +73,11 @@ def response_positions(plen: torch.Tensor, rlen: torch.Tensor, T: int) -> tuple[
     return pos, mask
 
 
-def response_logprobs(logits: torch.Tensor, tokens: torch.Tensor, plen: torch.Tensor, rlen: torch.Tensor,
-                      T: int) -> torch.Tensor:
-    """log p(response token t) [B, T] from logits [B, L, V] (0 past each response's end)."""
+def response_logprobs(token_logp: torch.Tensor, plen: torch.Tensor, rlen: torch.Tensor, T: int) -> torch.Tensor:
+    """log p(response token t) [B, T] from next-token log-probs [B, L-1] (0 past each end)."""
     pos, mask = response_positions(plen, rlen, T)
-    L = tokens.shape[1]
-    pos = pos.clamp(max=L - 2)   # positions past a sequence's end are masked anyway
-    logp_all = torch.log_softmax(logits.float(), dim=-1)
-    target_pos = pos + 1
-    targets = tokens.gather(1, target_pos)
-    picked = logp_all.gather(1, pos.unsqueeze(-1).expand(-1, -1, logp_all.shape[-1]))
-    return picked.gather(2, targets.unsqueeze(-1)).squeeze(-1) * mask
+    # Index j of token_logp is token j+1's log-prob; positions past a sequence's end are masked.
+    return token_logp.gather(1, pos.clamp(max=token_logp.shape[1] - 1)) * mask
 
 
 def to_response_layout(per_position: np.ndarray, plen: int, rlen: int) -> np.ndarray:
@@ -227,7 +222,7 @@ class PPOActor:
         with self.tracer.span(P.LOGPROBS, step):
             logits = forward_logits(self.policy, self.pctx, tokens, self.run.model.vocab_size,
                                     micro_batch_size=mbs, broadcast=True)
-            lp = response_logprobs(logits, tokens, plen, rlen, T)
+            lp = response_logprobs(next_token_logprobs(logits, tokens), plen, rlen, T)
         with self.tracer.span(P.INIT_LOGPROBS, step):
             self.reference.swap()
             try:
@@ -235,7 +230,7 @@ class PPOActor:
                                         micro_batch_size=mbs, broadcast=True)
             finally:
                 self.reference.swap()
-            ref = response_logprobs(logits, tokens, plen, rlen, T)
+            ref = response_logprobs(next_token_logprobs(logits, tokens), plen, rlen, T)
         for i, s in enumerate(shard):
             s.logprobs = lp[i, : len(s.response)].numpy()
             s.ref_logprobs = ref[i, : len(s.response)].numpy()
@@ -335,10 +330,10 @@ class PPOActor:
         stats = []
 
         def loss_fn(output, mb):
-            logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
-            logp = response_logprobs(logits, mb["tokens"], mb["plen"], mb["rlen"], T)
+            logp = response_logprobs(token_logprobs(output, mb["tokens"], vocab), mb["plen"], mb["rlen"], T)
             entropy = None
             if run.ppo.entropy_coef > 0:
+                logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
                 pos, _ = response_positions(mb["plen"], mb["rlen"], T)
                 lp_all = torch.log_softmax(logits.float(), -1).gather(
                     1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
