@@ -58,8 +58,8 @@ def main() -> None:
 
     from slurm_align.config.run import ModelConfig
     from slurm_align.critic.client import CriticClient
-    from slurm_align.dist.bootstrap import init_distributed
-    from slurm_align.dist.layout import initialize_model_parallel
+    from slurm_align.parallel.bootstrap import init_distributed
+    from slurm_align.parallel.layout import initialize_model_parallel
     from slurm_align.models.gpt import build_gpt
 
     port = args.port or free_port_triple()

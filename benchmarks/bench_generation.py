@@ -46,8 +46,8 @@ def timed(fn, repeat: int = 1) -> float:
 
 def build_training_model():
     from slurm_align.config.run import ModelConfig
-    from slurm_align.dist.bootstrap import init_distributed
-    from slurm_align.dist.layout import initialize_model_parallel
+    from slurm_align.parallel.bootstrap import init_distributed
+    from slurm_align.parallel.layout import initialize_model_parallel
     from slurm_align.models.gpt import build_gpt
 
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,

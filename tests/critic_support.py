@@ -151,8 +151,8 @@ def _single_rank_world(run_dir: Path):
     import torch
     torch.set_num_threads(1)
     from slurm_align.config import load_run_config
-    from slurm_align.dist.bootstrap import init_distributed
-    from slurm_align.dist.layout import initialize_model_parallel
+    from slurm_align.parallel.bootstrap import init_distributed
+    from slurm_align.parallel.layout import initialize_model_parallel
     run = load_run_config(run_dir / "config.yaml")
     env = init_distributed()
     return run, env, initialize_model_parallel(env, 1, 1)

@@ -19,8 +19,8 @@ import torch
 torch.set_num_threads(1)
 
 from slurm_align.config.run import ModelConfig  # noqa: E402
-from slurm_align.dist.bootstrap import init_distributed  # noqa: E402
-from slurm_align.dist.layout import initialize_model_parallel  # noqa: E402
+from slurm_align.parallel.bootstrap import init_distributed  # noqa: E402
+from slurm_align.parallel.layout import initialize_model_parallel  # noqa: E402
 from slurm_align.generation.naive_engine import NaiveEngine  # noqa: E402
 from slurm_align.generation.params import GptShape, SamplingParams  # noqa: E402
 from slurm_align.generation.refit import refit_from_training  # noqa: E402

@@ -2,7 +2,7 @@
 
     python tests/models_worker.py ACTION TP PP OUT_DIR
 
-Each rank joins a gloo world, sets up megatron's parallel state through slurm_align.dist when
+Each rank joins a gloo world, sets up megatron's parallel state through slurm_align.parallel when
 it exists (else directly), and runs ACTION.
 """
 
@@ -26,8 +26,8 @@ MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_s
 def init_parallel(tp: int, pp: int):
     """A ParallelContext: the runtime's when available, else an equivalent namespace."""
     try:
-        from slurm_align.dist.bootstrap import init_distributed
-        from slurm_align.dist.layout import initialize_model_parallel
+        from slurm_align.parallel.bootstrap import init_distributed
+        from slurm_align.parallel.layout import initialize_model_parallel
     except ImportError:
         init_distributed = None
     if init_distributed is not None:

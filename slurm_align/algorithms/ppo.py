@@ -91,8 +91,8 @@ class PPOActor:
     def __init__(self, run: RunConfig, run_dir: Path):
         from slurm_align.critic.client import CriticClient
         from slurm_align.data.jsonl import PROMPT_KEYS, read_jsonl
-        from slurm_align.dist.bootstrap import init_distributed
-        from slurm_align.dist.layout import initialize_model_parallel
+        from slurm_align.parallel.bootstrap import init_distributed
+        from slurm_align.parallel.layout import initialize_model_parallel
         from slurm_align.generation import engine_from_config
         from slurm_align.generation.memory import TrainingStateOffload
         from slurm_align.models.gpt import build_gpt

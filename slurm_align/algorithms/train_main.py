@@ -23,8 +23,8 @@ def algorithm_for(run):
 
 def main(run_dir: str | Path) -> dict:
     from slurm_align.algorithms.trainer import Trainer
-    from slurm_align.dist.bootstrap import init_distributed
-    from slurm_align.dist.layout import initialize_model_parallel
+    from slurm_align.parallel.bootstrap import init_distributed
+    from slurm_align.parallel.layout import initialize_model_parallel
 
     run_dir = Path(run_dir)
     run = load_run_config(run_dir / "config.yaml")

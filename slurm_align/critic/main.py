@@ -124,8 +124,8 @@ def bind_host(run: RunConfig) -> str:
 
 
 def main(run_dir: str | Path) -> int:
-    from slurm_align.dist.bootstrap import init_distributed
-    from slurm_align.dist.layout import initialize_model_parallel
+    from slurm_align.parallel.bootstrap import init_distributed
+    from slurm_align.parallel.layout import initialize_model_parallel
 
     rd = RunDir(Path(run_dir))
     run = load_run_config(rd.config)

@@ -1,7 +1,7 @@
 """Refit: training weights (TP x PP shards) -> this rank's generation engine, timed.
 
 With refold on, every rank of a TP x PP model replica ends up holding the whole model for
-generation (DP_gen = DP x PP, see slurm_align.dist.layout.GenerationLayout); the torch engines
+generation (DP_gen = DP x PP, see slurm_align.parallel.layout.GenerationLayout); the torch engines
 compute at TP 1, so each rank gets the full state dict (TP all-gather + PP exchange inside
 slurm_align.models.weights.full_state_dict). The TensorRT-LLM engine slices its own TP shard
 from the same dict.

@@ -92,7 +92,7 @@ class ValueGPTModel(GPTModel):
 def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, seed: int = 1234) -> list:
     """This rank's model chunks (one chunk: its pipeline stage) on CPU, float32.
 
-    `pctx` is a ParallelContext (slurm_align.dist.layout) or anything with tp_size, pp_size,
+    `pctx` is a ParallelContext (slurm_align.parallel.layout) or anything with tp_size, pp_size,
     is_first_stage and is_last_stage; megatron's parallel_state must already be initialised.
     Weights are drawn per tensor from (seed, global name) over the full shape, so the same
     seed gives the same model under any TP/PP layout.

@@ -11,7 +11,7 @@ import sys
 
 
 def expect(name: str, fn, *needles: str) -> None:
-    from slurm_align.dist.bootstrap import BootstrapError
+    from slurm_align.parallel.bootstrap import BootstrapError
 
     try:
         fn()
@@ -24,7 +24,7 @@ def expect(name: str, fn, *needles: str) -> None:
 
 
 def main() -> None:
-    from slurm_align.dist.bootstrap import init_distributed
+    from slurm_align.parallel.bootstrap import init_distributed
 
     # No MPI: mpi4py cannot be imported.
     sys.modules["mpi4py"] = None  # type: ignore[assignment]

@@ -23,8 +23,8 @@ torch.set_num_threads(1)
 
 from slurm_align.balance.replica import open_prompt_source, replica_batches  # noqa: E402
 from slurm_align.config.errors import ConfigError  # noqa: E402
-from slurm_align.dist.bootstrap import BootstrapError, init_distributed, shutdown_distributed  # noqa: E402
-from slurm_align.dist.layout import LayoutNotInitialised, initialize_model_parallel  # noqa: E402
+from slurm_align.parallel.bootstrap import BootstrapError, init_distributed, shutdown_distributed  # noqa: E402
+from slurm_align.parallel.layout import LayoutNotInitialised, initialize_model_parallel  # noqa: E402
 
 
 def group_ranks(group) -> list[int]:

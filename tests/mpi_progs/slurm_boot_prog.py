@@ -11,7 +11,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from slurm_align.dist.bootstrap import init_distributed, shutdown_distributed
+from slurm_align.parallel.bootstrap import init_distributed, shutdown_distributed
 
 
 def main() -> None:

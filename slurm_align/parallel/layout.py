@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 from slurm_align.config.errors import ConfigError
-from slurm_align.dist.bootstrap import DistEnv
+from slurm_align.parallel.bootstrap import DistEnv
 
 
 class LayoutNotInitialised(RuntimeError):

@@ -45,7 +45,7 @@ def test_bootstrap_errors_are_clear() -> None:
 
 def test_layout_validation_names_fields() -> None:
     from slurm_align.config.errors import ConfigError
-    from slurm_align.dist.layout import expected_ranks, validate_layout
+    from slurm_align.parallel.layout import expected_ranks, validate_layout
 
     assert validate_layout(8, 2, 2) == 2
     with pytest.raises(ConfigError, match="parallel.tensor_parallel.*6.*world size 4"):
@@ -61,7 +61,7 @@ def test_bootstrap_picks_nccl_on_gpu() -> None:
     """On a GPU machine the default backend is NCCL and collectives run on the rank's device."""
     code = (
         "import torch, torch.distributed as dist\n"
-        "from slurm_align.dist.bootstrap import init_distributed, shutdown_distributed\n"
+        "from slurm_align.parallel.bootstrap import init_distributed, shutdown_distributed\n"
         "env = init_distributed()\n"
         "assert env.backend == 'nccl' and env.device == 'cuda:0', env\n"
         "t = torch.ones(4, device=env.device); dist.all_reduce(t)\n"
