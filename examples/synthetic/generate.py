@@ -12,7 +12,8 @@ from pathlib import Path
 
 from slurm_align.data.synthetic import preference_rows, prompt_rows, sft_rows
 
-SIZES = {"sft_train": 2000, "sft_val": 200, "pref_train": 2000, "pref_val": 200, "prompts": 500}
+SIZES = {"sft_train": 2000, "sft_val": 200, "pref_train": 2000, "pref_val": 200, "prompts": 500,
+         "prompts_val": 200}
 
 
 def main() -> None:

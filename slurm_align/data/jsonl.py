@@ -1,59 +1,177 @@
 """JSONL readers with errors that name the file, the line and what is wrong.
 
-Formats (as NeMo-Aligner users know them):
-    SFT          {"input": str, "output": str}
-    preferences  {"prompt": str, "chosen": str, "rejected": str}
+Each line is a plain row (as NeMo-Aligner users know them) or a chat row (a conversation as
+transformers' apply_chat_template takes it, rendered with the tokenizer's chat template):
+
     prompts      {"prompt": str}
-Extra keys are allowed and ignored.
+                 {"messages": [turn, ...]}                 the last turn is not the assistant's
+    SFT          {"input": str, "output": str}
+                 {"messages": [turn, ..., assistant turn]} the last turn is the response (the loss
+                                                           counts on it only)
+    preferences  {"prompt": str, "chosen": str, "rejected": str}
+                 {"messages": [prompt turn, ...], "chosen": R, "rejected": R}
+                 where R is the assistant's reply as a string, as one assistant message, or as a
+                 list of messages that continue the conversation.
+
+A turn is {"role": str, "content": str, ...} (other keys go to the template as they are). A row
+with "messages" is a chat row. Extra keys are allowed and ignored.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from slurm_align.config.errors import ConfigError
 
 SFT_KEYS = ("input", "output")
 PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
 PROMPT_KEYS = ("prompt",)
+PLAIN_KEYS = {"prompt": PROMPT_KEYS, "SFT": SFT_KEYS, "preference": PREFERENCE_KEYS}
+MAX_PROBLEMS = 20
 
 
-def read_jsonl(path: str | Path, keys: tuple[str, ...], kind: str) -> list[dict[str, str]]:
-    """Every non-blank line must be a JSON object with string values for `keys`."""
-    path = Path(path)
+@dataclass(frozen=True)
+class Row:
+    """One validated line. Plain rows hold their strings; chat rows hold "messages" (the prompt
+    turns, plus the response turn for SFT) and, for preferences, "chosen"/"rejected" as lists
+    of messages."""
+
+    line: int
+    data: dict[str, Any]
+
+    @property
+    def is_chat(self) -> bool:
+        return "messages" in self.data
+
+
+def _json_lines(path: Path, kind: str) -> list[tuple[int, Any]]:
+    """(line number, parsed value) for every non-blank line; a line that is not JSON gives
+    its error message (a str inside a 1-tuple) instead of a value."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError([f"{kind} data file not found"], path) from None
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError([f"cannot read {kind} data file ({e})"], path) from None
-    rows, problems = [], []
+    out = []
     for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         try:
-            obj = json.loads(line)
+            out.append((n, json.loads(line)))
         except json.JSONDecodeError as e:
-            problems.append(f"line {n}: not valid JSON ({e.msg} at column {e.colno})")
-            continue
-        if not isinstance(obj, dict):
+            out.append((n, (f"not valid JSON ({e.msg} at column {e.colno})",)))
+    return out
+
+
+def _plain_problem(obj: dict, keys: tuple[str, ...], kind: str) -> str | None:
+    missing = [k for k in keys if k not in obj]
+    if missing:
+        return f"missing key(s) {missing} ({kind} lines need {list(keys)}; found {sorted(obj)})"
+    wrong = [f"{k!r} is {type(obj[k]).__name__}" for k in keys if not isinstance(obj[k], str)]
+    if wrong:
+        return f"values must be strings: {', '.join(wrong)}"
+    return None
+
+
+def _finish(rows: list, problems: list[str], path: Path, kind: str, expected: str) -> list:
+    if problems:
+        raise ConfigError(problems[:MAX_PROBLEMS], path)
+    if not rows:
+        raise ConfigError([f"{kind} data file is empty (expected JSON lines with {expected})"], path)
+    return rows
+
+
+def read_jsonl(path: str | Path, keys: tuple[str, ...], kind: str) -> list[dict[str, str]]:
+    """Plain rows only: every non-blank line must be a JSON object with string values for `keys`."""
+    path = Path(path)
+    rows, problems = [], []
+    for n, obj in _json_lines(path, kind):
+        if isinstance(obj, tuple):
+            problems.append(f"line {n}: {obj[0]}")
+        elif not isinstance(obj, dict):
             problems.append(f"line {n}: expected a JSON object with keys {list(keys)}, got {type(obj).__name__}")
             continue
-        missing = [k for k in keys if k not in obj]
-        if missing:
-            problems.append(f"line {n}: missing key(s) {missing} ({kind} lines need {list(keys)}; "
-                            f"found {sorted(obj)})")
+        problem = _plain_problem(obj, keys, kind)
+        if problem:
+            problems.append(f"line {n}: {problem}")
+        else:
+            rows.append({k: obj[k] for k in keys})
+    return _finish(rows, problems, path, kind, f"keys {list(keys)}")
+
+
+def _messages_problem(value: Any, key: str) -> str | None:
+    if not isinstance(value, list) or not value:
+        return f"{key!r} must be a non-empty list of messages, got {json.dumps(value)[:60]}"
+    for i, m in enumerate(value):
+        if not isinstance(m, dict):
+            return f"{key}[{i}] must be an object {{\"role\": ..., \"content\": ...}}, got {type(m).__name__}"
+        bad = [k for k in ("role", "content") if not isinstance(m.get(k), str)]
+        if bad:
+            return f"{key}[{i}] needs string {' and '.join(map(repr, bad))} (got keys {sorted(m)})"
+    return None
+
+
+def _as_messages(value: Any) -> Any:
+    """A preference reply (string, one message or a list of messages) as a list of messages."""
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    return [value] if isinstance(value, dict) else value
+
+
+def _chat_row(obj: dict, kind: str) -> tuple[dict | None, str | None]:
+    """The validated chat row, or what is wrong with it."""
+    problem = _messages_problem(obj["messages"], "messages")
+    if problem:
+        return None, problem
+    messages = obj["messages"]
+    last = messages[-1]["role"]
+    if kind == "SFT":
+        if last != "assistant":
+            return None, f"the last message of an SFT chat row is the response and must have role 'assistant', got {last!r}"
+        return {"messages": messages}, None
+    if last == "assistant":
+        return None, (f"the last message of a {kind} chat row must be a prompt turn (user, system, ...), "
+                      f"not 'assistant'")
+    if kind == "prompt":
+        return {"messages": messages}, None
+    row = {"messages": messages}
+    for key in ("chosen", "rejected"):
+        if key not in obj:
+            return None, f"missing key {key!r} (preference chat rows need 'messages', 'chosen', 'rejected')"
+        reply = _as_messages(obj[key])
+        problem = _messages_problem(reply, key)
+        if problem:
+            return None, problem + " (a string, an assistant message, or a list of messages)"
+        row[key] = reply
+    return row, None
+
+
+def read_rows(path: str | Path, kind: str) -> list[Row]:
+    """Plain and chat rows of a `kind` ('prompt', 'SFT' or 'preference') data file."""
+    path = Path(path)
+    keys = PLAIN_KEYS[kind]
+    rows, problems = [], []
+    for n, obj in _json_lines(path, kind):
+        if isinstance(obj, tuple):
+            problems.append(f"line {n}: {obj[0]}")
             continue
-        wrong = [f"{k!r} is {type(obj[k]).__name__}" for k in keys if not isinstance(obj[k], str)]
-        if wrong:
-            problems.append(f"line {n}: values must be strings: {', '.join(wrong)}")
+        if not isinstance(obj, dict):
+            problems.append(f"line {n}: expected a JSON object with keys {list(keys)} or 'messages', "
+                            f"got {type(obj).__name__}")
             continue
-        rows.append({k: obj[k] for k in keys})
-        if len(problems) >= 20:
-            break
-    if problems:
-        raise ConfigError(problems[:20], path)
-    if not rows:
-        raise ConfigError([f"{kind} data file is empty (expected JSON lines with keys {list(keys)})"], path)
-    return rows
+        if "messages" in obj:
+            data, problem = _chat_row(obj, kind)
+        else:
+            problem = _plain_problem(obj, keys, kind)
+            if problem:
+                problem += " (or a chat row with 'messages')"
+            data = {k: obj[k] for k in keys}
+        if problem:
+            problems.append(f"line {n}: {problem}")
+        else:
+            rows.append(Row(n, data))
+    return _finish(rows, problems, path, kind, f"keys {list(keys)} or 'messages'")
