@@ -56,8 +56,8 @@ def test_preference_batch_keeps_pairs_aligned():
     b = ds.batch([0, 1])
     assert b["tokens"].shape[0] == 4
     tok = ByteTokenizer()
-    assert tok.decode(b["tokens"][0]).endswith(ds.rows[0]["chosen"])
-    assert tok.decode(b["tokens"][2]).endswith(ds.rows[0]["rejected"])
+    assert tok.decode(b["tokens"][0]).endswith(ds.rows[0].data["chosen"])
+    assert tok.decode(b["tokens"][2]).endswith(ds.rows[0].data["rejected"])
 
 
 def test_data_order_is_a_function_of_the_step():

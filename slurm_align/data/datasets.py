@@ -1,7 +1,12 @@
 """Tokenised datasets, right-padded batches, and a resumable data order.
 
-Sequences are [BOS] prompt response [EOS], truncated to max_seq_len. A "response mask" marks
-the positions whose NEXT token is a response token (where an LM loss/log-prob counts).
+Plain rows become [BOS] prompt response [EOS] (no BOS when the tokenizer has none). Chat rows
+become the tokenizer's chat template: the prompt is the prompt turns rendered with the
+generation prompt (what the policy is given at generation), the response is the rest of the
+rendered conversation up to and including its last EOS token (EOS appended when the template
+does not end the turn with it, so that generation learns to stop). Both are truncated to
+max_seq_len. A "response mask" marks the positions whose NEXT token is a response token (where
+an LM loss/log-prob counts).
 """
 
 from __future__ import annotations
@@ -9,9 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import jinja2
 import torch
 
-from slurm_align.data.jsonl import PREFERENCE_KEYS, PROMPT_KEYS, SFT_KEYS, read_jsonl
+from slurm_align.config.errors import ConfigError
+from slurm_align.data.jsonl import Row, read_rows
+
+
+class TemplatePrefixError(ValueError):
+    """The chat template renders a conversation without its prompt as a prefix."""
 
 
 @dataclass(frozen=True)
@@ -20,20 +31,66 @@ class Sequence:
     prompt_len: int  # tokens before the response, BOS included
 
 
+def _bos(tok) -> list[int]:
+    return [] if tok.bos_id is None else [tok.bos_id]
+
+
 def encode_pair(tok, prompt: str, response: str, max_len: int) -> Sequence:
-    p = [tok.bos_id] + tok.encode(prompt)
+    p = _bos(tok) + tok.encode(prompt)
     ids = (p + tok.encode(response) + [tok.eos_id])[:max_len]
     return Sequence(ids, min(len(p), max_len))
 
 
 def encode_prompt(tok, prompt: str, max_len: int) -> list[int]:
-    return ([tok.bos_id] + tok.encode(prompt))[:max_len]
+    return (_bos(tok) + tok.encode(prompt))[:max_len]
+
+
+def encode_chat_prompt(tok, messages: list[dict], max_len: int) -> list[int]:
+    """Prompt turns as the policy sees them: rendered with the generation prompt, no BOS added
+    (a template that wants one writes it)."""
+    return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True))[:max_len]
+
+
+def encode_chat_pair(tok, prompt: list[dict], response: list[dict], max_len: int) -> Sequence:
+    """Prompt turns + response turns; the response tokens are those of the rendered text past
+    the rendered prompt, so training sees exactly what generation produces after the prompt."""
+    prompt_text = tok.apply_chat_template(prompt, add_generation_prompt=True)
+    full_text = tok.apply_chat_template(prompt + response)
+    if not full_text.startswith(prompt_text):
+        raise TemplatePrefixError("the chat template renders the conversation without the prompt as its prefix "
+                         f"(prompt ends {prompt_text[-40:]!r}, conversation has {full_text[:len(prompt_text)][-40:]!r})")
+    p = tok.encode(prompt_text)
+    r = tok.encode(full_text[len(prompt_text):])
+    ends = [i for i, t in enumerate(r) if t == tok.eos_id]
+    r = r[: ends[-1] + 1] if ends else r + [tok.eos_id]   # drop what follows the turn's end ("\n")
+    return Sequence((p + r)[:max_len], min(len(p), max_len))
+
+
+def _encode_rows(path, kind: str, tok, encode) -> tuple[list[Row], list]:
+    """encode(row) for every row of a data file; template failures name the file and line."""
+    rows = read_rows(path, kind)
+    items, problems = [], []
+    for row in rows:
+        try:
+            items.append(encode(row))
+        except ConfigError as e:  # the tokenizer has no chat template: once for the file is enough
+            raise ConfigError([f"line {row.line}: a chat row, but {e}"], path) from None
+        except (jinja2.TemplateError, TemplatePrefixError) as e:
+            problems.append(f"line {row.line}: chat template: {e}")
+    if problems:
+        raise ConfigError(problems[:20], path)
+    return rows, items
 
 
 class SFTDataset:
     def __init__(self, path: str | Path, tok, max_len: int):
-        self.rows = read_jsonl(path, SFT_KEYS, "SFT")
-        self.items = [encode_pair(tok, r["input"], r["output"], max_len) for r in self.rows]
+        def encode(row: Row) -> Sequence:
+            d = row.data
+            if row.is_chat:
+                return encode_chat_pair(tok, d["messages"][:-1], d["messages"][-1:], max_len)
+            return encode_pair(tok, d["input"], d["output"], max_len)
+
+        self.rows, self.items = _encode_rows(path, "SFT", tok, encode)
         self.pad_id = tok.pad_id
 
     def __len__(self) -> int:
@@ -49,9 +106,15 @@ class PreferenceDataset:
     """Each item is a (chosen, rejected) pair sharing a prompt."""
 
     def __init__(self, path: str | Path, tok, max_len: int):
-        self.rows = read_jsonl(path, PREFERENCE_KEYS, "preference")
-        self.chosen = [encode_pair(tok, r["prompt"], r["chosen"], max_len) for r in self.rows]
-        self.rejected = [encode_pair(tok, r["prompt"], r["rejected"], max_len) for r in self.rows]
+        def encode(row: Row) -> tuple[Sequence, Sequence]:
+            d = row.data
+            if row.is_chat:
+                return tuple(encode_chat_pair(tok, d["messages"], d[k], max_len) for k in ("chosen", "rejected"))
+            return tuple(encode_pair(tok, d["prompt"], d[k], max_len) for k in ("chosen", "rejected"))
+
+        self.rows, pairs = _encode_rows(path, "preference", tok, encode)
+        self.chosen = [c for c, _ in pairs]
+        self.rejected = [r for _, r in pairs]
         self.pad_id = tok.pad_id
 
     def __len__(self) -> int:
@@ -65,9 +128,15 @@ class PreferenceDataset:
 
 
 class PromptDataset:
+    """Prompt token ids (PPO's prompts): plain rows as [BOS] prompt, chat rows rendered."""
+
     def __init__(self, path: str | Path, tok, max_len: int):
-        self.rows = read_jsonl(path, PROMPT_KEYS, "prompt")
-        self.items = [encode_prompt(tok, r["prompt"], max_len) for r in self.rows]
+        def encode(row: Row) -> list[int]:
+            if row.is_chat:
+                return encode_chat_prompt(tok, row.data["messages"], max_len)
+            return encode_prompt(tok, row.data["prompt"], max_len)
+
+        self.rows, self.items = _encode_rows(path, "prompt", tok, encode)
 
     def __len__(self) -> int:
         return len(self.items)

@@ -41,15 +41,20 @@ class Row:
 
     line: int
     data: dict[str, Any]
+    extra: dict[str, Any]
+    """The line's other fields (e.g. a rule reward's reference answer), as they are."""
 
     @property
     def is_chat(self) -> bool:
         return "messages" in self.data
 
 
+class _NotJson(str):
+    """What a line that is not JSON gives instead of a value: the parser's complaint."""
+
+
 def _json_lines(path: Path, kind: str) -> list[tuple[int, Any]]:
-    """(line number, parsed value) for every non-blank line; a line that is not JSON gives
-    its error message (a str inside a 1-tuple) instead of a value."""
+    """(line number, parsed value, or _NotJson) for every non-blank line."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -63,8 +68,14 @@ def _json_lines(path: Path, kind: str) -> list[tuple[int, Any]]:
         try:
             out.append((n, json.loads(line)))
         except json.JSONDecodeError as e:
-            out.append((n, (f"not valid JSON ({e.msg} at column {e.colno})",)))
+            out.append((n, _NotJson(f"not valid JSON ({e.msg} at column {e.colno})")))
     return out
+
+
+def _not_object(value: Any, keys: str) -> str:
+    if isinstance(value, _NotJson):
+        return str(value)
+    return f"expected a JSON object with keys {keys}, got {type(value).__name__}"
 
 
 def _plain_problem(obj: dict, keys: tuple[str, ...], kind: str) -> str | None:
@@ -85,21 +96,20 @@ def _finish(rows: list, problems: list[str], path: Path, kind: str, expected: st
     return rows
 
 
-def read_jsonl(path: str | Path, keys: tuple[str, ...], kind: str) -> list[dict[str, str]]:
-    """Plain rows only: every non-blank line must be a JSON object with string values for `keys`."""
+def read_jsonl(path: str | Path, keys: tuple[str, ...], kind: str, keep_extra: bool = False) -> list[dict[str, Any]]:
+    """Plain rows only: every non-blank line must be a JSON object with string values for `keys`.
+    keep_extra: a row keeps its other fields too (e.g. a rule reward's reference answer)."""
     path = Path(path)
     rows, problems = [], []
     for n, obj in _json_lines(path, kind):
-        if isinstance(obj, tuple):
-            problems.append(f"line {n}: {obj[0]}")
-        elif not isinstance(obj, dict):
-            problems.append(f"line {n}: expected a JSON object with keys {list(keys)}, got {type(obj).__name__}")
+        if isinstance(obj, _NotJson) or not isinstance(obj, dict):
+            problems.append(f"line {n}: {_not_object(obj, str(list(keys)))}")
             continue
         problem = _plain_problem(obj, keys, kind)
         if problem:
             problems.append(f"line {n}: {problem}")
         else:
-            rows.append({k: obj[k] for k in keys})
+            rows.append(dict(obj) if keep_extra else {k: obj[k] for k in keys})
     return _finish(rows, problems, path, kind, f"keys {list(keys)}")
 
 
@@ -156,22 +166,18 @@ def read_rows(path: str | Path, kind: str) -> list[Row]:
     keys = PLAIN_KEYS[kind]
     rows, problems = [], []
     for n, obj in _json_lines(path, kind):
-        if isinstance(obj, tuple):
-            problems.append(f"line {n}: {obj[0]}")
-            continue
-        if not isinstance(obj, dict):
-            problems.append(f"line {n}: expected a JSON object with keys {list(keys)} or 'messages', "
-                            f"got {type(obj).__name__}")
+        if isinstance(obj, _NotJson) or not isinstance(obj, dict):
+            problems.append(f"line {n}: {_not_object(obj, f'{list(keys)} or messages')}")
             continue
         if "messages" in obj:
             data, problem = _chat_row(obj, kind)
         else:
             problem = _plain_problem(obj, keys, kind)
+            data = None if problem else {k: obj[k] for k in keys}
             if problem:
                 problem += " (or a chat row with 'messages')"
-            data = {k: obj[k] for k in keys}
         if problem:
             problems.append(f"line {n}: {problem}")
         else:
-            rows.append(Row(n, data))
+            rows.append(Row(n, data, {k: v for k, v in obj.items() if k not in data}))
     return _finish(rows, problems, path, kind, f"keys {list(keys)} or 'messages'")
