@@ -13,8 +13,12 @@ from pydantic import Field, model_validator
 
 from slurm_align.config.base import StrictModel
 
-Algorithm = Literal["ppo", "sft", "rm", "dpo"]
+Algorithm = Literal["ppo", "sft", "rm", "dpo", "grpo", "rloo", "reinforce_pp", "rejection_sampling"]
 COMPONENTS = ("actor", "critic")
+ROLLOUT_ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "rejection_sampling")
+"""Algorithms that generate rollouts in the actor loop (the others are one-component trainers)."""
+ADVANTAGE_ESTIMATOR = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_pp"}
+"""The advantage estimator each policy-gradient algorithm uses (slurm_align.algorithms.advantages)."""
 
 
 class TokenizerConfig(StrictModel):
@@ -156,6 +160,79 @@ class PPOConfig(StrictModel):
     """Clip the policy's gradient to this global norm (0: no clipping)."""
     save_interval: int = Field(0, ge=0)
     """Checkpoint every K steps (0: only at the end)."""
+    global_batch_size: int | None = Field(None, ge=1)
+    """Rollouts per optimizer step over all DP ranks: each step's rollouts (num_rollout_samples x
+    rl.n_samples_per_prompt) are split into batches of this size, one optimizer step each (as
+    NeMo-Aligner's global batch); it must divide the rollout count. Default: all of them, one
+    optimizer step per PPO step (then the ratio is 1 in the first epoch and the clip never acts)."""
+    epochs: int = Field(1, ge=1)
+    """Passes over each step's rollouts (each pass reshuffles them into optimizer batches)."""
+
+
+class RLConfig(StrictModel):
+    """The policy-gradient family's options beyond PPO's: groups, KL placement, loss shape."""
+
+    n_samples_per_prompt: int = Field(1, ge=1)
+    """Responses sampled per prompt (the group of GRPO/RLOO and of rejection sampling). A group
+    stays together through the prompt server, generation and balancing. grpo, rloo and
+    rejection_sampling need at least 2."""
+    normalize_group_std: bool = True
+    """GRPO divides each advantage by its group's reward std; false gives Dr. GRPO (no division)."""
+    kl_in_reward: bool | None = None
+    """Penalise KL to the reference policy in the reward (per token, ppo.kl_coef, k1).
+    Default: true for ppo and reinforce_pp, false for grpo and rloo (they use kl_loss_coef)."""
+    kl_loss_coef: float = Field(0.0, ge=0)
+    """Weight of a KL(policy || reference) term in the loss, with kl_estimator (GRPO's beta;
+    0: none)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """Estimator of the KL loss term: k1 log-ratio, k2 half squared log-ratio, k3 exp(-x)+x-1
+    (unbiased, never negative)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How per-token losses become the loss: mean over all tokens of the batch; mean over
+    sequences of each one's token mean (GRPO as published); mean over sequences of token sums."""
+    eps_low: float | None = Field(None, gt=0, lt=1)
+    """Ratio clip below: 1 - eps_low. Default ppo.ratio_clip."""
+    eps_high: float | None = Field(None, gt=0)
+    """Ratio clip above: 1 + eps_high (DAPO's clip-higher sets it above eps_low). Default eps_low."""
+    filter_equal_reward_groups: bool = False
+    """Dynamic sampling (DAPO): drop the groups whose rewards are all equal (zero group advantage)
+    before training; how many were dropped is in the metrics (train_rollouts/dropped_groups)."""
+
+
+class RewardConfig(StrictModel):
+    """Where rewards come from: a reward model on the critic component, a rule, or both."""
+
+    model: bool | None = None
+    """Score with the reward model (critic_model.init_checkpoint) on the critic component.
+    Default: true when no rule is given."""
+    rule: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """A rule (verifiable) reward 'module:function', called on the actor ranks as
+    fn(response, prompt, **fields) with the response and prompt texts and the prompt row's other
+    fields (e.g. answer); it returns a finite float. Shipped: slurm_align.rewards.sort:exact,
+    slurm_align.rewards.sort:partial, slurm_align.rewards.arithmetic:exact_answer."""
+    model_weight: float = 1.0
+    """Weight of the reward model's score in the combined reward."""
+    rule_weight: float = 1.0
+    """Weight of the rule reward in the combined reward."""
+
+    @property
+    def use_model(self) -> bool:
+        return self.rule is None if self.model is None else self.model
+
+
+class EvalConfig(StrictModel):
+    """Task evaluation on held-out prompts: greedy responses scored by a rule."""
+
+    interval: int = Field(0, ge=0)
+    """Evaluate before step s when s is a multiple of this, and after the last step (0: never).
+    Logged as val/score (mean scorer value) and val/response_length in metrics.jsonl; the
+    evaluation after the last step is logged with step = ppo.num_steps."""
+    val_path: Path | None = None
+    """JSONL prompts {"prompt", ...} to evaluate on (other fields reach the scorer)."""
+    scorer: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    """'module:function' scoring a response as a rule reward does. Default: reward.rule."""
+    num_prompts: int = Field(0, ge=0)
+    """Evaluate on the first N prompts of val_path (0: all)."""
 
 
 class TrainerConfig(StrictModel):
@@ -205,7 +282,10 @@ class RunConfig(StrictModel):
     """One run: algorithm, models, parallelism per component, hyper-parameters, switches."""
 
     algorithm: Algorithm = "ppo"
-    """ppo (actor+critic hetjob), or sft / rm / dpo (one component)."""
+    """ppo (actor + critic hetjob); grpo, rloo, reinforce_pp (advantages without a value model)
+    and rejection_sampling (best of n samples per prompt, SFT on them): the actor alone with a
+    rule reward, actor + a reward-only critic component with a reward model; sft / rm / dpo
+    (one component)."""
     run_dir: Path | None = None
     """Run directory; default a new folder under ./runs/."""
     seed: int = 1234
@@ -225,7 +305,14 @@ class RunConfig(StrictModel):
     switches: Switches = Switches()
     """Optimisation switches (ablation)."""
     ppo: PPOConfig = PPOConfig()
-    """PPO hyper-parameters."""
+    """PPO hyper-parameters (also the rollout, batch and optimizer settings of grpo, rloo,
+    reinforce_pp and rejection_sampling)."""
+    rl: RLConfig = RLConfig()
+    """Groups, KL placement and loss shape of the policy-gradient family."""
+    reward: RewardConfig = RewardConfig()
+    """Reward model, rule reward, or both."""
+    eval: EvalConfig = EvalConfig()
+    """Held-out task evaluation during rollout algorithms."""
     trainer: TrainerConfig = TrainerConfig()
     """SFT / RM / DPO hyper-parameters."""
     critic_server: CriticServerConfig = CriticServerConfig()
@@ -236,7 +323,7 @@ class RunConfig(StrictModel):
     @model_validator(mode="after")
     def _layouts_fit_models(self):
         pairs = [("actor", self.actor, self.model)]
-        if self.algorithm == "ppo":
+        if "critic" in self.components:
             pairs.append(("critic", self.critic, self.critic_model or self.model))
         for name, par, m in pairs:
             if m.num_attention_heads % par.tensor_parallel:
@@ -250,10 +337,58 @@ class RunConfig(StrictModel):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _rollout_options_fit(self):
+        if self.algorithm not in ROLLOUT_ALGORITHMS:
+            return self
+        n = self.rl.n_samples_per_prompt
+        if self.algorithm in ("grpo", "rloo", "rejection_sampling") and n < 2:
+            raise ValueError(f"rl.n_samples_per_prompt={n}: {self.algorithm} compares the samples of one prompt, "
+                             "so it needs at least 2")
+        if not self.reward.use_model and self.reward.rule is None:
+            raise ValueError("reward: neither a reward model (reward.model) nor a rule (reward.rule) gives rewards")
+        if self.algorithm == "ppo" and self.rl.filter_equal_reward_groups:
+            raise ValueError("rl.filter_equal_reward_groups needs a group estimator (grpo, rloo, reinforce_pp), "
+                             "not ppo")
+        gbs, total = self.ppo.global_batch_size, self.rollouts_per_step
+        if gbs is not None and (gbs > total or total % gbs):
+            raise ValueError(f"ppo.global_batch_size={gbs} must divide the step's rollouts "
+                             f"(ppo.num_rollout_samples x rl.n_samples_per_prompt = {total})")
+        if self.eval.interval and self.eval.val_path is None:
+            raise ValueError(f"eval.interval={self.eval.interval} needs eval.val_path (held-out prompts)")
+        if self.eval.interval and (self.eval.scorer or self.reward.rule) is None:
+            raise ValueError("eval.interval needs a scorer: eval.scorer or reward.rule ('module:function')")
+        return self
+
     @property
     def components(self) -> tuple[str, ...]:
-        """Job components this run needs: actor and critic for PPO, one for the rest."""
-        return COMPONENTS if self.algorithm == "ppo" else ("actor",)
+        """Job components this run needs: actor and critic for PPO; for the other rollout
+        algorithms the actor, plus a reward-only critic when a reward model scores; one for
+        the trainers."""
+        if self.algorithm == "ppo" or (self.algorithm in ROLLOUT_ALGORITHMS and self.reward.use_model):
+            return COMPONENTS
+        return ("actor",)
+
+    @property
+    def critic_trains(self) -> bool:
+        """Whether the critic component holds and trains a value model (PPO), or only serves
+        the reward model (the other rollout algorithms)."""
+        return self.algorithm == "ppo"
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.ppo.num_rollout_samples * self.rl.n_samples_per_prompt
+
+    @property
+    def kl_in_reward(self) -> bool:
+        if self.rl.kl_in_reward is not None:
+            return self.rl.kl_in_reward
+        return self.algorithm in ("ppo", "reinforce_pp")
+
+    @property
+    def advantage_estimator(self) -> str | None:
+        """gae, grpo, rloo or reinforce_pp (None for rejection sampling and the trainers)."""
+        return ADVANTAGE_ESTIMATOR.get(self.algorithm)
 
     def parallel(self, component: str) -> ParallelConfig:
         return {"actor": self.actor, "critic": self.critic}[component]
