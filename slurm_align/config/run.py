@@ -35,37 +35,114 @@ class TokenizerConfig(StrictModel):
         return self
 
 
-class ModelConfig(StrictModel):
-    """A GPT (megatron-core GPTModel) shape; the same shape serves policy, value and reward."""
+class RopeScalingConfig(StrictModel):
+    """Llama-3 style RoPE frequency scaling (HF `rope_scaling` with rope_type 'llama3')."""
 
+    factor: float = Field(8.0, gt=0)
+    """Low frequencies are divided by this."""
+    low_freq_factor: float = Field(1.0, gt=0)
+    """Wavelengths above original_max_position_embeddings / low_freq_factor are scaled fully."""
+    high_freq_factor: float = Field(4.0, gt=0)
+    """Wavelengths below original_max_position_embeddings / high_freq_factor are left alone;
+    those between are interpolated."""
+    original_max_position_embeddings: int = Field(8192, ge=1)
+    """Context length the model was pre-trained with before scaling."""
+
+    @model_validator(mode="after")
+    def _factors_ordered(self):
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"high_freq_factor={self.high_freq_factor} must be greater than "
+                             f"low_freq_factor={self.low_freq_factor}")
+        return self
+
+
+class ModelConfig(StrictModel):
+    """A decoder-only transformer (megatron-core GPTModel); the same shape serves policy, value
+    and reward. The defaults are slurm-align's own GPT (learned positions, LayerNorm, GELU,
+    biases, untied output); Llama/Qwen2/Mistral/GPT-2 come from `hf_path` (or the fields)."""
+
+    hf_path: Path | None = None
+    """A local Hugging Face model folder (config.json, *.safetensors, tokenizer files). When set,
+    the architecture fields, num_layers, hidden_size, heads, ffn_hidden_size, vocab_size,
+    max_seq_len (unless given) and the tokenizer (unless given) are filled from its config.json
+    at validation; the weights are loaded from it when no init_checkpoint is given. Default: none."""
     num_layers: int = Field(2, ge=1)
     """Transformer layers."""
     hidden_size: int = Field(64, ge=8)
     """Model width."""
     num_attention_heads: int = Field(4, ge=1)
-    """Attention heads; must divide hidden_size."""
+    """Attention heads; must divide hidden_size unless kv_channels is given."""
     ffn_hidden_size: int | None = Field(None, ge=8)
-    """MLP width; default 4 x hidden_size."""
+    """MLP width (for swiglu: the width of each of gate and up); default 4 x hidden_size."""
     vocab_size: int = Field(260, ge=2)
     """Vocabulary size (padded up per TP as megatron does)."""
     max_seq_len: int = Field(128, ge=2)
-    """Longest prompt+response the model accepts (position embeddings)."""
+    """Longest prompt+response the model accepts (size of learned position embeddings)."""
+    position_embedding: Literal["learned", "rope"] = "learned"
+    """'learned' absolute positions (GPT-2, default) or rotary embeddings 'rope' (Llama, Qwen2,
+    Mistral)."""
+    rotary_base: float = Field(10000.0, gt=0)
+    """RoPE theta (rope only). Default 10000."""
+    rope_scaling: RopeScalingConfig | None = None
+    """Llama-3 frequency scaling of RoPE (rope only). Default: none."""
+    normalization: Literal["LayerNorm", "RMSNorm"] = "LayerNorm"
+    """Layer norm kind; RMSNorm has a weight and no bias. Default LayerNorm."""
+    norm_epsilon: float = Field(1e-5, gt=0)
+    """Epsilon of every norm. Default 1e-5."""
+    activation: Literal["gelu", "gelu_tanh", "swiglu"] = "gelu"
+    """MLP activation: 'gelu' (exact erf GELU, default), 'gelu_tanh' (GPT-2's gelu_new) or
+    'swiglu' (silu(gate) * up: Llama, Qwen2, Mistral)."""
+    num_query_groups: int | None = Field(None, ge=1)
+    """Key/value heads for grouped-query attention; must divide num_attention_heads, and the
+    tensor-parallel size must divide it. Default: num_attention_heads (plain multi-head)."""
+    kv_channels: int | None = Field(None, ge=1)
+    """Head dimension. Default hidden_size // num_attention_heads."""
+    add_bias_linear: bool = True
+    """Biases in every linear layer (GPT-2 and slurm-align's GPT). Default true."""
+    add_qkv_bias: bool = False
+    """Bias in the QKV projection only (Qwen2); implied by add_bias_linear. Default false."""
+    tie_embeddings: bool = False
+    """The output layer shares the input embedding matrix (GPT-2, small Qwen2). Default false."""
     tokenizer: TokenizerConfig = TokenizerConfig()
     """Tokenizer to turn text data into ids."""
     init_checkpoint: Path | None = None
     """Checkpoint to start from (an SFT result for the policy, an RM result for the critic)."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_hf(cls, data):
+        if isinstance(data, dict) and data.get("hf_path") is not None:
+            # Deferred: the HF mapping lives with the models; it reads only JSON (no torch).
+            from slurm_align.models.hf.config import fill_model_fields
+            return fill_model_fields(data)
+        return data
+
     @model_validator(mode="after")
-    def _heads_divide(self):
-        if self.hidden_size % self.num_attention_heads:
+    def _shape_consistent(self):
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"num_attention_heads={self.num_attention_heads} must divide hidden_size={self.hidden_size}"
+                f"num_attention_heads={self.num_attention_heads} must divide hidden_size={self.hidden_size} "
+                "(or give kv_channels)"
             )
+        if self.num_attention_heads % self.query_groups:
+            raise ValueError(f"num_query_groups={self.num_query_groups} must divide "
+                             f"num_attention_heads={self.num_attention_heads}")
+        if self.position_embedding != "rope" and self.rope_scaling is not None:
+            raise ValueError("rope_scaling needs position_embedding='rope'")
         return self
 
     @property
     def ffn(self) -> int:
         return self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads (num_query_groups, or num_attention_heads without GQA)."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def padded_vocab_size(self) -> int:
@@ -326,10 +403,11 @@ class RunConfig(StrictModel):
         if "critic" in self.components:
             pairs.append(("critic", self.critic, self.critic_model or self.model))
         for name, par, m in pairs:
-            if m.num_attention_heads % par.tensor_parallel:
+            if m.query_groups % par.tensor_parallel:
                 raise ValueError(
                     f"{name}.tensor_parallel={par.tensor_parallel} must divide "
-                    f"num_attention_heads={m.num_attention_heads}"
+                    f"num_attention_heads={m.num_attention_heads} and the key/value heads "
+                    f"(num_query_groups={m.query_groups})"
                 )
             if m.num_layers % par.pipeline_parallel:
                 raise ValueError(

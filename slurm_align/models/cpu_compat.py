@@ -10,6 +10,7 @@ calls it makes (see ../shared/STACK.md):
   `torch.cuda.current_device()` and `torch.cuda.synchronize()`;
 - `tensor_parallel.mappings` allocates gather buffers on `torch.cuda.current_device()`;
 - `transformer.utils.get_default_causal_mask` builds its mask with `device="cuda"`;
+- `RotaryEmbedding.get_emb` moves its frequencies to `torch.cuda.current_device()`;
 - the dist-checkpoint save path calls `torch.cuda.synchronize()` / `current_device()`.
 
 The RNG tracker (megatron's `model_parallel_cuda_manual_seed` asserts CUDA) is seeded through
@@ -28,6 +29,7 @@ import torch
 PATCHED_MODULES = (
     "megatron.core.utils",
     "megatron.core.transformer.utils",
+    "megatron.core.models.common.embeddings.rotary_pos_embedding",
     "megatron.core.tensor_parallel.mappings",
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.pipeline_parallel.p2p_communication",

@@ -1,9 +1,14 @@
 """megatron-core GPTModel builders: the policy/reference LM and the value/reward model.
 
-Every model follows the shared architecture contract (see ../shared/DESIGN.md and the models
-issue): a GPTModel with learned absolute positions, LayerNorm, GELU, biases, no dropout,
-untied output layer; Transformer Engine layer spec when CUDA and TE are present, the local spec
-otherwise. `build_gpt` returns a list of model chunks (one: this rank's pipeline stage).
+The architecture comes from ModelConfig (/work/coord/MODEL_FIELDS.md): slurm-align's own GPT by
+default (learned positions, LayerNorm, GELU, biases, untied output), or Llama / Qwen2 / Mistral /
+GPT-2 (RoPE with Llama-3 scaling, RMSNorm, SwiGLU, grouped-query attention, QKV bias, tied
+embeddings). No dropout. Transformer Engine layer spec when CUDA and TE are present, the local
+spec otherwise. `build_gpt` returns a list of model chunks (one: this rank's pipeline stage).
+
+Tied embeddings under pipeline parallelism: megatron keeps a copy of the embedding on the last
+stage and syncs it with `weight.data.cuda()` (fails on CPU), so with PP > 1 the model is built
+untied and weights.py keeps the copy equal (same init, same loaded values, summed gradients).
 """
 
 from __future__ import annotations
@@ -18,18 +23,31 @@ from slurm_align.config.run import ModelConfig
 from slurm_align.models.cpu_compat import apply_cpu_compat, cuda_present, seed_model_parallel
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GPT-2's gelu_new (tanh approximation)."""
+    return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+_ACTIVATIONS = {"gelu": torch.nn.functional.gelu, "gelu_tanh": gelu_tanh, "swiglu": torch.nn.functional.silu}
+
+
 def transformer_config(model_cfg: ModelConfig, pctx: Any) -> TransformerConfig:
     return TransformerConfig(
         num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size,
         num_attention_heads=model_cfg.num_attention_heads,
+        num_query_groups=model_cfg.query_groups,
+        kv_channels=model_cfg.head_dim,
         ffn_hidden_size=model_cfg.ffn,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        normalization="LayerNorm",
-        layernorm_epsilon=1e-5,
-        add_bias_linear=True,
-        activation_func=torch.nn.functional.gelu,
+        normalization=model_cfg.normalization,
+        layernorm_epsilon=model_cfg.norm_epsilon,
+        add_bias_linear=model_cfg.add_bias_linear,
+        add_qkv_bias=model_cfg.add_qkv_bias or model_cfg.add_bias_linear,
+        # swiglu: megatron's MLP computes silu(x[:half]) * x[half:] from fc1 = [gate; up].
+        gated_linear_unit=model_cfg.activation == "swiglu",
+        activation_func=_ACTIVATIONS[model_cfg.activation],
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -43,6 +61,23 @@ def transformer_config(model_cfg: ModelConfig, pctx: Any) -> TransformerConfig:
         # The PP schedule needs to know the activation dtype for its p2p buffers.
         pipeline_dtype=torch.float32,
     )
+
+
+def tied_in_megatron(model_cfg: ModelConfig, pctx: Any) -> bool:
+    """Whether megatron itself ties the output layer (PP = 1 only; see the module docstring)."""
+    return model_cfg.tie_embeddings and pctx.pp_size == 1
+
+
+def apply_llama3_rope_scaling(model: GPTModel, model_cfg: ModelConfig) -> None:
+    """Llama-3 frequency scaling with all four parameters. GPTModel passes only the factor to
+    RotaryEmbedding (low/high frequency factors and the original context are fixed at 1, 4 and
+    8192 there), so the inverse frequencies are recomputed here with megatron's own formula."""
+    rope, sc = model.rotary_pos_emb, model_cfg.rope_scaling
+    dim = model_cfg.head_dim
+    base = 1.0 / (model_cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    rope.inv_freq = rope._apply_scaling(
+        base.to(rope.inv_freq.device), factor=sc.factor, low_freq_factor=sc.low_freq_factor,
+        high_freq_factor=sc.high_freq_factor, original_max_position_embeddings=sc.original_max_position_embeddings)
 
 
 def layer_spec():
@@ -109,9 +144,13 @@ def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, se
         pre_process=bool(pctx.is_first_stage),
         post_process=bool(pctx.is_last_stage),
         parallel_output=True,
-        share_embeddings_and_output_weights=False,
-        position_embedding_type="learned_absolute",
+        share_embeddings_and_output_weights=tied_in_megatron(model_cfg, pctx) and not value_head,
+        position_embedding_type="rope" if model_cfg.position_embedding == "rope" else "learned_absolute",
+        rotary_base=model_cfg.rotary_base,
     )
+    model.tie_embeddings = model_cfg.tie_embeddings and not value_head
+    if model_cfg.rope_scaling is not None:
+        apply_llama3_rope_scaling(model, model_cfg)
     if cuda_present():
         model = model.cuda()
     # Layout-independent init: the same seed gives the same full weights for any TP/PP.

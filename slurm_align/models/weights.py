@@ -2,6 +2,15 @@
 
 Naming: exactly the state_dict keys of the same model built with TP=1, PP=1 (global layer index
 in `decoder.layers.N.*`, `_extra_state` dropped), float32 on CPU.
+
+Layouts that TP splits in a non-contiguous way:
+- SwiGLU fc1 (weight and bias) is [gate; up] in the full tensor, and each TP rank holds
+  [gate_r; up_r] (megatron's layout): split and joined per half.
+- GQA QKV is grouped per key/value head ([q.., k, v] per group) and TP divides the groups, so a
+  plain split along dim 0 is right.
+- Tied embeddings (no output_layer.weight in the full dict): with PP > 1 the last stage holds a
+  copy of the embedding as output_layer.weight (see gpt.py), loaded and initialised from the
+  embedding's values; `sync_tied_embedding_grads` sums its gradient with the embedding's.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
 
 def layer_offset(chunk: torch.nn.Module, pctx: Any) -> int:
@@ -39,14 +49,40 @@ def _tp_partition_dim(t: torch.Tensor) -> int | None:
     return t.partition_dim if getattr(t, "tensor_model_parallel", False) else None
 
 
-def _gather_tp(t: torch.Tensor, pctx: Any) -> torch.Tensor:
+def _is_glu_fc1(name: str, chunk: torch.nn.Module) -> bool:
+    return chunk.config.gated_linear_unit and ".mlp.linear_fc1." in name
+
+
+def tied_copy(name: str, chunk: torch.nn.Module) -> bool:
+    """The last stage's copy of a tied embedding (PP > 1): not part of the full dict."""
+    return name == OUTPUT and getattr(chunk, "tie_embeddings", False)
+
+
+def tp_shard(full: torch.Tensor, dim: int | None, tp_size: int, tp_rank: int, glu: bool) -> torch.Tensor:
+    """This TP rank's slice of a full tensor (the inverse of tp_join)."""
+    if dim is None or tp_size == 1:
+        return full
+    if glu:
+        return torch.cat([half.chunk(tp_size, dim=0)[tp_rank] for half in full.chunk(2, dim=0)], dim=0)
+    return full.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def tp_join(parts: list[torch.Tensor], dim: int, glu: bool) -> torch.Tensor:
+    """The full tensor from every TP rank's slice, in TP rank order."""
+    if glu:
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
+    return torch.cat(parts, dim=dim)
+
+
+def _gather_tp(t: torch.Tensor, pctx: Any, glu: bool = False) -> torch.Tensor:
     dim = _tp_partition_dim(t)
     data = t.detach().float().contiguous()  # gathered on the parameter's device (NCCL needs it)
     if dim is None or pctx.tp_size == 1:
         return data.cpu().clone()
     parts = [torch.empty_like(data) for _ in range(pctx.tp_size)]
     dist.all_gather(parts, data, group=pctx.tp_group)
-    return torch.cat(parts, dim=dim).cpu()
+    return tp_join(parts, dim, glu).cpu()
 
 
 @torch.no_grad()
@@ -58,7 +94,8 @@ def full_state_dict(chunks: list, pctx: Any, *, to_all: bool = True) -> dict[str
     (in particular global rank 0) get it, the rest get None (less memory on later stages).
     Keys are ordered as in the TP=1, PP=1 model.
     """
-    mine = {name: _gather_tp(t, pctx) for name, t in local_tensors(chunks, pctx)}
+    mine = {name: _gather_tp(t, pctx, _is_glu_fc1(name, chunk))
+            for chunk in chunks for name, t in local_tensors([chunk], pctx) if not tied_copy(name, chunk)}
     if pctx.pp_size == 1:
         return mine
     stages: list = [None] * pctx.pp_size
@@ -80,24 +117,49 @@ def load_full_state_dict(chunks: list, pctx: Any, full: dict[str, torch.Tensor])
     """Copy a full state dict into this rank's TP/PP shards (no communication). Every local
     tensor must be present with the full shape; extra keys (other stages') are ignored."""
     problems = []
-    for name, t in local_tensors(chunks, pctx):
-        if name not in full:
-            problems.append(f"missing key {name}")
-            continue
-        src = full[name]
-        dim = _tp_partition_dim(t)
-        if dim is not None and pctx.tp_size > 1:
-            if src.shape[dim] != t.shape[dim] * pctx.tp_size:
-                problems.append(f"{name}: full shape {tuple(src.shape)} does not split into "
-                                f"{pctx.tp_size} x {tuple(t.shape)} along dim {dim}")
+    for chunk in chunks:
+        for name, t in local_tensors([chunk], pctx):
+            key = EMBEDDING if tied_copy(name, chunk) else name
+            if key not in full:
+                problems.append(f"missing key {key}")
                 continue
-            src = src.chunk(pctx.tp_size, dim=dim)[pctx.tp_rank]
-        if src.shape != t.shape:
-            problems.append(f"{name}: full shape {tuple(src.shape)} != local shape {tuple(t.shape)}")
-            continue
-        t.copy_(src.to(t.dtype))
+            _copy_shard(t, full[key], name, chunk, pctx, problems)
     if problems:
         raise ValueError("load_full_state_dict: " + "; ".join(problems[:10]))
+
+
+def _copy_shard(t: torch.Tensor, src: torch.Tensor, name: str, chunk, pctx: Any, problems: list) -> None:
+    dim = _tp_partition_dim(t)
+    if dim is not None and pctx.tp_size > 1:
+        if src.shape[dim] != t.shape[dim] * pctx.tp_size:
+            problems.append(f"{name}: full shape {tuple(src.shape)} does not split into "
+                            f"{pctx.tp_size} x {tuple(t.shape)} along dim {dim}")
+            return
+        src = tp_shard(src, dim, pctx.tp_size, pctx.tp_rank, _is_glu_fc1(name, chunk))
+    if src.shape != t.shape:
+        problems.append(f"{name}: full shape {tuple(src.shape)} != local shape {tuple(t.shape)}")
+        return
+    t.copy_(src.to(t.dtype))
+
+
+@torch.no_grad()
+def sync_tied_embedding_grads(chunks: list, pctx: Any) -> None:
+    """Tied embeddings with PP > 1: sum the gradients of the embedding (first stage) and its
+    copy (last stage) over megatron's embedding group, so both copies take the same step.
+    Collective over every rank when the model is tied and PP > 1; otherwise does nothing."""
+    if pctx.pp_size == 1 or not getattr(chunks[0], "tie_embeddings", False):
+        return
+    from megatron.core import parallel_state
+    weight = None
+    if pctx.is_first_stage:
+        weight = chunks[0].embedding.word_embeddings.weight
+    elif pctx.is_last_stage:
+        weight = chunks[0].output_layer.weight
+    if weight is None:
+        return
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
 
 
 class HostSwap:
@@ -172,7 +234,7 @@ def _init_std(name: str, std: float, num_layers: int) -> float | None:
     the residual stream, LayerNorm to (1, 0), biases 0. None means 'not a random tensor'."""
     if name.endswith("bias"):
         return None
-    if "layernorm" in name:
+    if "layernorm" in name:  # both LayerNorm and RMSNorm weights
         return None
     if name.endswith(("linear_proj.weight", "linear_fc2.weight")):
         return std / (2.0 * num_layers) ** 0.5
@@ -190,6 +252,8 @@ def init_weights(chunks: list, pctx: Any, seed: int) -> None:
             if name.endswith("weight") and "layernorm" in name:
                 t.fill_(1.0)
                 continue
+            if tied_copy(name, chunk):
+                name = EMBEDDING  # the same values as the first stage's embedding
             s = _init_std(name, std, num_layers)
             if s is None:
                 t.zero_()
@@ -200,6 +264,4 @@ def init_weights(chunks: list, pctx: Any, seed: int) -> None:
                 shape[dim] *= pctx.tp_size
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
             full = torch.randn(shape, generator=g, dtype=torch.float32) * s
-            if dim is not None and pctx.tp_size > 1:
-                full = full.chunk(pctx.tp_size, dim=dim)[pctx.tp_rank]
-            t.copy_(full.to(t.dtype))
+            t.copy_(tp_shard(full, dim, pctx.tp_size, pctx.tp_rank, _is_glu_fc1(name, chunk)).to(t.dtype))

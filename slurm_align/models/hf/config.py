@@ -1,0 +1,210 @@
+"""HF config.json <-> ModelConfig fields, for Llama, Qwen2, Mistral and GPT-2.
+
+Reads and writes JSON only (no torch): `ModelConfig` calls `fill_model_fields` while it
+validates a run config with `model.hf_path` set.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from slurm_align.config.errors import ConfigError
+
+# architectures entry of config.json -> (model_type, has an LM head (False: a `score` head)).
+SUPPORTED = {
+    "LlamaForCausalLM": "llama", "LlamaForSequenceClassification": "llama",
+    "Qwen2ForCausalLM": "qwen2", "Qwen2ForSequenceClassification": "qwen2",
+    "MistralForCausalLM": "mistral", "MistralForSequenceClassification": "mistral",
+    "GPT2LMHeadModel": "gpt2", "GPT2ForSequenceClassification": "gpt2",
+}
+CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
+# Fields a folder determines; a run config that gives one of them differently is refused.
+ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+               "position_embedding", "rotary_base", "rope_scaling", "normalization", "norm_epsilon",
+               "activation", "num_query_groups", "kv_channels", "add_bias_linear", "add_qkv_bias",
+               "tie_embeddings")
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    folder = Path(folder)
+    path = folder / "config.json"
+    if not folder.is_dir():
+        raise ConfigError([f"model.hf_path: {folder} is not a folder"], folder)
+    if not path.is_file():
+        raise ConfigError([f"no config.json in the Hugging Face model folder {folder}"], path)
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError([f"not valid JSON ({e})"], path) from None
+
+
+def architecture(hf: dict, source: Path) -> tuple[str, str]:
+    """(architectures entry, model_type); unsupported ones are a ConfigError listing ours."""
+    archs = hf.get("architectures") or [CAUSAL_LM.get(hf.get("model_type", ""), str(hf.get("model_type")))]
+    arch = archs[0]
+    if arch not in SUPPORTED:
+        raise ConfigError([f"architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED)}"], source)
+    return arch, SUPPORTED[arch]
+
+
+def _rope(hf: dict, source: Path) -> dict[str, Any]:
+    # transformers >= 5 writes rope_parameters (with rope_theta inside); older files rope_scaling.
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    out: dict[str, Any] = {"position_embedding": "rope", "rotary_base": theta, "rope_scaling": None}
+    if kind == "llama3":
+        out["rope_scaling"] = {k: rope[k] for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                                    "original_max_position_embeddings")}
+    elif kind != "default":
+        raise ConfigError([f"rope type {kind!r} is not supported; supported: default, llama3"], source)
+    return out
+
+
+def _llama_like(hf: dict, model_type: str, source: Path) -> dict[str, Any]:
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ConfigError([f"hidden_act {hf['hidden_act']!r} is not supported; supported: silu"], source)
+    heads = hf["num_attention_heads"]
+    attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if model_type == "qwen2":
+        qkv_bias, all_bias = True, False
+        if hf.get("use_sliding_window"):
+            raise ConfigError(["use_sliding_window=true is not supported (sliding-window attention)"], source)
+    elif attn_bias != mlp_bias:
+        raise ConfigError([f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported; "
+                           "supported: both false or both true"], source)
+    else:
+        qkv_bias, all_bias = False, attn_bias
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    return {
+        "num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
+        "num_attention_heads": heads, "ffn_hidden_size": hf["intermediate_size"],
+        "vocab_size": hf["vocab_size"], **_rope(hf, source),
+        "normalization": "RMSNorm", "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
+        "activation": "swiglu", "num_query_groups": hf.get("num_key_value_heads") or heads,
+        "kv_channels": head_dim, "add_bias_linear": all_bias, "add_qkv_bias": qkv_bias,
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+    }
+
+
+def _gpt2(hf: dict, source: Path) -> dict[str, Any]:
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
+        if hf.get(flag):
+            raise ConfigError([f"{flag}=true is not supported"], source)
+    if hf.get("scale_attn_weights") is False:
+        raise ConfigError(["scale_attn_weights=false is not supported"], source)
+    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}.get(
+        hf.get("activation_function", "gelu_new"))
+    if act is None:
+        raise ConfigError([f"activation_function {hf['activation_function']!r} is not supported; "
+                           "supported: gelu_new, gelu_pytorch_tanh, gelu"], source)
+    hidden = hf["n_embd"]
+    return {
+        "num_layers": hf["n_layer"], "hidden_size": hidden, "num_attention_heads": hf["n_head"],
+        "ffn_hidden_size": hf.get("n_inner") or 4 * hidden, "vocab_size": hf["vocab_size"],
+        "position_embedding": "learned", "rotary_base": 10000.0, "rope_scaling": None,
+        "normalization": "LayerNorm", "norm_epsilon": float(hf.get("layer_norm_epsilon", 1e-5)),
+        "activation": act, "num_query_groups": None, "kv_channels": None,
+        "add_bias_linear": True, "add_qkv_bias": False,
+        "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+    }
+
+
+def max_positions(hf: dict, model_type: str) -> int:
+    """Longest sequence the HF model handles as trained (Mistral: its sliding window)."""
+    if model_type == "gpt2":
+        return int(hf.get("n_positions", 1024))
+    limit = int(hf.get("max_position_embeddings", 2048))
+    if model_type == "mistral" and hf.get("sliding_window"):
+        limit = min(limit, int(hf["sliding_window"]))
+    return limit
+
+
+def model_fields(folder: str | Path) -> dict[str, Any]:
+    """ModelConfig fields (architecture, shape, vocab) of the HF model in `folder`."""
+    source = Path(folder) / "config.json"
+    hf = read_hf_config(folder)
+    _, model_type = architecture(hf, source)
+    try:
+        fields = _gpt2(hf, source) if model_type == "gpt2" else _llama_like(hf, model_type, source)
+    except KeyError as e:
+        raise ConfigError([f"key {e.args[0]!r} is missing (needed for a {model_type} model)"], source) from None
+    return fields
+
+
+def fill_model_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """The raw `model` section with the fields of its hf_path folder filled in. A field the
+    user gave with another value than the folder's is a ConfigError (it would not load)."""
+    folder = Path(data["hf_path"])
+    source = folder / "config.json"
+    fields = model_fields(folder)
+    hf = read_hf_config(folder)
+    problems = []
+    for key in ARCH_FIELDS:
+        if key in data and data[key] is not None and key not in ("rope_scaling",):
+            given, want = data[key], fields[key]
+            if given != want and not (isinstance(want, float) and float(given) == want):
+                problems.append(f"model.{key}={given!r} conflicts with the folder's value {want!r} "
+                                "(leave it out to take the folder's)")
+    if problems:
+        raise ConfigError(problems, source)
+    limit = max_positions(hf, SUPPORTED[architecture(hf, source)[0]])
+    out = {**data, **fields}
+    if data.get("max_seq_len") is None:
+        out["max_seq_len"] = limit
+    elif int(data["max_seq_len"]) > limit:
+        raise ConfigError([f"model.max_seq_len={data['max_seq_len']} exceeds the model's {limit} positions"], source)
+    if data.get("tokenizer") is None and (folder / "tokenizer.json").is_file():
+        out["tokenizer"] = {"kind": "hf", "path": str(folder / "tokenizer.json")}
+    return out
+
+
+def export_model_type(cfg, source_type: str | None) -> str:
+    """The HF model_type a ModelConfig is written as: the source folder's when it came from
+    one, otherwise the architecture its fields describe (slurm-align's own GPT is a GPT-2)."""
+    if source_type is not None:
+        return source_type
+    if (cfg.position_embedding, cfg.normalization) == ("learned", "LayerNorm") and cfg.activation != "swiglu" \
+            and cfg.add_bias_linear and cfg.query_groups == cfg.num_attention_heads \
+            and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size:
+        return "gpt2"
+    if (cfg.position_embedding, cfg.normalization, cfg.activation) == ("rope", "RMSNorm", "swiglu"):
+        return "qwen2" if cfg.add_qkv_bias and not cfg.add_bias_linear else "llama"
+    raise ConfigError([f"model with position_embedding={cfg.position_embedding}, normalization="
+                       f"{cfg.normalization}, activation={cfg.activation} has no Hugging Face "
+                       "architecture among: gpt2 (learned, LayerNorm, gelu/gelu_tanh, biases), "
+                       "llama/qwen2/mistral (rope, RMSNorm, swiglu)"])
+
+
+def hf_config_dict(cfg, model_type: str, base: dict[str, Any] | None = None,
+                   value_head: bool = False) -> dict[str, Any]:
+    """config.json of a ModelConfig written as `model_type` (the inverse of model_fields).
+    `base`, the source folder's config.json, keeps token ids and anything else we do not own."""
+    out = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_parameters")}
+    suffix = "ForSequenceClassification" if value_head else None
+    arch = CAUSAL_LM[model_type]
+    if suffix:
+        arch = arch.replace("LMHeadModel", "ForSequenceClassification").replace("ForCausalLM", suffix)
+        out["num_labels"] = 1
+        out.pop("id2label", None), out.pop("label2id", None)
+    out.update({"architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,
+                "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"})
+    if model_type == "gpt2":
+        out.update({"n_layer": cfg.num_layers, "n_embd": cfg.hidden_size, "n_head": cfg.num_attention_heads,
+                    "n_inner": cfg.ffn, "n_positions": cfg.max_seq_len, "layer_norm_epsilon": cfg.norm_epsilon,
+                    "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu"}[cfg.activation]})
+        return out
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    if cfg.rope_scaling is not None:
+        rope.update(rope_type="llama3", **cfg.rope_scaling.model_dump())
+    out.update({"num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+                "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.query_groups,
+                "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn, "hidden_act": "silu",
+                "rms_norm_eps": cfg.norm_epsilon, "rope_parameters": rope, "rope_theta": cfg.rotary_base,
+                "max_position_embeddings": out.get("max_position_embeddings", cfg.max_seq_len)})
+    if model_type in ("llama", "mistral"):
+        out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
+    return out
