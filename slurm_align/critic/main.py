@@ -45,7 +45,8 @@ def load_reward_weights(path: Path, chunks: list, pctx) -> None:
 
 
 def build_models(run: RunConfig, pctx) -> dict[str, list]:
-    """Reward model (from init_checkpoint when set) and a value model initialised from it."""
+    """Reward model (from init_checkpoint when set) and a value model initialised from it; the
+    reward model alone when the algorithm has no value model (grpo, rloo, ...: reward-only)."""
     from slurm_align.models.gpt import build_gpt
     from slurm_align.models.weights import full_state_dict, load_full_state_dict
 
@@ -53,6 +54,8 @@ def build_models(run: RunConfig, pctx) -> dict[str, list]:
     reward = build_gpt(mcfg, pctx, value_head=True, seed=run.seed)
     if mcfg.init_checkpoint is not None:
         load_reward_weights(Path(mcfg.init_checkpoint), reward, pctx)
+    if not run.critic_trains:
+        return {REWARD: reward}
     value = build_gpt(mcfg, pctx, value_head=True, seed=run.seed + 1)
     # As NeMo-Aligner does: the critic starts as a copy of the reward model.
     load_full_state_dict(value, pctx, full_state_dict(reward, pctx, to_all=True))
@@ -135,7 +138,7 @@ def main(run_dir: str | Path) -> int:
     resumed = resume_step(rd)
     if resumed is not None:
         saved = rd.checkpoints("critic") / f"iter_{resumed:07d}.pt"
-        if saved.is_file():
+        if saved.is_file() and VALUE in models:   # a reward-only critic has no state of its own
             from slurm_align.models.weights import load_full_state_dict
             load_full_state_dict(models[VALUE], pctx, load_full_weights(saved))
     swap = ModelSwap(models, keep_resident=run.switches.keep_critic_models_resident)

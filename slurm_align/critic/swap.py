@@ -16,9 +16,12 @@ VALUE, REWARD = "value", "reward"
 
 class ModelSwap:
     def __init__(self, models: dict[str, list], *, keep_resident: bool, resident: str = VALUE):
-        if set(models) != {VALUE, REWARD}:
-            raise ValueError(f"ModelSwap needs models {VALUE!r} and {REWARD!r}; got {sorted(models)}")
+        if set(models) not in ({VALUE, REWARD}, {REWARD}):
+            raise ValueError(f"ModelSwap needs models {VALUE!r} and {REWARD!r} (or {REWARD!r} alone, for a "
+                             f"reward-only critic); got {sorted(models)}")
         self.models = models
+        # A reward-only critic (GRPO family with a reward model) has nothing to swap with.
+        keep_resident = keep_resident or len(models) == 1
         self.keep_resident = keep_resident
         self.swaps = 0
         """Swaps performed so far (each offloads one model and onloads the other)."""
@@ -43,6 +46,8 @@ class ModelSwap:
 
     def order_for_infer(self) -> tuple[str, str]:
         """Resident model first: one swap per infer."""
+        if len(self.models) == 1:
+            return (REWARD,)
         if self.keep_resident or self.resident == REWARD:
             return (REWARD, VALUE)
         return (VALUE, REWARD)

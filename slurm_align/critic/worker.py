@@ -45,8 +45,9 @@ class CriticWorker:
         self.swap, self.pctx, self.comm = swap, pctx, comm
         self.value_clip = value_clip
         self.checkpoint_dir = checkpoint_dir
-        params = [p for c in swap.models[VALUE] for p in c.parameters()]
-        self.optimizer = torch.optim.AdamW(params, lr=lr)
+        # A reward-only critic (no value model: GRPO family) trains nothing.
+        self.optimizer = torch.optim.AdamW([p for c in swap.models[VALUE] for p in c.parameters()], lr=lr) \
+            if VALUE in swap.models else None
         self.holds_result = pctx.is_last_stage and pctx.tp_rank == 0
 
     def execute(self, cmd: Command) -> Any:
@@ -80,7 +81,8 @@ class CriticWorker:
         part = None
         if self.holds_result and tok.shape[0]:
             rewards = last_token_values(out[REWARD], torch.from_numpy(lengths[rows]))
-            part = (out[VALUE].numpy().astype(np.float32), rewards.numpy().astype(np.float32))
+            values = out[VALUE] if VALUE in out else torch.zeros(out[REWARD].shape)  # reward-only: no values
+            part = (values.numpy().astype(np.float32), rewards.numpy().astype(np.float32))
         parts = self._gather_rows(part)
         if parts is None:
             return None
