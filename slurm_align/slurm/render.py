@@ -19,7 +19,7 @@ import jinja2
 from slurm_align import LAUNCHERS_DIR, REPO_ROOT, TEMPLATES_DIR, __version__
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.profile import ClusterProfile
-from slurm_align.config.run import RunConfig
+from slurm_align.config.run import ROLLOUT_ALGORITHMS, RunConfig
 from slurm_align.rundir import RunDir
 
 # What may stand in an #SBATCH value: no spaces, quotes, newlines or shell metacharacters.
@@ -39,7 +39,8 @@ class ComponentScript:
 class Entry:
     """Which launcher (launchers/<name>.py) the ranks run, and extra arguments per component.
 
-    Default: actor/critic for PPO, train for sft/rm/dpo. `report` checks a profile."""
+    Default: actor/critic for the rollout algorithms (ppo, grpo, ...), train for sft/rm/dpo.
+    `report` checks a profile."""
 
     name: str | None = None
     extra_args: dict[str, list[str]] | None = None
@@ -49,7 +50,7 @@ class Entry:
     def launcher(self, run: RunConfig, component: str) -> str:
         if self.name:
             return self.name
-        return component if run.algorithm == "ppo" else "train"
+        return component if run.algorithm in ROLLOUT_ALGORITHMS else "train"
 
     def script(self, run: RunConfig, component: str, launchers: Path) -> Path:
         if self.scripts and component in self.scripts:
