@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from slurm_align.generation.params import GenerationError, GptShape
+from slurm_align.models.te_names import local_names
 
 
 def expected_shapes(shape: GptShape) -> dict[str, tuple[int, ...]]:
@@ -84,6 +85,7 @@ class GptWeights:
 
     @torch.no_grad()
     def load(self, sd: dict[str, torch.Tensor]) -> None:
+        sd = local_names(sd)  # a dict named by the TE layer spec binds like the local spec's
         check_state_dict(sd, self.shape)
         if self.tensors is None:
             self.tensors = {k: sd[k].detach().to(self.device, self.dtype, copy=True).contiguous()

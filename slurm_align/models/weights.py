@@ -21,6 +21,8 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
+from slurm_align.models.te_names import local_name
+
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
@@ -42,7 +44,7 @@ def local_tensors(chunks: list, pctx: Any) -> Iterator[tuple[str, torch.Tensor]]
         for name, t in chunk.state_dict(keep_vars=True).items():
             if name.endswith("_extra_state") or not isinstance(t, torch.Tensor):
                 continue
-            yield global_name(name, offset), t
+            yield local_name(global_name(name, offset)), t  # TE spec names -> local spec's
 
 
 def _tp_partition_dim(t: torch.Tensor) -> int | None:
