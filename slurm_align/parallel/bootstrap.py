@@ -4,6 +4,11 @@ Rank 0 opens the rendezvous socket itself (bound to a specific address, port 0 u
 MASTER_PORT says otherwise) and hands the listening fd to torch's TCPStore, so the port it
 broadcasts cannot be taken by someone else in between. Every failure that happens on one rank
 is broadcast first, so all ranks fail with the same clear message instead of hanging.
+
+Devices: NCCL when CUDA is there and every rank gets a GPU of its own (local rank -> cuda:
+local_rank % visible GPUs, checked by physical device UUID across the node's ranks), gloo on
+CPU. Ranks that would share a GPU (2 ranks on a 1-GPU machine) are refused with the fix
+(fewer ranks per node, or CUDA_VISIBLE_DEVICES= for a CPU run): NCCL cannot run them.
 """
 
 from __future__ import annotations
@@ -136,16 +141,60 @@ def _open_listener(addr: str, port: int) -> socket.socket:
     return sock
 
 
-def _default_backend(backend: str | None) -> str:
+@dataclass(frozen=True)
+class Placement:
+    """Which GPU a rank would take: cuda:<index> of the `count` it sees, identified by `uuid`
+    (the physical device, whatever CUDA_VISIBLE_DEVICES each task was given)."""
+
+    rank: int
+    host: str
+    count: int
+    index: int = 0
+    uuid: str = ""
+
+
+def _my_placement(rank: int, local_rank: int, host: str) -> Placement:
     import torch
 
-    if backend is None:
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return Placement(rank, host, 0)
+    index = local_rank % count  # local rank -> GPU; Slurm's per-task binding leaves count 1
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return Placement(rank, host, count, index, str(uuid) if uuid is not None else f"{host}:{index}")
+
+
+def choose_backend(backend: str | None, placements: list[Placement]) -> str:
+    """The backend for every rank: NCCL when each rank has a GPU of its own, gloo on CPU.
+
+    NCCL refuses two ranks on one GPU, which is what a 2-rank job on a 1-GPU machine would
+    give; that is an error here naming the ranks, not a hang or a crash inside NCCL.
+    """
+    if backend not in (None, "gloo", "nccl"):
         raise BootstrapError(f"backend {backend!r} is not supported; allowed: 'gloo' (CPU), 'nccl' (GPU)")
-    if backend == "nccl" and not torch.cuda.is_available():
-        raise BootstrapError("backend 'nccl' needs CUDA GPUs, and torch sees none; use backend='gloo' on CPU")
-    return backend
+    if backend == "gloo":
+        return "gloo"
+    blind = [p for p in placements if p.count == 0]
+    if len(blind) == len(placements):
+        if backend == "nccl":
+            raise BootstrapError("backend 'nccl' needs CUDA GPUs, and torch sees none; use backend='gloo' on CPU")
+        return "gloo"
+    if blind:
+        p = blind[0]
+        raise BootstrapError(
+            f"rank {p.rank} on {p.host} sees no GPU while other ranks do: give every rank a GPU, "
+            "or hide them from all (CUDA_VISIBLE_DEVICES=) to run on CPU with gloo")
+    taken: dict[tuple[str, str], Placement] = {}
+    for p in placements:
+        other = taken.setdefault((p.host, p.uuid), p)
+        if other is not p:
+            n = sum(q.host == p.host for q in placements)
+            raise BootstrapError(
+                f"ranks {other.rank} and {p.rank} on {p.host} would share one GPU (cuda:{p.index}, "
+                f"{p.uuid}): {n} ranks on that node see {p.count} GPU(s), and NCCL needs one GPU per "
+                f"rank. Start at most {p.count} rank(s) per node (tasks_per_node), or hide the GPUs "
+                "(CUDA_VISIBLE_DEVICES=) to run these ranks on CPU with gloo")
+    return "nccl"
 
 
 def init_distributed(comm: Any = None, backend: str | None = None, timeout_s: float = 300.0) -> DistEnv:
@@ -174,16 +223,18 @@ def init_distributed(comm: Any = None, backend: str | None = None, timeout_s: fl
     node_rank = leader_ranks.index(local.bcast(rank, root=0))
     local.Free()
     node = os.environ.get("SLURMD_NODENAME") or MPI.Get_processor_name()
+    host = socket.gethostname()
+    placements = comm.allgather(_my_placement(rank, local_rank, host))
     # Loopback is enough when every rank runs on this very host (same kernel hostname), even
     # if MPI sees several nodes (several slurmd on one machine).
-    one_host = len(set(comm.allgather(socket.gethostname()))) == 1
+    one_host = len({p.host for p in placements}) == 1
 
     # Rank 0 decides backend, address and port; any error travels with the broadcast.
     listener = None
     decision: dict[str, Any] = {}
     if rank == 0:
         try:
-            decision["backend"] = _default_backend(backend)
+            decision["backend"] = choose_backend(backend, placements)
             env_addr = os.environ.get("MASTER_ADDR")
             addr = env_addr or _local_address(multi_node=not one_host)
             port_s = os.environ.get("MASTER_PORT", "0")
@@ -197,8 +248,6 @@ def init_distributed(comm: Any = None, backend: str | None = None, timeout_s: fl
     if "error" in decision:
         raise BootstrapError(decision["error"])
     be = decision["backend"]
-    if rank != 0 and be == "nccl" and not torch.cuda.is_available():
-        raise BootstrapError(f"rank {rank} on {node}: backend 'nccl' chosen by rank 0 but this rank sees no GPU")
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(
@@ -211,7 +260,7 @@ def init_distributed(comm: Any = None, backend: str | None = None, timeout_s: fl
     )
     device = "cpu"
     if be == "nccl":
-        device = f"cuda:{local_rank % torch.cuda.device_count()}"
+        device = f"cuda:{placements[rank].index}"
         torch.cuda.set_device(device)
     dist.init_process_group(be, store=store, rank=rank, world_size=size, timeout=timeout)
     if dist.get_world_size() != size or dist.get_rank() != rank:
