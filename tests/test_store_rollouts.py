@@ -7,11 +7,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
+import zarr
 
-from slurm_align.store.ragged import pack, unpack
+from slurm_align.store.atomic import AtomicLocalStore
+from slurm_align.store.ragged import create, pack, put_chunk, unpack
 from slurm_align.store.rollouts import TOKEN_FIELDS, RolloutStore, RolloutStoreError
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
@@ -68,7 +71,8 @@ def test_round_trip_and_per_step_reads(tmp_path):
     assert_same(reader.read(step=1), [batches[1]])
     with pytest.raises(KeyError, match="step 7 is not committed"):
         reader.read(step=7)
-    codec = str(reader.group["response_tokens"].compressors)
+    assert reader.step_sizes()["num_samples"].tolist() == [3, 4, 5]
+    codec = str(reader.group["tokens"].compressors)
     assert "lz4" in codec and "shuffle" in codec
 
 
@@ -80,13 +84,11 @@ _KILLED_WRITER = textwrap.dedent("""
     store = R.RolloutStore.create({path!r})
     store.append_step(0, make_batch(0, 4))
     store.append_step(1, make_batch(1, 5))
-    real, calls = R.write_at, [0]
-    def dying_write_at(*a):
-        real(*a)
-        calls[0] += 1
-        if calls[0] == 6:   # tokens, offsets and some per-token arrays of step 2 are on disk
-            os.kill(os.getpid(), signal.SIGKILL)
-    R.write_at = dying_write_at
+    real = R.write_row
+    def dying_write_row(arr, row, values):
+        real(arr, row, values)   # the tokens row of step 2 reaches disk, then death (no commit)
+        os.kill(os.getpid(), signal.SIGKILL)
+    R.write_row = dying_write_row
     store.append_step(2, make_batch(2, 7))
     print("not killed")
 """)
@@ -97,9 +99,9 @@ def test_killed_writer_leaves_previous_steps_and_hides_partial_step(tmp_path):
     script = _KILLED_WRITER.format(tests=os.path.dirname(__file__), path=str(path))
     proc = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=60)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    # The partial step 2 really reached disk past the committed counts...
+    # The partial step 2 really reached disk (row 2 of the tokens)...
+    assert (path / "tokens" / "c" / "2" / "0").is_file()
     store = RolloutStore.open(path)
-    assert store.group["response_tokens"].shape[0] > store.group.attrs["num_response_tokens"]
     # ...but readers only see the two whole steps.
     assert store.num_steps == 2
     assert_same(store.read(), [(0, make_batch(0, 4)), (1, make_batch(1, 5))])
@@ -108,6 +110,67 @@ def test_killed_writer_leaves_previous_steps_and_hides_partial_step(tmp_path):
     store.append_step(2, redo)
     assert_same(RolloutStore.open(path, read_only=True).read(),
                 [(0, make_batch(0, 4)), (1, make_batch(1, 5)), (2, redo)])
+
+
+_LOOPING_WRITER = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, {tests!r})
+    from test_store_rollouts import make_batch
+    from slurm_align.store.rollouts import RolloutStore
+    store = RolloutStore.create({path!r})
+    step = 0
+    while True:
+        store.append_step(step, make_batch(step, 16 + step % 5))
+        print(step, flush=True)
+        step += 1
+""")
+
+
+def test_sigkill_at_an_arbitrary_point_leaves_only_whole_steps(tmp_path):
+    """A writer appending as fast as it can is SIGKILLed from outside, wherever it is: the store
+    opens with whole steps only, each exactly as written, and takes the next step."""
+    path = tmp_path / "rollouts.zarr"
+    script = _LOOPING_WRITER.format(tests=os.path.dirname(__file__), path=str(path))
+    proc = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True)
+    for _ in range(4):   # let it commit a few steps, then kill it mid-flight
+        assert proc.stdout.readline(), "writer died on its own"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    proc.stdout.close()
+    store = RolloutStore.open(path)
+    n = store.num_steps
+    assert n >= 4 and store.steps.tolist() == list(range(n))
+    written = [(s, make_batch(s, 16 + s % 5)) for s in range(n)]
+    assert_same(store.read(), written)
+    store.append_step(n, make_batch(99, 3))
+    assert_same(RolloutStore.open(path, read_only=True).read(), [*written, (n, make_batch(99, 3))])
+
+
+def test_direct_chunk_writes_equal_zarrs_own(tmp_path):
+    """put_chunk encodes with the array's codecs itself: the file must be byte for byte what
+    zarr writes for the same block, and zarr must read it back."""
+    group = zarr.open_group(store=AtomicLocalStore(tmp_path / "s.zarr"), mode="a")
+    block = np.random.default_rng(0).standard_normal((1, 512)).astype(np.float32)
+    ours, theirs = (create(group, name, (4, 512), (1, 512), np.float32) for name in ("ours", "theirs"))
+    put_chunk(ours, (2, 0), block)
+    theirs[2:3] = block
+    key = Path("c") / "2" / "0"
+    assert (tmp_path / "s.zarr" / "ours" / key).read_bytes() == (tmp_path / "s.zarr" / "theirs" / key).read_bytes()
+    np.testing.assert_array_equal(ours[2:3], block)
+
+
+def test_padded_per_token_arrays_are_cut_to_the_response_lengths(tmp_path):
+    b = make_batch(5, 6)
+    lengths = [len(r) for r in b["response_tokens"]]
+    padded = dict(b)
+    for f in TOKEN_FIELDS:
+        full = np.full((6, max(lengths) + 3), np.nan, dtype=np.float32)
+        for i, k in enumerate(lengths):
+            full[i, :k] = b[f][i]
+        padded[f] = full
+    store = RolloutStore.create(tmp_path / "r.zarr")
+    store.append_step(0, padded)
+    assert_same(store.read(0), [(0, b)])
 
 
 def test_resume_truncation_no_gaps_no_duplicates(tmp_path):

@@ -76,16 +76,11 @@ def _rollout_rates(run_dir: Path, steps: np.ndarray) -> tuple[float, float] | No
     path = run_dir / "rollouts.zarr"
     if not (path / "zarr.json").is_file():
         return None
-    store = RolloutStore.open(path, read_only=True)
-    committed = store.steps
-    offsets = store.group["step_offsets"][: len(committed) + 1]
-    resp = store.group["response_offsets"][: store.num_samples + 1]
-    idx = np.flatnonzero(np.isin(committed, steps))
+    sizes = RolloutStore.open(path, read_only=True).step_sizes()
+    idx = np.flatnonzero(np.isin(sizes["step"], steps))
     if not len(idx):
         return None
-    samples = offsets[idx + 1] - offsets[idx]
-    tokens = resp[offsets[idx + 1]] - resp[offsets[idx]]
-    return float(samples.mean()), float(tokens.mean())
+    return float(sizes["num_samples"][idx].mean()), float(sizes["num_response_tokens"][idx].mean())
 
 
 def compute_scaling(sweep_dir: str | Path, *, allow_incomplete: bool = False, skip_steps: int = 0,

@@ -48,5 +48,10 @@ class AtomicLocalStore(LocalStore):
             raise TypeError(f"AtomicLocalStore.set(): value must be a Buffer, got {type(value)}")
         await asyncio.to_thread(_put_atomic, self.root / key, value.as_buffer_like(), exclusive, self.fsync)
 
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Synchronous atomic write of one key (for callers that encoded a chunk themselves)."""
+        self._check_writable()
+        _put_atomic(self.root / key, data, False, self.fsync)
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, AtomicLocalStore) and self.root == other.root

@@ -1,16 +1,22 @@
-"""Rollout store: RUN_DIR/rollouts.zarr, written by one rank after the gather, one append per step.
+"""Rollout store: RUN_DIR/rollouts.zarr, written by one rank, one row per PPO step.
 
-Arrays (flat values + int64 offsets of length n+1 for ragged data, see ragged.py):
-    prompt_tokens, prompt_offsets            int32 tokens of each sample's prompt
-    response_tokens, response_offsets        int32 tokens of each sample's response
-    logprobs, ref_logprobs, values,          float32, one per response token (share response_offsets)
-      advantages, returns
-    reward (float32), length (int32, response tokens), is_end (bool), step (int64),
-      rank (int32, generating rank)          one per sample
-    steps, step_offsets                      committed step numbers and their sample ranges (n+1)
-Root attributes `num_steps`, `num_samples`, `num_prompt_tokens`, `num_response_tokens` are the
-commit: a step's arrays are written first and these counts last, so a reader never sees a
-half-written step, and the next append (after a writer was killed) overwrites its remains.
+Each committed step is one row of two arrays (rows are padded; the index says how much of each
+row is valid), so appending a step is two concurrent array writes (usually one chunk file
+each) and then the commit, one row of the index:
+
+    tokens   int32   (steps, width)   prompt tokens (all samples, concatenated) | response tokens |
+                                      per-sample prompt_length | length | rank | is_end
+    values   float32 (steps, width)   per response token: logprobs | ref_logprobs | values |
+                                      advantages | returns (TOKEN_FIELDS), then reward per sample
+    index    int64   (steps, 5)       step, samples, prompt tokens, response tokens of each row,
+                                      committed (1; rows past the committed steps hold 0)
+
+Few files per step: each is written atomically with an fsync (atomic.py), and the fsyncs, not the
+bytes, are what an append costs (bench_store.py), so the columns are packed into two typed rows
+rather than fourteen arrays. The index row is the commit: a step's data rows are written first
+and its index row last (the index chunk is replaced atomically), so a reader never sees a
+half-written step, and the next append (after a writer was killed) overwrites the remains in the
+same row. Capacity grows by doubling (ragged.ensure_shape), so most appends rewrite no metadata.
 """
 
 from __future__ import annotations
@@ -22,19 +28,19 @@ import numpy as np
 import zarr
 
 from slurm_align.store.atomic import AtomicLocalStore
-from slurm_align.store.ragged import growable, pack, write_at
+from slurm_align.store.ragged import create, ensure_shape, next_pow2, pack, put_chunk, write_row
 
 TOKEN_FIELDS = ("logprobs", "ref_logprobs", "values", "advantages", "returns")
 """Per response token, float32."""
 SAMPLE_FIELDS = {"reward": np.float32, "is_end": np.bool_, "rank": np.int32}
 """Per sample, given by the caller (length and step are filled in by the store)."""
-_COUNTS = ("num_steps", "num_samples", "num_prompt_tokens", "num_response_tokens")
-_DTYPES = {
-    "prompt_tokens": np.int32, "prompt_offsets": np.int64, "response_tokens": np.int32,
-    "response_offsets": np.int64, **{f: np.float32 for f in TOKEN_FIELDS}, **SAMPLE_FIELDS,
-    "length": np.int32, "step": np.int64, "steps": np.int64, "step_offsets": np.int64,
-}
-FORMAT = "slurm-align-rollouts/1"
+SAMPLE_INTS = ("prompt_length", "length", "rank", "is_end")
+"""Per-sample integers at the end of a `tokens` row, in this order."""
+INDEX = ("step", "num_samples", "num_prompt_tokens", "num_response_tokens", "committed")
+"""Columns of the `index` array."""
+FORMAT = "slurm-align-rollouts/2"
+_INDEX_CHUNK = 256
+_ROWS = 8   # initial step capacity (doubles as needed)
 
 
 class RolloutStoreError(ValueError):
@@ -46,9 +52,14 @@ class RolloutStore:
 
     def __init__(self, group: zarr.Group, path: Path):
         self.group, self.path = group, path
-        if group.attrs.get("format") != FORMAT:
-            raise RolloutStoreError(f"{path}: not a rollout store (format attribute "
-                                    f"{group.attrs.get('format')!r}, expected {FORMAT!r})")
+        fmt = group.attrs.get("format")
+        if fmt != FORMAT:
+            raise RolloutStoreError(f"{path}: not a rollout store of this version (format attribute "
+                                    f"{fmt!r}, expected {FORMAT!r})")
+        self._open_arrays: dict[str, zarr.Array] = {}
+        index = group["index"][:]
+        n = int(np.argmin(index[:, -1])) if not index[:, -1].all() else len(index)   # leading committed rows
+        self._index = index[:n]
 
     @classmethod
     def create(cls, path: str | Path) -> "RolloutStore":
@@ -56,11 +67,9 @@ class RolloutStore:
         path = Path(path)
         group = zarr.open_group(store=AtomicLocalStore(path, fsync=True), mode="a")
         if "format" not in group.attrs:
-            for name, dt in _DTYPES.items():
-                growable(group, name, dt)
-            for name in ("prompt_offsets", "response_offsets", "step_offsets"):
-                write_at(group[name], 0, np.zeros(1, dtype=np.int64))
-            group.attrs.update({"format": FORMAT, **{k: 0 for k in _COUNTS}})
+            create(group, "index", (_INDEX_CHUNK, len(INDEX)), (_INDEX_CHUNK, len(INDEX)), np.int64)
+            group.update_attributes({"format": FORMAT, "token_fields": list(TOKEN_FIELDS),
+                                "sample_ints": list(SAMPLE_INTS), "index_columns": list(INDEX)})
         return cls(group, path)
 
     @classmethod
@@ -71,102 +80,138 @@ class RolloutStore:
         store = AtomicLocalStore(path, read_only=read_only, fsync=True)
         return cls(zarr.open_group(store=store, mode="r" if read_only else "r+"), path)
 
-    def _counts(self) -> dict[str, int]:
-        attrs = self.group.attrs.asdict()
-        return {k: int(attrs[k]) for k in _COUNTS}
-
     @property
     def num_steps(self) -> int:
-        return self._counts()["num_steps"]
+        return len(self._index)
 
     @property
     def num_samples(self) -> int:
-        return self._counts()["num_samples"]
+        return int(self._index[:, 1].sum())
 
     @property
     def steps(self) -> np.ndarray:
         """Committed step numbers, ascending."""
-        return self.group["steps"][: self.num_steps]
+        return self._index[:, 0].copy()
+
+    def step_sizes(self) -> dict[str, np.ndarray]:
+        """Per committed step: step, num_samples, num_prompt_tokens, num_response_tokens."""
+        return {name: self._index[:, j].copy() for j, name in enumerate(INDEX)}
 
     def append_step(self, step: int, batch: Mapping[str, Any]) -> None:
         """Write one step's samples; visible to readers only once all of it is written.
 
         batch: prompt_tokens, response_tokens (lists of token sequences), the per-token fields
-        (lists of float sequences, each as long as its response), reward, is_end, rank (one per
-        sample). Steps must increase: redoing a step needs truncate_to(step) first."""
-        c = self._counts()
-        steps = self.group["steps"][: c["num_steps"]]
-        if len(steps) and step <= steps[-1]:
+        (lists of float sequences, each as long as its response, or one padded 2-D array whose
+        rows are cut to the response lengths), reward, is_end, rank (one per sample). Steps must
+        increase: redoing a step needs truncate_to(step) first."""
+        if self.num_steps and step <= self._index[-1, 0]:
             raise RolloutStoreError(
-                f"{self.path}: step {step} is not after the last committed step {int(steps[-1])}; "
+                f"{self.path}: step {step} is not after the last committed step {int(self._index[-1, 0])}; "
                 f"call truncate_to({step}) first to redo it (resume)")
         cols = _validate(batch)
-        n = len(cols["length"])
-        g = self.group
-        prompts, p_off = cols.pop("prompt_tokens")
-        responses, r_off = cols.pop("response_tokens")
-        write_at(g["prompt_tokens"], c["num_prompt_tokens"], prompts)
-        write_at(g["prompt_offsets"], c["num_samples"] + 1, p_off[1:] + c["num_prompt_tokens"])
-        write_at(g["response_tokens"], c["num_response_tokens"], responses)
-        write_at(g["response_offsets"], c["num_samples"] + 1, r_off[1:] + c["num_response_tokens"])
-        for name in TOKEN_FIELDS:
-            write_at(g[name], c["num_response_tokens"], cols[name])
-        for name in (*SAMPLE_FIELDS, "length"):
-            write_at(g[name], c["num_samples"], cols[name])
-        write_at(g["step"], c["num_samples"], np.full(n, step, dtype=np.int64))
-        write_at(g["steps"], c["num_steps"], np.array([step], dtype=np.int64))
-        write_at(g["step_offsets"], c["num_steps"] + 1, np.array([c["num_samples"] + n], dtype=np.int64))
-        # The commit: counts last.
-        g.attrs.update({"num_steps": c["num_steps"] + 1, "num_samples": c["num_samples"] + n,
-                        "num_prompt_tokens": c["num_prompt_tokens"] + len(prompts),
-                        "num_response_tokens": c["num_response_tokens"] + len(responses)})
+        row, n = self.num_steps, len(cols["length"])
+        tokens = np.concatenate([cols["prompt_tokens"], cols["response_tokens"],
+                                 *(cols[name].astype(np.int32) for name in SAMPLE_INTS)])
+        values = np.concatenate([*(cols[name] for name in TOKEN_FIELDS), cols["reward"]])
+        entry = np.array([step, n, len(cols["prompt_tokens"]), len(cols["response_tokens"]), 1], dtype=np.int64)
+        arrays = self._arrays(len(tokens), len(values))
+        for name, data in (("tokens", tokens), ("values", values)):
+            ensure_shape(arrays[name], (row + 1, len(data)))
+            write_row(arrays[name], row, data)
+        self._index = np.concatenate([self._index, entry[None]])
+        self._write_index(row)   # the commit, last
+
+    def _write_index(self, row: int) -> None:
+        """Write the index chunk holding `row` whole, from memory (no read-modify-write)."""
+        index = self.group["index"] if not self._open_arrays else self._open_arrays["index"]
+        lo = row - row % _INDEX_CHUNK
+        ensure_shape(index, (lo + _INDEX_CHUNK, len(INDEX)))
+        block = np.zeros((_INDEX_CHUNK, len(INDEX)), dtype=np.int64)
+        rows = self._index[lo:lo + _INDEX_CHUNK]
+        block[:len(rows)] = rows
+        put_chunk(index, (lo // _INDEX_CHUNK, 0), block)
+
+    def _arrays(self, tokens: int, values: int) -> dict[str, zarr.Array]:
+        """The row arrays (kept open), created at the first append with chunks one row wide and
+        sized to it."""
+        if not self._open_arrays:
+            g = self.group
+            self._open_arrays = {name: create(g, name, (_ROWS, next_pow2(width, 256)),
+                                              (1, next_pow2(width, 256)), dtype)
+                                 for name, width, dtype in (("tokens", tokens, np.int32),
+                                                            ("values", values, np.float32))}
+            self._open_arrays["index"] = g["index"]
+        return self._open_arrays
 
     def read(self, step: int | None = None) -> dict[str, np.ndarray]:
-        """Committed samples of one step (or all): flat arrays, offsets rebased to start at 0."""
-        c = self._counts()
-        g = self.group
-        lo, hi = 0, c["num_samples"]
+        """Committed samples of one step (or all): flat arrays, offsets starting at 0."""
+        rows = np.arange(self.num_steps)
         if step is not None:
-            steps = g["steps"][: c["num_steps"]]
-            where = np.flatnonzero(steps == step)
-            if not len(where):
+            rows = np.flatnonzero(self._index[:, 0] == step)
+            if not len(rows):
                 raise KeyError(f"{self.path}: step {step} is not committed "
-                               f"(committed: {steps.tolist()})")
-            bounds = g["step_offsets"][int(where[0]): int(where[0]) + 2]
-            lo, hi = int(bounds[0]), int(bounds[1])
-        out: dict[str, np.ndarray] = {}
-        for kind in ("prompt", "response"):
-            off = g[f"{kind}_offsets"][lo: hi + 1]
-            a, b = (int(off[0]), int(off[-1])) if len(off) else (0, 0)
-            out[f"{kind}_offsets"] = off - a
-            out[f"{kind}_tokens"] = g[f"{kind}_tokens"][a:b]
-            if kind == "response":
-                for name in TOKEN_FIELDS:
-                    out[name] = g[name][a:b]
-        for name in (*SAMPLE_FIELDS, "length", "step"):
-            out[name] = g[name][lo:hi]
+                               f"(committed: {self.steps.tolist()})")
+        return self._read_rows(rows)
+
+    def _read_rows(self, rows: np.ndarray) -> dict[str, np.ndarray]:
+        idx = self._index[rows]
+        if not len(rows) or not idx[:, 1].sum():
+            return _empty()
+        n, p, r = (idx[:, j] for j in (1, 2, 3))
+        lo, hi = int(rows[0]), int(rows[-1]) + 1
+        token_rows = self.group["tokens"][lo:hi, : int((p + r + len(SAMPLE_INTS) * n).max())]
+        value_rows = self.group["values"][lo:hi, : int((len(TOKEN_FIELDS) * r + n).max())]
+        parts: dict[str, list[np.ndarray]] = {}
+        for i, (ni, pi, ri) in zip(rows - lo, zip(n, p, r)):
+            t, v = token_rows[i], value_rows[i]
+            parts.setdefault("prompt_tokens", []).append(t[:pi])
+            parts.setdefault("response_tokens", []).append(t[pi:pi + ri])
+            for j, name in enumerate(SAMPLE_INTS):
+                parts.setdefault(name, []).append(t[pi + ri + j * ni: pi + ri + (j + 1) * ni])
+            for j, name in enumerate(TOKEN_FIELDS):
+                parts.setdefault(name, []).append(v[j * ri:(j + 1) * ri])
+            parts.setdefault("reward", []).append(v[len(TOKEN_FIELDS) * ri: len(TOKEN_FIELDS) * ri + ni])
+        out = {name: np.concatenate(chunks) for name, chunks in parts.items()}
+        for kind, lengths in (("prompt", out.pop("prompt_length")), ("response", out["length"])):
+            out[f"{kind}_offsets"] = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        out["is_end"] = out["is_end"].astype(np.bool_)
+        out["step"] = np.repeat(idx[:, 0], n)
         return out
 
     def truncate_to(self, step: int) -> None:
         """Forget every committed step >= `step`, so a run resumed at `step` appends without gaps
-        or duplicates."""
-        c = self._counts()
-        g = self.group
-        steps = g["steps"][: c["num_steps"]]
-        keep = int(np.searchsorted(steps, step, side="left"))
-        if keep == c["num_steps"]:
+        or duplicates (their rows are overwritten by the next appends)."""
+        keep = int(np.searchsorted(self._index[:, 0], step, side="left"))
+        if keep == self.num_steps:
             return
-        n = int(g["step_offsets"][keep])
-        p = int(g["prompt_offsets"][n])
-        r = int(g["response_offsets"][n])
-        g.attrs.update({"num_steps": keep, "num_samples": n, "num_prompt_tokens": p,
-                        "num_response_tokens": r})
-        # Tidy the tails (readers never look past the counts anyway).
-        ends = {"steps": keep, "step_offsets": keep + 1, "prompt_offsets": n + 1, "response_offsets": n + 1,
-                "prompt_tokens": p, "response_tokens": r, **{f: r for f in TOKEN_FIELDS},
-                **{f: n for f in (*SAMPLE_FIELDS, "length", "step")}}
-        for name, end in ends.items():
-            g[name].resize((end,))
+        first = self.num_steps
+        self._index = self._index[:keep]
+        for lo in range(keep - keep % _INDEX_CHUNK, first, _INDEX_CHUNK):
+            self._write_index(lo)
+
+
+def _empty() -> dict[str, np.ndarray]:
+    out = {"prompt_tokens": np.zeros(0, np.int32), "response_tokens": np.zeros(0, np.int32),
+           "prompt_offsets": np.zeros(1, np.int64), "response_offsets": np.zeros(1, np.int64),
+           "length": np.zeros(0, np.int32), "step": np.zeros(0, np.int64)}
+    out.update({name: np.zeros(0, np.float32) for name in TOKEN_FIELDS})
+    out.update({name: np.zeros(0, dt) for name, dt in SAMPLE_FIELDS.items()})
+    return out
+
+
+def _per_token(name: str, values: Any, lengths: np.ndarray) -> np.ndarray:
+    """A per-token field as one flat float32 array: from ragged sequences or a padded 2-D array."""
+    n = len(lengths)
+    if isinstance(values, np.ndarray) or hasattr(values, "numpy"):
+        arr = np.asarray(values, dtype=np.float32)
+        if arr.ndim == 2 and arr.shape[0] == n and (n == 0 or arr.shape[1] >= lengths.max()):
+            return arr[np.arange(arr.shape[1])[None, :] < lengths[:, None]]
+    got = np.fromiter((len(s) for s in values), dtype=np.int64, count=len(values))
+    if len(values) != n or not np.array_equal(got, lengths):
+        bad = next((i for i in range(min(n, len(values))) if got[i] != lengths[i]), min(n, len(values)))
+        raise RolloutStoreError(f"rollout batch key '{name}': sample {bad} does not have one value per "
+                                f"response token (response lengths {lengths[:8].tolist()}...)")
+    return pack(values, np.float32)[0]
 
 
 def _validate(batch: Mapping[str, Any]) -> dict[str, Any]:
@@ -178,25 +223,20 @@ def _validate(batch: Mapping[str, Any]) -> dict[str, Any]:
     if unknown:
         raise RolloutStoreError(f"rollout batch has unknown key(s) {', '.join(sorted(unknown))}")
     n = len(batch["prompt_tokens"])
-    cols: dict[str, Any] = {}
-    cols["prompt_tokens"] = pack(batch["prompt_tokens"], np.int32)
-    flat, r_off = cols["response_tokens"] = pack(batch["response_tokens"], np.int32)
-    lengths = np.diff(r_off).astype(np.int32)
     for name in ("response_tokens", *SAMPLE_FIELDS):
         if len(batch[name]) != n:
             raise RolloutStoreError(f"rollout batch key '{name}' has {len(batch[name])} entries, "
                                     f"prompt_tokens has {n}: one per sample is required")
+    cols: dict[str, Any] = {}
+    cols["prompt_tokens"], p_off = pack(batch["prompt_tokens"], np.int32)
+    cols["response_tokens"], r_off = pack(batch["response_tokens"], np.int32)
+    lengths = np.diff(r_off)
     for name in TOKEN_FIELDS:
-        seqs = batch[name]
-        got = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-        if len(seqs) != n or not np.array_equal(got, lengths):
-            bad = next((i for i in range(min(n, len(seqs))) if got[i] != lengths[i]), min(n, len(seqs)))
-            raise RolloutStoreError(f"rollout batch key '{name}': sample {bad} does not have one value per "
-                                    f"response token (response lengths {lengths[:8].tolist()}...)")
-        cols[name] = pack(seqs, np.float32)[0]
+        cols[name] = _per_token(name, batch[name], lengths)
     for name, dt in SAMPLE_FIELDS.items():
         cols[name] = np.asarray(batch[name], dtype=dt).reshape(n)
     if "length" in batch and not np.array_equal(np.asarray(batch["length"]), lengths):
         raise RolloutStoreError("rollout batch key 'length' disagrees with the response lengths")
     cols["length"] = lengths
+    cols["prompt_length"] = np.diff(p_off)
     return cols

@@ -1,13 +1,14 @@
 """Trace store: RUN_DIR/traces.zarr, one group per rank (`<component>/rank<N>`), one writer each.
 
 Layout of a rank group:
-    step, start_ns, end_ns   int64, one element per span
-    phase                    int16 code into the group attribute `phases` (a list of names)
-    attrs: component, rank, phases, committed (spans a reader may read), last_step, clock
+    spans    int64 (capacity, 4): one row per span, columns step, phase, start_ns, end_ns
+             (phase is a code into the group attribute `phases`, a list of names)
+    attrs: component, rank, phases, committed (rows a reader may read), last_step, clock
 
-A flush writes the arrays past `committed` first and rewrites the attribute last (keys are
-replaced atomically, see atomic.py), so a reader sees whole flushes only: a writer killed
-mid-flush leaves the previous commit intact, and its tail is overwritten by the next writer.
+A flush writes its rows past `committed` (whole chunks from memory, usually one, without reading
+them back) and rewrites the attributes last (keys are replaced atomically, see atomic.py), so a reader sees whole flushes
+only: a writer killed mid-flush leaves the previous commit intact, and its tail is overwritten
+by the next writer. The array grows by doubling, so a flush rarely rewrites its metadata.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from zarr.errors import ContainsGroupError
 
 from slurm_align.profiling.phases import SPAN_DTYPE
 from slurm_align.store.atomic import AtomicLocalStore
-from slurm_align.store.ragged import growable, write_at
+from slurm_align.store.ragged import create, ensure_shape, put_chunk
 
-_ARRAYS = {"step": np.int64, "phase": np.int16, "start_ns": np.int64, "end_ns": np.int64}
+COLUMNS = ("step", "phase", "start_ns", "end_ns")
+"""Columns of a rank group's `spans` array."""
+_CHUNK_ROWS = 2048
 CLOCK = "time.time_ns() anchor at Tracer start + time.perf_counter_ns() offsets"
 
 
@@ -63,7 +66,9 @@ class TraceWriter:
     def __init__(self, path: Path, component: str, rank: int):
         self.root = _open_root(path)
         self.group = _require_group(self.root, rank_group_path(component, rank))
-        self.arrays = {name: growable(self.group, name, dt, chunk=4096) for name, dt in _ARRAYS.items()}
+        self.spans = create(self.group, "spans", (_CHUNK_ROWS, len(COLUMNS)), (_CHUNK_ROWS, len(COLUMNS)),
+                            np.int64)
+        self._tail, self._tail_start = np.zeros((0, len(COLUMNS)), dtype=np.int64), -1
         attrs = self.group.attrs.asdict()
         self.committed = int(attrs.get("committed", 0))
         self.phases: list[str] = list(attrs.get("phases", []))
@@ -73,9 +78,26 @@ class TraceWriter:
             self._commit(0, None)
 
     def _commit(self, committed: int, last_step) -> None:
-        self.group.attrs.update({**self.meta, "phases": self.phases, "committed": committed,
+        self.group.update_attributes({**self.meta, "phases": self.phases, "committed": committed,
                                  "last_step": last_step})
         self.committed, self.last_step = committed, last_step
+
+    def _write(self, start: int, rows: np.ndarray) -> None:
+        """Rows at [start, start+len): the chunks they touch are written whole, the rows of the
+        first chunk before `start` taken from memory (they are committed, hence unchanged)."""
+        lo = start - start % _CHUNK_ROWS
+        if self._tail_start != lo:
+            self._tail, self._tail_start = self.spans[lo:start], lo
+        block = np.concatenate([self._tail[: start - lo], rows])
+        end = lo + len(block)
+        ensure_shape(self.spans, (end + (-end) % _CHUNK_ROWS, len(COLUMNS)))
+        for a in range(0, len(block), _CHUNK_ROWS):
+            chunk = np.zeros((_CHUNK_ROWS, len(COLUMNS)), dtype=np.int64)
+            part = block[a:a + _CHUNK_ROWS]
+            chunk[:len(part)] = part
+            put_chunk(self.spans, ((lo + a) // _CHUNK_ROWS, 0), chunk)
+        last = end - end % _CHUNK_ROWS if end % _CHUNK_ROWS else end
+        self._tail, self._tail_start = block[last - lo:], last
 
     def append(self, steps, phases, starts, ends) -> None:
         if not len(steps):
@@ -85,23 +107,21 @@ class TraceWriter:
             if name not in self.phases:
                 self.phases.append(name)
             codes.append(self.phases.index(name))
-        cols = {"step": steps, "phase": codes, "start_ns": starts, "end_ns": ends}
-        for name, arr in self.arrays.items():
-            write_at(arr, self.committed, np.asarray(cols[name], dtype=_ARRAYS[name]))
-        last = int(max(steps)) if self.last_step is None else max(int(self.last_step), int(max(steps)))
-        self._commit(self.committed + len(steps), last)
+        rows = np.stack([np.asarray(c, dtype=np.int64) for c in (steps, codes, starts, ends)], axis=1)
+        self._write(self.committed, rows)
+        last = int(rows[:, 0].max()) if self.last_step is None else max(int(self.last_step), int(rows[:, 0].max()))
+        self._commit(self.committed + len(rows), last)
 
     def truncate_to(self, step: int) -> None:
         """Drop committed spans of steps >= step (resume from a checkpoint taken before `step`)."""
-        steps = self.arrays["step"][: self.committed]
-        keep = np.flatnonzero(steps < step)
-        if len(keep) == self.committed:
+        rows = self.spans[: self.committed]
+        kept = rows[rows[:, 0] < step]
+        if len(kept) == self.committed:
             return
-        cols = {name: arr[: self.committed][keep] for name, arr in self.arrays.items()}
         self._commit(0, None)  # readers see nothing while the kept spans are rewritten
-        for name, arr in self.arrays.items():
-            write_at(arr, 0, cols[name])
-        self._commit(len(keep), int(cols["step"].max()) if len(keep) else None)
+        if len(kept):
+            self._write(0, kept)
+        self._commit(len(kept), int(kept[:, 0].max()) if len(kept) else None)
 
 
 @dataclass
@@ -159,11 +179,10 @@ def read_traces(path: Path, expected_ranks: dict[str, int] | None = None) -> Tra
                 continue
             found.setdefault(comp, []).append(rank)
             names = np.asarray(attrs["phases"], dtype="U32")
+            rows = rgroup["spans"][:n]
             t = np.zeros(n, dtype=SPAN_DTYPE)
-            t["step"] = rgroup["step"][:n]
-            t["phase"] = names[rgroup["phase"][:n]]
-            t["start_ns"] = rgroup["start_ns"][:n]
-            t["end_ns"] = rgroup["end_ns"][:n]
+            t["step"], t["phase"] = rows[:, 0], names[rows[:, 1]]
+            t["start_ns"], t["end_ns"] = rows[:, 2], rows[:, 3]
             t["rank"], t["component"] = rank, comp
             parts.append(t)
     spans = np.concatenate(parts) if parts else np.zeros(0, dtype=SPAN_DTYPE)
