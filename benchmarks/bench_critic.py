@@ -73,7 +73,7 @@ def main() -> None:
         rng = np.random.default_rng(0)
         mbs = [(rng.integers(0, MODEL["vocab_size"], size=(B, T)), rng.integers(T // 2, T + 1, size=B))
                for _ in range(args.micro_batches)]
-        client = CriticClient("127.0.0.1", port, connect_timeout_s=180, request_timeout_s=300)
+        client = CriticClient.for_run_dir(run_dir, connect_timeout_s=180, request_timeout_s=300)
         t0 = time.perf_counter()
         client.connect()
         print(f"critic ready after {time.perf_counter() - t0:.1f} s", flush=True)

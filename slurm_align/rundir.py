@@ -9,12 +9,18 @@
     RUN_DIR/traces.zarr            per-rank span traces
     RUN_DIR/checkpoints/<name>/iter_<step>
     RUN_DIR/reports/<component>/rank<N>.json   what each rank reports about itself
+    RUN_DIR/run.secret             the run's secret (mode 0600), made at submit; critic requests carry it
+    RUN_DIR/critic_address.json    where the critic listens (host, port), published by the critic
 """
 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import hmac
+import json
 import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,6 +68,16 @@ class RunDir:
     def report(self, component: str, rank: int) -> Path:
         return self.root / "reports" / component / f"rank{rank}.json"
 
+    @property
+    def secret(self) -> Path:
+        """The run's secret: only this run's actor may call its critic (see create_run_secret)."""
+        return self.root / "run.secret"
+
+    @property
+    def critic_address(self) -> Path:
+        """Where the critic listens, published by it once it serves (see publish_critic_address)."""
+        return self.root / "critic_address.json"
+
     def is_run_dir(self) -> bool:
         return self.config.is_file()
 
@@ -90,3 +106,65 @@ def write_atomic(path: Path, text: str) -> None:
 
 def save_yaml(path: Path, data: dict) -> None:
     write_atomic(path, yaml.safe_dump(data, sort_keys=False))
+
+
+# -- the run's secret and the critic's address ------------------------------------------------
+
+class RunSecretError(RuntimeError):
+    """The run's secret is missing or readable by others; the message names the file."""
+
+
+def create_run_secret(rd: RunDir) -> None:
+    """A fresh random secret in RUN_DIR/run.secret, mode 0600 from its creation on (never in the
+    job script, the config or the environment). Replaces an older submission's secret."""
+    rd.root.mkdir(parents=True, exist_ok=True)
+    tmp = rd.secret.with_name(f".{rd.secret.name}.tmp{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, rd.secret)
+
+
+def read_run_secret(rd: RunDir) -> str:
+    """The run's secret; refused when missing, empty, or readable by group or others."""
+    try:
+        fd = os.open(rd.secret, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise RunSecretError(f"{rd.secret} is missing: every run launched by `slurm-align submit` "
+                             "gets one; the critic serves only requests that carry it") from None
+    except OSError as e:   # ELOOP: a symlink
+        raise RunSecretError(f"{rd.secret} cannot be opened as a plain file: {e.strerror}") from None
+    with os.fdopen(fd) as f:
+        mode = os.fstat(f.fileno()).st_mode & 0o777
+        if mode & 0o077:
+            raise RunSecretError(f"{rd.secret} has mode {mode:04o}: other users could read it; "
+                                 f"it must be 0600 (chmod 600 {rd.secret})")
+        secret = f.read().strip()
+    if len(secret) < 32:
+        raise RunSecretError(f"{rd.secret} holds no usable secret ({len(secret)} characters, at least 32 needed)")
+    return secret
+
+
+def _address_tag(secret: str, host: str, port: int) -> str:
+    # Proves the address was published by a holder of this submission's secret: the actor never
+    # sends the secret to an address left over from an older job.
+    return hmac.new(secret.encode(), f"critic-address {host}:{port}".encode(), hashlib.sha256).hexdigest()
+
+
+def publish_critic_address(rd: RunDir, host: str, port: int, secret: str) -> None:
+    write_atomic(rd.critic_address, json.dumps({"host": host, "port": port,
+                                                "tag": _address_tag(secret, host, port)}))
+
+
+def read_critic_address(rd: RunDir, secret: str) -> tuple[str, int] | None:
+    """(host, port) published by this run's critic; None while there is none (or only a stale
+    or foreign one)."""
+    try:
+        data = json.loads(rd.critic_address.read_text())
+        host, port, tag = str(data["host"]), int(data["port"]), str(data["tag"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+    return (host, port) if hmac.compare_digest(tag, _address_tag(secret, host, port)) else None

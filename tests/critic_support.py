@@ -19,6 +19,9 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from slurm_align.critic.client import CriticClient
+from slurm_align.rundir import RunDir, create_run_secret, read_critic_address, read_run_secret
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 100,
               "max_seq_len": 64}
@@ -27,7 +30,7 @@ CHILD_ENV = {"OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
 
 
 def free_port_triple() -> int:
-    """A port p with p, p+1, p+2 free on 127.0.0.1 (HTTP, gRPC, metrics)."""
+    """A port p with p, p+1, p+2 free on 127.0.0.1 (for a fixed critic_server.port)."""
     for _ in range(50):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -44,8 +47,9 @@ def free_port_triple() -> int:
     raise RuntimeError("no three consecutive free ports on 127.0.0.1")
 
 
-def write_run_dir(root: Path, *, port: int, critic: dict | None = None, switches: dict | None = None,
+def write_run_dir(root: Path, *, port: int = 0, critic: dict | None = None, switches: dict | None = None,
                   request_timeout_s: float = 30.0, model: dict | None = None) -> Path:
+    """A critic's run directory as `submit` leaves it: config.yaml and the run's secret."""
     root.mkdir(parents=True, exist_ok=True)
     cfg = {"algorithm": "ppo", "seed": 7, "model": model or TINY_MODEL,
            "critic": critic or {}, "switches": switches or {},
@@ -53,13 +57,26 @@ def write_run_dir(root: Path, *, port: int, critic: dict | None = None, switches
            "critic_server": {"port": port, "bind_host": "127.0.0.1", "connect_timeout_s": 90,
                              "request_timeout_s": request_timeout_s}}
     (root / "config.yaml").write_text(yaml.safe_dump(cfg))
+    create_run_secret(RunDir(root))
     return root
+
+
+def critic_address(run_dir: Path) -> tuple[str, int] | None:
+    """The address the run's critic published (None before)."""
+    rd = RunDir(run_dir)
+    return read_critic_address(rd, read_run_secret(rd))
+
+
+def client_for(run_dir: Path, **kw) -> CriticClient:
+    """The run's own actor's client (its secret, the published address)."""
+    return CriticClient.for_run_dir(run_dir, **{"connect_timeout_s": 90, "request_timeout_s": 60, **kw})
 
 
 class CriticProcess:
     """`launchers/critic.py` (under mpirun when ranks > 1) in its own process group."""
 
     def __init__(self, run_dir: Path, ranks: int = 1):
+        self.run_dir = run_dir
         cmd = [sys.executable, str(REPO / "launchers" / "critic.py"), "--run-dir", str(run_dir)]
         if ranks > 1:
             cmd = ["mpirun", "--oversubscribe", "-n", str(ranks), *cmd]
@@ -90,18 +107,21 @@ class CriticProcess:
         if code is not None:
             raise AssertionError(f"critic exited early with code {code}:\n{self.log_text()}")
 
-    def wait_ready(self, port: int, timeout: float = 120) -> None:
-        """Poll the server's health while making sure the critic has not died meanwhile."""
+    def wait_ready(self, port: int | None = None, timeout: float = 120) -> tuple[str, int]:
+        """Wait for the critic's published address and its health, making sure the critic has not
+        died meanwhile; returns (host, port). `port` is unused (the critic publishes it)."""
         import urllib.request
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=1) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
+            addr = critic_address(self.run_dir)
+            if addr is not None:
+                try:
+                    with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/v2/health/ready", timeout=1) as r:
+                        if r.status == 200:
+                            return addr
+                except OSError:
+                    pass
             time.sleep(0.25)
         raise AssertionError(f"critic not ready after {timeout} s:\n{self.log_text()}")
 

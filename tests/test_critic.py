@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 
 from slurm_align.critic.client import CriticClient, CriticError, CriticUnavailableError
-from tests.critic_support import CriticProcess, free_port_triple, random_batch, run_child, write_run_dir
+from tests.critic_support import (CriticProcess, client_for, free_port_triple, random_batch, run_child,
+                                  write_run_dir)
 
 
 @pytest.fixture(scope="module")
 def critic(tmp_path_factory):
-    port = free_port_triple()
-    run_dir = write_run_dir(tmp_path_factory.mktemp("critic"), port=port)
+    run_dir = write_run_dir(tmp_path_factory.mktemp("critic"))   # port 0: the critic picks one
     proc = CriticProcess(run_dir)
-    client = CriticClient("127.0.0.1", port, connect_timeout_s=90, request_timeout_s=60)
+    client = client_for(run_dir)
     try:
-        proc.wait_ready(port)
+        proc.wait_ready()
         client.connect()
     except AssertionError:
         proc.stop()
@@ -118,11 +118,22 @@ def test_malformed_payloads_are_rejected_with_what_was_expected(critic, endpoint
 
 def test_unreachable_critic_fails_after_connect_timeout_naming_address():
     port = free_port_triple()
-    client = CriticClient("127.0.0.1", port, connect_timeout_s=1.5, request_timeout_s=5)
+    client = CriticClient("127.0.0.1", port, secret="s" * 43, connect_timeout_s=1.5, request_timeout_s=5)
     t0 = time.monotonic()
     with pytest.raises(CriticUnavailableError, match=rf"critic at 127.0.0.1:{port}, endpoint health.*1.5 s"):
         client.infer(np.zeros((1, 4), np.int64), np.ones(1, np.int64))
     assert 1.4 < time.monotonic() - t0 < 6
+    client.close()
+
+
+def test_unpublished_critic_fails_after_connect_timeout_naming_the_address_file(tmp_path):
+    run_dir = write_run_dir(tmp_path)
+    # An address from another submission (another secret) is not taken.
+    (run_dir / "critic_address.json").write_text('{"host": "127.0.0.1", "port": 1, "tag": "0"}')
+    client = client_for(run_dir, connect_timeout_s=1.0)
+    with pytest.raises(CriticUnavailableError, match=r"address not published yet.*no address published in "
+                                                     r".*critic_address.json"):
+        client.connect()
     client.close()
 
 

@@ -17,7 +17,7 @@ REQUEST_TIMEOUT_S = 4.0
 def test_hung_then_killed_critic_gives_clear_errors_within_bound(tmp_path):
     port = free_port_triple()
     proc = CriticProcess(write_run_dir(tmp_path, port=port, request_timeout_s=REQUEST_TIMEOUT_S))
-    client = CriticClient("127.0.0.1", port, connect_timeout_s=90, request_timeout_s=REQUEST_TIMEOUT_S)
+    client = CriticClient.for_run_dir(tmp_path, connect_timeout_s=90, request_timeout_s=REQUEST_TIMEOUT_S)
     try:
         proc.wait_ready(port)
         rng = np.random.default_rng(5)

@@ -17,12 +17,12 @@ import sys, numpy as np
 from mpi4py import MPI
 from slurm_align.critic.client import CriticClient, share_from_source
 comm = MPI.COMM_WORLD
-port, out = int(sys.argv[1]), sys.argv[2]
+run_dir, out = sys.argv[1], sys.argv[2]
 rng = np.random.default_rng(6)
 tokens = rng.integers(0, 100, size=(5, 11)); lengths = rng.integers(1, 12, size=5)
 result = None
 if comm.Get_rank() == 0:  # the model-parallel source rank talks to the critic
-    c = CriticClient("127.0.0.1", port, connect_timeout_s=120, request_timeout_s=60)
+    c = CriticClient.for_run_dir(run_dir, connect_timeout_s=120, request_timeout_s=60)
     v, r = c.infer(tokens, lengths, step=0)
     mask = np.ones((5, 11), np.float32); ret = np.ones((5, 11), np.float32)
     losses = [c.train(tokens, lengths, ret, v, mask, step=i) for i in range(3)]
@@ -47,7 +47,7 @@ def test_two_rank_critic_serves_two_rank_actor(tmp_path, layout):
     critic = CriticProcess(run_dir, ranks=2)
     try:
         actor = critic.run_alongside(["mpirun", "--oversubscribe", "-n", "2", sys.executable, "-c", ACTOR,
-                                      str(port), str(tmp_path / "actor")], timeout=240)
+                                      str(run_dir), str(tmp_path / "actor")], timeout=240)
         assert actor.returncode == 0, actor.stdout[-3000:] + critic.log_text()
         assert critic.wait(timeout=60) == 0, critic.log_text()  # both critic ranks shut down cleanly
     finally:

@@ -337,14 +337,28 @@ class TrainerConfig(StrictModel):
 
 
 class CriticServerConfig(StrictModel):
-    port: int = Field(18000, ge=1024, le=65535)
-    """HTTP port of the critic's PyTriton server (gRPC and metrics use port+1, port+2)."""
+    """The critic's PyTriton server. It serves HTTP only (no gRPC, no metrics port), answers only
+    requests that carry the run's secret (RUN_DIR/run.secret), and publishes the address it
+    listens on in RUN_DIR/critic_address.json, where the actor reads it."""
+
+    port: int = Field(0, ge=0, le=65535)
+    """HTTP port of the critic's server; 0: a free port picked at start (two runs can share a
+    node). A fixed port (1024-65535) that is taken fails the critic at once."""
     bind_host: str | None = None
     """Address to bind; default: this host's own address from the job's node list (never 0.0.0.0)."""
     connect_timeout_s: float = Field(120.0, gt=0)
     """How long the actor keeps retrying (with backoff) while the critic starts."""
     request_timeout_s: float = Field(300.0, gt=0)
     """Upper bound on one critic request; a hung critic is an error after this."""
+
+    @model_validator(mode="after")
+    def _port_and_host(self):
+        if 0 < self.port < 1024:
+            raise ValueError(f"port={self.port}: give 0 (a free port, picked at start) or a port in 1024-65535")
+        if self.bind_host is not None and self.bind_host.strip() in ("", "0.0.0.0", "::", "[::]"):
+            raise ValueError(f"bind_host={self.bind_host!r} would listen on every interface, where every "
+                             "user of the cluster reaches it; give this node's own address or leave it unset")
+        return self
 
 
 class SweepConfig(StrictModel):

@@ -4,12 +4,13 @@ Rank 0 receives requests over HTTP; every other critic rank must run the same co
 forward/backward, so rank 0 broadcasts each command (its kind and its data) over the
 component's MPI communicator. Followers wait with a non-blocking broadcast polled at a
 short interval: a blocking MPI call would busy-spin a core for as long as the critic is
-idle, stealing it from the actor on shared nodes.
+idle, stealing it from the actor on shared nodes. A command's data travels as an .npz
+(arrays, numbers, strings; loaded without pickle), never as a pickle.
 """
 
 from __future__ import annotations
 
-import pickle
+import io
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,7 +46,7 @@ class CommandChannel:
             raise ValueError(f"unknown critic command {cmd.kind!r}; expected one of {KINDS}")
         if self.comm.Get_size() == 1:
             return
-        payload = pickle.dumps(cmd.data, protocol=pickle.HIGHEST_PROTOCOL)
+        payload = encode_data(cmd.data)
         header = np.array([KINDS.index(cmd.kind), len(payload)], dtype=np.int64)
         self.comm.Ibcast(header, root=self.root).Wait()
         self.comm.Bcast(np.frombuffer(payload, dtype=np.uint8), root=self.root)
@@ -58,4 +59,23 @@ class CommandChannel:
             time.sleep(self.poll_s)
         buf = np.empty(int(header[1]), dtype=np.uint8)
         self.comm.Bcast(buf, root=self.root)
-        return Command(KINDS[int(header[0])], pickle.loads(buf.tobytes()))
+        return Command(KINDS[int(header[0])], decode_data(buf.tobytes()))
+
+
+def encode_data(data: dict[str, Any]) -> bytes:
+    """Arrays, numbers, strings and None values -> .npz bytes (None: listed under a reserved key)."""
+    none = [k for k, v in data.items() if v is None]
+    arrays = {k: np.asarray(v) for k, v in data.items() if v is not None}
+    for k, a in arrays.items():
+        if a.dtype == object:
+            raise TypeError(f"critic command data {k!r} is not an array, number or string")
+    out = io.BytesIO()
+    np.savez(out, __none__=np.array(none, dtype=np.str_), **arrays)
+    return out.getvalue()
+
+
+def decode_data(payload: bytes) -> dict[str, Any]:
+    with np.load(io.BytesIO(payload), allow_pickle=False) as z:
+        data = {k: (z[k].item() if z[k].ndim == 0 else z[k]) for k in z.files if k != "__none__"}
+        data.update({str(k): None for k in z["__none__"]})
+    return data

@@ -1,10 +1,13 @@
 """The actor's side of the critic: futures over HTTP (KServe v2, binary tensors).
 
-- `CriticClient(host, port, ...)`: `infer_async` / `train_async` return Futures at once, so the
-  actor keeps computing while the critic works; each Future carries its own request's answer.
-- The first request waits for the critic to come up, retrying with exponential backoff up to
-  `connect_timeout_s` (no fixed sleep). Afterwards every request is bounded by
-  `request_timeout_s`: a dead or hung critic raises CriticError naming host, port and endpoint.
+- `CriticClient.for_run_dir(run_dir)` (or `from_run_config`): the run's secret and the address the
+  critic published in the run directory (it picks a free port at start). `infer_async` /
+  `train_async` return Futures at once, so the actor keeps computing while the critic works;
+  each Future carries its own request's answer. Every request carries the run's secret.
+- The first request waits for the critic to publish its address and come up, retrying with
+  exponential backoff up to `connect_timeout_s` (no fixed sleep). Afterwards every request is
+  bounded by `request_timeout_s`: a dead or hung critic raises CriticError naming host, port
+  and endpoint.
 - Only the model-parallel source rank of the actor should call the critic; `share_from_source`
   hands its result to the other ranks of the model-parallel group.
 """
@@ -17,11 +20,13 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from slurm_align.critic import protocol as P
+from slurm_align.rundir import RunDir, read_critic_address, read_run_secret
 
 
 class CriticError(RuntimeError):
@@ -33,18 +38,33 @@ class CriticUnavailableError(CriticError):
 
 
 def _server_reason(text: str) -> str:
-    """The useful sentence of a server error: our payload message when there is one
+    """The useful sentence of a server error: our payload or refusal message when there is one
     (PyTriton forwards the whole traceback), else the server's own text."""
     m = re.search(r"CriticPayloadError: ([^\n\\]+)", text)
-    return f"rejected payload: {m.group(1).strip()}" if m else text.strip()
+    if m:
+        return f"rejected payload: {m.group(1).strip()}"
+    m = re.search(r"CriticAuthError: ([^\n\\]+)", text)
+    if m:
+        return m.group(1).strip()
+    if "restricted, expecting header" in text:
+        return "refused: the critic does not know this run's secret (another run's critic?)"
+    return text.strip()
 
 
 class CriticClient:
-    """Futures-based client of the critic server at `host:port`."""
+    """Futures-based client of the critic server at `host:port`, or at the address its run's
+    critic publishes (`run_dir`); every request carries `secret`."""
 
-    def __init__(self, host: str, port: int, *, connect_timeout_s: float = 120.0,
-                 request_timeout_s: float = 300.0, max_in_flight: int = 64):
-        self.host, self.port = host, port
+    def __init__(self, host: str | None, port: int | None, *, secret: str, run_dir: str | Path | None = None,
+                 connect_timeout_s: float = 120.0, request_timeout_s: float = 300.0, max_in_flight: int = 64):
+        if (host is None or port is None) and run_dir is None:
+            raise ValueError("CriticClient needs host and port, or the run_dir its critic publishes them in")
+        self.run_dir = None if run_dir is None else RunDir(Path(run_dir))
+        # With run_dir the address is the published one (`host` replaces its host when given).
+        self.host, self.port = (None, None) if self.run_dir else (host, port)
+        self._host_override = host if self.run_dir else None
+        self._secret = secret
+        self._headers = P.auth_headers(secret)
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="critic-client")
@@ -53,23 +73,39 @@ class CriticClient:
         self._connect_lock = threading.Lock()
 
     @classmethod
+    def for_run_dir(cls, run_dir: str | Path, host: str | None = None, **kw) -> "CriticClient":
+        """The client of the run's own critic: its secret, the address it publishes at start."""
+        rd = RunDir(Path(run_dir))
+        return cls(host, None, secret=read_run_secret(rd), run_dir=rd.root, **kw)
+
+    @classmethod
     def from_run_config(cls, run, host: str | None = None) -> "CriticClient":
-        """Address from the hetjob environment unless given; timeouts from run.critic_server."""
-        if host is None:
-            from slurm_align.slurm.hetenv import HetEnv
-            host = HetEnv.from_environ().address("critic")
+        """The run's critic (run.run_dir), timeouts from run.critic_server; `host` replaces the
+        published host (another address of the critic's node)."""
         cs = run.critic_server
-        return cls(host, cs.port, connect_timeout_s=cs.connect_timeout_s,
-                   request_timeout_s=cs.request_timeout_s)
+        return cls.for_run_dir(run.run_dir, host, connect_timeout_s=cs.connect_timeout_s,
+                               request_timeout_s=cs.request_timeout_s)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def _where(self, endpoint: str) -> str:
+        if self.host is None:
+            return f"critic of {self.run_dir.root} (address not published yet), endpoint {endpoint}"
         return f"critic at {self.host}:{self.port}, endpoint {endpoint}"
 
     # -- connection ------------------------------------------------------------------------
+    def _locate(self) -> str | None:
+        """Take the address the critic published; None while it has published none. A file
+        from an earlier job (another secret) does not count."""
+        found = read_critic_address(self.run_dir, self._secret)
+        if found is None:
+            return f"no address published in {self.run_dir.critic_address} yet"
+        host, port = found
+        self.host, self.port = self._host_override or host, port
+        return None
+
     def connect(self) -> None:
         """Wait until every endpoint is ready, retrying with backoff up to connect_timeout_s."""
         if self._ready.is_set():
@@ -81,14 +117,21 @@ class CriticClient:
             delay, last = 0.05, "no answer yet"
             pending = ["/health", *(f"/models/{ep}" for ep in P.ENDPOINTS)]
             while pending:
-                try:
-                    with urllib.request.urlopen(f"{self.url}/v2{pending[0]}/ready", timeout=2.0) as r:
-                        if r.status == 200:
-                            pending.pop(0)
-                            continue
-                        last = f"HTTP {r.status}"
-                except (urllib.error.URLError, OSError) as e:
-                    last = str(getattr(e, "reason", e))
+                # Re-read the published address until the critic answers: an old address
+                # (a restarted critic) is replaced by the new one.
+                missing = self._locate() if self.run_dir is not None and pending[0] == "/health" else None
+                if missing:
+                    last = missing
+                else:
+                    try:
+                        req = urllib.request.Request(f"{self.url}/v2{pending[0]}/ready", headers=self._headers)
+                        with urllib.request.urlopen(req, timeout=2.0) as r:
+                            if r.status == 200:
+                                pending.pop(0)
+                                continue
+                            last = f"HTTP {r.status}"
+                    except (urllib.error.URLError, OSError) as e:
+                        last = str(getattr(e, "reason", e))
                 left = deadline - time.monotonic()
                 if left <= 0:
                     what = pending[0].split("/")[-1]
@@ -122,7 +165,7 @@ class CriticClient:
             reqs.append(inp)
         t0 = time.monotonic()
         try:
-            res = self._http().infer(endpoint, reqs, outputs=[
+            res = self._http().infer(endpoint, reqs, headers=self._headers, outputs=[
                 th.InferRequestedOutput(n, binary_data=True) for n in outputs])
         except InferenceServerException as e:
             raise CriticError(f"{self._where(endpoint)}: {_server_reason(e.message() or str(e))}") from None
@@ -170,10 +213,13 @@ class CriticClient:
     def train(self, *args, step: int | None = None) -> float:
         return self.train_async(*args, step=step).result()
 
-    def save(self, path: str) -> str:
-        """Write the value model's checkpoint; returns the path once it is durable."""
-        arr = np.array([str(path).encode()], dtype=np.object_)
-        fut = self._pool.submit(lambda: self._call(P.SAVE, {"path": arr}, ["path"]))
+    def save(self, name: str) -> str:
+        """Write the value model's checkpoint `name` into the run's critic checkpoint folder;
+        returns its path once it is durable. A path into that folder is taken as its name."""
+        if self.run_dir is not None and Path(name).parent == self.run_dir.checkpoints("critic"):
+            name = Path(name).name
+        arr = np.array([str(name).encode()], dtype=np.object_)
+        fut = self._pool.submit(lambda: self._call(P.SAVE, {"name": arr}, ["path"]))
         out = fut.result()["path"].reshape(-1)[0]
         return out.decode() if isinstance(out, bytes) else str(out)
 

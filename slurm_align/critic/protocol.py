@@ -10,11 +10,21 @@ Both sides import this module, so a change of layout is made in one place.
                     prev_values float32 [B,T], mask float32 [B,T] -> loss float32 [1]
     critic_infer and critic_train also take an optional `step` int64 (the actor's PPO step; [B,1]
     resp. [1]) that labels the critic's trace spans.
-    critic_save     path bytes [1] -> path bytes [1], returned once the checkpoint is durable
+    critic_save     name bytes [1] -> path bytes [1], returned once the checkpoint is durable. A
+                    checkpoint name, not a path: the critic writes only inside its run's
+                    checkpoints/critic folder.
     critic_shutdown flag int64 [1] -> ack int64 [1]; the critic stops after answering
+
+Every request carries two headers (see server.py for why two):
+    triton-access-token   gate_token(secret): Triton itself refuses requests without it
+    x-slurm-align-secret  the run's secret, checked by the critic before anything else
 """
 
 from __future__ import annotations
+
+import hashlib
+import hmac
+import re
 
 import numpy as np
 
@@ -25,6 +35,24 @@ SHUTDOWN = "critic_shutdown"
 ENDPOINTS = (INFER, TRAIN, SAVE, SHUTDOWN)
 
 TRAIN_FLOAT_INPUTS = ("returns", "prev_values", "mask")
+
+GATE_HEADER = "triton-access-token"   # PyTriton's name for Triton's restricted-API header
+SECRET_HEADER = "x-slurm-align-secret"
+CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def gate_token(secret: str) -> str:
+    """Triton's own access token, derived from the run's secret. It appears on tritonserver's
+    command line (readable by other users of the node), so it must not be the secret itself."""
+    return hmac.new(secret.encode(), b"slurm-align triton gate", hashlib.sha256).hexdigest()
+
+
+def auth_headers(secret: str) -> dict[str, str]:
+    return {GATE_HEADER: gate_token(secret), SECRET_HEADER: secret}
+
+
+class CriticAuthError(PermissionError):
+    """A request without this run's secret; named in the message like CriticPayloadError."""
 
 
 class CriticPayloadError(ValueError):
@@ -86,6 +114,22 @@ def validate_train(tokens: np.ndarray, lengths: np.ndarray, floats: dict[str, np
     if float(floats["mask"].sum()) <= 0:
         _fail(TRAIN, "'mask' selects no position (its sum must be > 0)")
     return lengths
+
+
+def validate_checkpoint_name(raw: np.ndarray) -> str:
+    """critic_save's `name`: one plain file name (no folder, no `..`, no absolute path)."""
+    raw = raw.reshape(-1)
+    if raw.size != 1:
+        _fail(SAVE, f"'name' must hold exactly one string; got {raw.size}")
+    value = raw[0]
+    try:
+        name = value.decode() if isinstance(value, bytes) else str(value)
+    except UnicodeDecodeError:
+        _fail(SAVE, "'name' must be UTF-8 text")
+    if not CHECKPOINT_NAME.match(name):
+        _fail(SAVE, f"'name' must be a checkpoint name (letters, digits, '.', '_', '-'; no '/', "
+                    f"at most 128 characters), not a path; got {name[:200]!r}")
+    return name
 
 
 def pad_concat(batches: list[np.ndarray], fill: int | float = 0) -> np.ndarray:

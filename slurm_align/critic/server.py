@@ -4,21 +4,42 @@ PyTriton calls each endpoint's function on its own handler thread; the models, h
 driven by rank 0's main thread, which also broadcasts every command to the other critic
 ranks (main.py). So the endpoint functions only validate, enqueue a PendingCommand and wait
 for its result: every collective runs on one thread, in one order, on every rank.
+
+Only the run's own actor may call it (compute nodes are reachable by every user of a cluster):
+- Triton's restricted-API gate refuses every request (inference, metadata, model control...)
+  without the gate token before it reaches a model, so strangers' requests never join the
+  dynamic batcher with the actor's. The gate token is derived from the run's secret because
+  it stands on tritonserver's command line, which other users of the node can read.
+- Each endpoint then checks the run's secret itself (forwarded header, constant-time compare)
+  before anything else, and logs refusals (rate-limited).
+- Only HTTP is served, on the chosen address; gRPC and metrics are off.
+- critic_save takes a checkpoint name and writes only inside the run's critic checkpoint folder.
 """
 
 from __future__ import annotations
 
+import hmac
 import os
 import queue
+import socket
+import sys
 import sysconfig
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
+import psutil
 
 from slurm_align.critic import protocol as P
 from slurm_align.critic.channel import Command
+from slurm_align.rundir import RunDir, publish_critic_address, read_run_secret
+
+
+class CriticBindError(RuntimeError):
+    """The critic cannot listen on its address: the message names host, port and the setting."""
 
 
 def put_libpython_first() -> None:
@@ -54,30 +75,125 @@ class ServerLimits:
     """How long the dynamic batcher waits for more critic_infer requests to merge."""
 
 
-class CriticServer:
-    """PyTriton endpoints bound to `host:port` (gRPC port+1, metrics port+2)."""
+class RefusalLog:
+    """One line per refused request, at most one every `interval_s` (a flood must not fill the
+    log): the count since the last line, and the peers connected to the server's port then.
+    Triton does not hand the requester's address to the model, so these are the candidates."""
 
-    def __init__(self, host: str, port: int, limits: ServerLimits):
+    def __init__(self, port_of, interval_s: float = 10.0):
+        self.port_of, self.interval_s = port_of, interval_s
+        self._lock = threading.Lock()
+        self._last, self._suppressed = -float("inf"), 0
+
+    def refused(self, endpoint: str, why: str) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self.interval_s:
+                self._suppressed += 1
+                return
+            self._last, more, self._suppressed = now, self._suppressed, 0
+        print(f"critic: refused a {endpoint} request ({why}); peers connected now: "
+              f"{', '.join(connected_peers(self.port_of())) or 'none'}"
+              + (f"; {more} more refusals since the last line" if more else ""), file=sys.stderr, flush=True)
+
+
+def connected_peers(port: int, limit: int = 8) -> list[str]:
+    """host:port of the TCP connections established to our `port` (from /proc/net/tcp)."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
+        return []
+    peers = sorted({f"{c.raddr.ip}:{c.raddr.port}" for c in conns
+                    if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == port and c.raddr})
+    return peers[:limit]
+
+
+def _listening_ports(pids: set[int]) -> list[tuple[str, int]]:
+    out = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            conns = proc.net_connections(kind="inet") if hasattr(proc, "net_connections") else proc.connections("inet")
+        except psutil.Error:
+            continue
+        out += [(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return out
+
+
+def server_pids() -> set[int]:
+    """This process and its children (tritonserver, the Python backend stubs)."""
+    me = psutil.Process()
+    return {me.pid, *(c.pid for c in me.children(recursive=True))}
+
+
+def pick_port(host: str, port: int) -> int:
+    """`port`, checked to be free on `host` (fail now, not after the actor's connect timeout),
+    or with port 0 a free one."""
+    family = socket.getaddrinfo(host, port or None, type=socket.SOCK_STREAM)[0][0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as Triton binds
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise CriticBindError(
+                f"critic server cannot listen on {host}:{port}: {e.strerror} (another critic or service "
+                f"on this node holds it?); set critic_server.port to 0 to pick a free port at start") from None
+        return s.getsockname()[1]
+
+
+class CriticServer:
+    """PyTriton endpoints bound to `host:port` (HTTP only; port 0: a free port, chosen at start)."""
+
+    def __init__(self, host: str, port: int, limits: ServerLimits, *, secret: str, checkpoint_dir: Path,
+                 run_dir: RunDir | None = None):
         if host in ("0.0.0.0", "", "::"):
             raise ValueError(f"critic server bind address {host!r} would listen on every interface; "
                              "give this host's own address (critic_server.bind_host)")
         self.host, self.port, self.limits = host, port, limits
+        self._secret = secret.encode()
+        self.checkpoint_dir = Path(checkpoint_dir)
+        self.run_dir = run_dir
+        self.refusals = RefusalLog(lambda: self.port)
         self.commands: "queue.Queue[PendingCommand]" = queue.Queue()
         self._triton = None
+
+    @classmethod
+    def for_run(cls, rd: RunDir, host: str, port: int, limits: ServerLimits) -> "CriticServer":
+        """The run's critic: its secret, its checkpoint folder; publishes its address at start."""
+        return cls(host, port, limits, secret=read_run_secret(rd), checkpoint_dir=rd.checkpoints("critic"),
+                   run_dir=rd)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         put_libpython_first()
-        from pytriton.triton import Triton, TritonConfig
+        from pytriton.triton import VALID_TRITON_ENDPOINTS, Triton, TritonConfig, TritonSecurityConfig
 
-        cfg = TritonConfig(http_address=self.host, grpc_address=self.host, metrics_address=self.host,
-                           http_port=self.port, grpc_port=self.port + 1, metrics_port=self.port + 2)
-        self._triton = Triton(config=cfg)
+        self.port = pick_port(self.host, self.port)
+        cfg = TritonConfig(http_address=self.host, http_port=self.port, allow_grpc=False, allow_metrics=False,
+                           allow_sagemaker=False, allow_vertex_ai=False,
+                           http_header_forward_pattern=P.SECRET_HEADER)
+        # Everything but health (PyTriton's own start-up polls it without the token) is gated.
+        security = TritonSecurityConfig(access_token=P.gate_token(self._secret.decode()),
+                                        restricted_endpoints=sorted(VALID_TRITON_ENDPOINTS - {"health"}))
+        self._triton = Triton(config=cfg, security_config=security)
         self._bind(self._triton)
         self._triton.run()
+        # Another process that took the port between the check and Triton's bind would answer
+        # in our place: make sure the listener is ours.
+        mine = _listening_ports(server_pids())
+        if not any(port == self.port for _, port in mine):
+            self.stop()
+            raise CriticBindError(f"critic server: tritonserver is not listening on {self.host}:{self.port} "
+                                  "(taken by another process meanwhile?); start again or set another "
+                                  "critic_server.port")
+        if self.run_dir is not None:
+            self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            publish_critic_address(self.run_dir, self.host, self.port, self._secret.decode())
 
     def stop(self) -> None:
         if self._triton is not None:
+            if self.run_dir is not None:
+                self.run_dir.critic_address.unlink(missing_ok=True)
             self._triton.stop()
             self._triton = None
 
@@ -91,6 +207,31 @@ class CriticServer:
         pending = PendingCommand(Command(kind, data))
         self.commands.put(pending)
         return pending.result.result()
+
+    # -- authorization ---------------------------------------------------------------------
+    def _authorize(self, endpoint: str, requests) -> None:
+        """Refuse the call unless every request carries this run's secret (constant time)."""
+        for r in requests:
+            params = {str(k).lower(): v for k, v in (r.parameters or {}).items()}
+            given = params.get(P.SECRET_HEADER)
+            ok = isinstance(given, str) and hmac.compare_digest(given.encode(), self._secret)
+            if not ok:
+                why = "no run secret" if given is None else "wrong run secret"
+                self.refusals.refused(endpoint, why)
+                raise P.CriticAuthError(f"{endpoint}: refused: {why} (header {P.SECRET_HEADER}); "
+                                        "only this run's actor may call its critic")
+
+    def _checkpoint_target(self, name: str) -> str:
+        """The name, once sure that writing it (and the worker's `<stem>/` folder beside it)
+        stays inside the checkpoint folder: no symlink on the way out."""
+        folder = self.checkpoint_dir
+        for path in (folder, folder / name, folder / Path(name).stem):
+            if path.is_symlink():
+                raise P.CriticPayloadError(f"{P.SAVE}: refused: {path} is a symlink; the critic writes "
+                                           f"only inside {folder}")
+        if (folder / name).resolve().parent != folder.resolve():
+            raise P.CriticPayloadError(f"{P.SAVE}: refused: {name!r} leads outside {folder}")
+        return name
 
     # -- endpoints -------------------------------------------------------------------------
     def _bind(self, triton) -> None:
@@ -116,7 +257,7 @@ class CriticServer:
                     outputs=[Tensor(name="loss", dtype=f32, shape=(1,))],
                     config=ModelConfig(batching=False), strict=True)
         triton.bind(P.SAVE, self._save,
-                    inputs=[Tensor(name="path", dtype=np.bytes_, shape=(1,))],
+                    inputs=[Tensor(name="name", dtype=np.bytes_, shape=(1,))],
                     outputs=[Tensor(name="path", dtype=np.bytes_, shape=(1,))],
                     config=ModelConfig(batching=False), strict=True)
         triton.bind(P.SHUTDOWN, self._shutdown,
@@ -127,6 +268,7 @@ class CriticServer:
     def _infer(self, requests) -> list[dict]:
         # The dynamic batcher hands over several requests at once: validate each, run them as
         # one padded batch (causal attention: padding never changes a sequence's values).
+        self._authorize(P.INFER, requests)
         lim = self.limits
         tokens, lengths = [], []
         for r in requests:
@@ -148,6 +290,7 @@ class CriticServer:
         return out
 
     def _train(self, requests) -> list[dict]:
+        self._authorize(P.TRAIN, requests)
         lim = self.limits
         out = []
         for r in requests:  # one request is one optimizer step
@@ -160,18 +303,15 @@ class CriticServer:
         return out
 
     def _save(self, requests) -> list[dict]:
+        self._authorize(P.SAVE, requests)
         out = []
         for r in requests:
-            raw = r["path"].reshape(-1)
-            if raw.size != 1:
-                raise P.CriticPayloadError(f"{P.SAVE}: 'path' must hold exactly one string; got {raw.size}")
-            path = raw[0].decode() if isinstance(raw[0], bytes) else str(raw[0])
-            if not path:
-                raise P.CriticPayloadError(f"{P.SAVE}: 'path' must be a non-empty path")
-            written = self._submit("save", {"path": path})
+            name = self._checkpoint_target(P.validate_checkpoint_name(r["name"]))
+            written = self._submit("save", {"path": name})
             out.append({"path": np.array([str(written).encode()], dtype=np.bytes_)})
         return out
 
     def _shutdown(self, requests) -> list[dict]:
+        self._authorize(P.SHUTDOWN, requests)
         self._submit("shutdown", {})
         return [{"ack": np.array([1], dtype=np.int64)} for _ in requests]
