@@ -9,6 +9,8 @@
     RUN_DIR/traces.zarr            per-rank span traces
     RUN_DIR/checkpoints/<name>/iter_<step>
     RUN_DIR/reports/<component>/rank<N>.json   what each rank reports about itself
+    RUN_DIR/logs/<component>/exit_code, launcher.log; logs/first_failure
+    RUN_DIR/stop_requested, stopped_step, requeue_count, preemption.jsonl   (preemption.py)
     RUN_DIR/run.secret             the run's secret (mode 0600), made at submit; critic requests carry it
     RUN_DIR/critic_address.json    where the critic listens (host, port), published by the critic
 """
@@ -77,6 +79,31 @@ class RunDir:
     def critic_address(self) -> Path:
         """Where the critic listens, published by it once it serves (see publish_critic_address)."""
         return self.root / "critic_address.json"
+
+    @property
+    def stop_requested(self) -> Path:
+        """Written by the job script when Slurm warns the job (preemption, time limit)."""
+        return self.root / "stop_requested"
+
+    @property
+    def stopped_step(self) -> Path:
+        """The step the actor stopped (and saved) at for preemption."""
+        return self.root / "stopped_step"
+
+    @property
+    def requeue_count(self) -> Path:
+        """How often the job script requeued this submission."""
+        return self.root / "requeue_count"
+
+    @property
+    def preemption_events(self) -> Path:
+        """JSON lines: stop_requested, saved, requeued, resumed, first_step (with times)."""
+        return self.root / "preemption.jsonl"
+
+    @property
+    def first_failure(self) -> Path:
+        """Name of the component that failed first (written by the job script)."""
+        return self.logs / "first_failure"
 
     def is_run_dir(self) -> bool:
         return self.config.is_file()

@@ -57,6 +57,18 @@ BAD_INPUTS = [
      ["data.train_path", "/no/such/prompts.jsonl", "no such file"]),
     ("no training data", dict(overrides=["data.train_path=null"]), ["data.train_path", "required"]),
     ("bad secret name", dict(profile="local-slurm", profile_set=["secret_env=['MY-KEY']"]), ["MY-KEY"]),
+    # Values that pass type validation but that the job cannot run with (once found mid-job):
+    ("negative seed", dict(overrides=["seed=-7"]), ["seed", "-7", "from 0 to"]),
+    ("rollouts not split over DP", dict(overrides=["ppo.num_rollout_samples=7"]),
+     ["ppo.num_rollout_samples", "7", "multiple of actor.data_parallel=2"]),
+    ("trainer batch not split over DP", dict(overrides=["algorithm=sft", "trainer.global_batch_size=7"]),
+     ["trainer.global_batch_size", "7", "multiple of actor.data_parallel=2"]),
+    ("prompt + new tokens > max_seq_len", dict(overrides=["generation.max_new_tokens=500"]),
+     ["generation.max_new_tokens", "500", "longest prompt", "max_seq_len=32", "prompts.jsonl"]),
+    ("TensorRT-LLM without GPUs", dict(overrides=["generation.engine=trtllm"]),
+     ["generation.engine", "trtllm", "gpus_per_node=0"]),
+    ("grace longer than the time limit", dict(profile="local-slurm", profile_set=["time=2", "signal_grace_s=300"]),
+     ["signal_grace_s=300", "time='2'", "120 s"]),
 ]
 
 
@@ -126,3 +138,13 @@ def test_cli_reports_config_error_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and "actor" in proc.stderr and "1x1x5" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_run_dir_that_is_a_file_is_refused(tmp_path):
+    afile = _write(tmp_path, "not-a-dir", "x")
+    proc = subprocess.run(
+        [sys.executable, "-m", "slurm_align.cli", "submit", str(EXAMPLE), "--run-dir", str(afile),
+         "--entry", "report"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and "--run-dir" in proc.stderr and "existing file" in proc.stderr
+    assert afile.read_text() == "x"

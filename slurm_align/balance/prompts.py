@@ -13,8 +13,10 @@ is a goodbye from a worker that stops early.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+import traceback
 from typing import Any, Callable, Iterator, Protocol
 
 import numpy as np
@@ -134,8 +136,13 @@ class PromptServer:
     def _serve_guarded(self) -> None:
         try:
             self._serve()
-        except BaseException as exc:  # surfaced by close() on the root
+        except BaseException as exc:
+            # Every worker waits for this thread's replies and would wait forever: take the
+            # whole component down (the job script then stops the other components).
             self._error = exc
+            traceback.print_exc()
+            sys.stderr.flush()
+            self._comm.Abort(1)
 
     def _serve(self) -> None:
         from mpi4py import MPI
@@ -270,7 +277,11 @@ class PromptServer:
             self._comm.Send([np.zeros(1, dtype=np.int64), MPI.INT64_T], self._root, _REQ)
 
     def close(self) -> None:
-        """Collective: wait until every requester has finished, then free the communicator."""
+        """Collective: wait until every requester has finished, then free the communicator.
+
+        A requester that dies takes the component down through the MPI runtime (srun
+        --kill-on-bad-exit, mpirun), and a failing server thread aborts it: no wait here is
+        left hanging on a rank that is gone."""
         if self._requester:  # never iterated: still counts as a requester the server waits for
             self._say_goodbye()
             self._requester = False

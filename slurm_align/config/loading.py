@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 import pydantic
 import yaml
 
-from slurm_align import PROFILES_DIR
+from slurm_align import resources
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig
@@ -83,7 +83,7 @@ def load_run_config(path: str | Path, overrides: list[str] | None = None) -> Run
 
 def profile_search_dirs() -> list[Path]:
     dirs = [Path(p) for p in os.environ.get(PROFILE_PATH_ENV, "").split(":") if p]
-    return dirs + [PROFILES_DIR]
+    return dirs + [resources.folder(resources.PROFILES)]
 
 
 def available_profiles() -> list[str]:
@@ -140,3 +140,73 @@ def check_against_profile(run: RunConfig, profile: ClusterProfile, source: str |
                 f"but tasks_per_node={res.tasks_per_node}; one rank per GPU is required")
     if problems:
         raise ConfigError(problems, source)
+
+
+SEED_MAX = 2**32 - 1
+"""Largest seed every consumer takes (numpy's default_rng refuses negatives; torch generators
+and the per-sample seeds are derived from it by arithmetic that must stay in 64 bits)."""
+
+
+def check_run_dir(path: Path) -> None:
+    """The run directory must be a folder (new or existing) that can be created and written."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError.at("--run-dir", str(path), "is an existing file; give a directory (new or a run's)")
+    parent = next((p for p in path.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError.at("--run-dir", str(path), f"{parent} is a file, so the directory cannot be created")
+    target = path if path.exists() else parent
+    if target is not None and not os.access(target, os.W_OK | os.X_OK):
+        raise ConfigError.at("--run-dir", str(path), f"{target} is not writable")
+
+
+def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path | None = None) -> None:
+    """Values that pass type validation but that the job cannot run with, found at submit time:
+    each consumer's limits (seeds, batch splits over data-parallel ranks, engines, sequence
+    lengths of the actual prompts). Input paths must be resolved first (resolve_input_paths)."""
+    problems = []
+    if not 0 <= run.seed <= SEED_MAX:
+        problems.append(f"field 'seed': got {run.seed}; must be an integer from 0 to {SEED_MAX}")
+    dp = run.actor.data_parallel
+    if run.algorithm == "ppo":
+        if run.ppo.num_rollout_samples % dp:
+            problems.append(f"field 'ppo.num_rollout_samples': got {run.ppo.num_rollout_samples}; must be a "
+                            f"multiple of actor.data_parallel={dp} (each DP rank trains an equal share)")
+        res = profile.components.get("actor")
+        if run.generation.engine == "trtllm" and res is not None and not res.gpus_per_node:
+            problems.append(f"field 'generation.engine': got 'trtllm'; TensorRT-LLM needs GPUs, but profile "
+                            f"'{profile.name}' gives the actor gpus_per_node=0 (use 'torch' on CPU)")
+    elif run.trainer.global_batch_size % dp:
+        problems.append(f"field 'trainer.global_batch_size': got {run.trainer.global_batch_size}; must be a "
+                        f"multiple of actor.data_parallel={dp}")
+    if problems:
+        raise ConfigError(problems, source)
+    if run.algorithm == "ppo" and run.data.train_path is not None:
+        check_prompt_lengths(run)
+
+
+def check_prompt_lengths(run: RunConfig) -> None:
+    """Longest prompt + generation.max_new_tokens must fit the policy's and the critic's max_seq_len
+    (the engine would refuse it in the middle of the job)."""
+    # Deferred: the tokenizer and data readers import config (a cycle at module level) and
+    # the tokenizers library, which only this check needs.
+    from slurm_align.data.datasets import encode_chat_prompt, encode_prompt
+    from slurm_align.data.jsonl import read_rows
+    from slurm_align.models.tokenizer import build_tokenizer
+
+    tok = build_tokenizer(run.model)   # raises ConfigError when it does not fit model.vocab_size
+    longest, line = 0, None
+    for row in read_rows(run.data.train_path, "prompt"):
+        data = row.data
+        ids = encode_chat_prompt(tok, data["messages"], 1 << 30) if "messages" in data \
+            else encode_prompt(tok, data["prompt"], 1 << 30)
+        if len(ids) > longest:
+            longest, line = len(ids), row.line
+    new = run.generation.max_new_tokens
+    limit = min(run.model.max_seq_len, run.critic_model_config.max_seq_len)
+    if longest + new > limit:
+        raise ConfigError.at(
+            "generation.max_new_tokens", new,
+            f"the longest prompt (line {line}) has {longest} tokens, and {longest} + {new} > "
+            f"max_seq_len={limit} of the models; lower max_new_tokens to at most {limit - longest}, "
+            "shorten the prompts or raise model.max_seq_len", source=run.data.train_path)

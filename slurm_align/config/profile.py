@@ -23,6 +23,24 @@ _OWNED_SBATCH = {"nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "
                  "job-name", "partition", "account", "qos", "time", "het-group", "hetjob"}
 
 
+def time_limit_seconds(text: str) -> int | None:
+    """sbatch's --time forms in seconds: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S; None for UNLIMITED."""
+    if text == "UNLIMITED":
+        return None
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:   # D-H, D-H:M, D-H:M:S
+        parts += [0] * (3 - len(parts))
+        h, m, s = parts
+        return ((int(days) * 24 + h) * 60 + m) * 60 + s
+    if len(parts) == 1:
+        return parts[0] * 60
+    if len(parts) == 2:
+        return parts[0] * 60 + parts[1]
+    h, m, s = parts
+    return (h * 60 + m) * 60 + s
+
+
 class ComponentResources(StrictModel):
     """Resources of one hetjob component (actor or critic)."""
 
@@ -44,6 +62,11 @@ class ComponentResources(StrictModel):
     @property
     def ranks(self) -> int:
         return self.nodes * self.tasks_per_node
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _minutes_as_text(cls, v):
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v   # YAML `time: 30`
 
     @field_validator("time")
     @classmethod
@@ -86,7 +109,9 @@ class ClusterProfile(StrictModel):
     """Shell lines run before the components start (trusted: written by the profile's owner)."""
     python: str | None = None
     """Python interpreter in the job (a venv's bin/python, or the container's); default: the
-    interpreter that runs `slurm-align` (right for a venv on a shared file system)."""
+    interpreter that runs `slurm-align` (right for a venv on a shared file system), or with a
+    container the container's `python3`. It must have slurm-align installed: ranks run
+    `python -m slurm_align.launchers.<name>`."""
     container: ContainerConfig | None = None
     """Run each component in this container (pyxis)."""
     env: dict[str, str] = {}
@@ -102,6 +127,24 @@ class ClusterProfile(StrictModel):
     """Extra `#SBATCH --key=value` lines for the whole job."""
     hostname_pattern: str | None = None
     """Regex matched against the login node's hostname to pick this profile automatically."""
+    signal_grace_s: int = Field(300, ge=0, le=65535)
+    """Seconds before the time limit at which Slurm warns the job (`#SBATCH --signal=B:USR2@N`):
+    the actor ranks then agree on a stop point at the next step boundary and every role saves
+    (actor, critic with its optimizer state, RNG, data position). Make it longer than one step
+    plus one checkpoint. 0: no warning (the job is killed at its limit). A preemption sends the
+    same signal only where the cluster sets `PreemptParameters=send_user_signal`."""
+    requeue: bool = False
+    """After a stop for preemption or the time limit, requeue the job (`scontrol requeue`): the same
+    job id starts again and resumes from the checkpoint. False: the job ends with
+    'stopped for preemption at step N' (resume it later with `slurm-align submit --resume`)."""
+    max_requeues: int = Field(3, ge=0)
+    """Requeues allowed per submission (counted in RUN_DIR/requeue_count); past it the job ends
+    as with requeue false."""
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _minutes_as_text(cls, v):
+        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v   # YAML `time: 30`
 
     @field_validator("time")
     @classmethod
@@ -155,6 +198,17 @@ class ClusterProfile(StrictModel):
         if v not in allowed:
             raise ValueError(f"mpi must be one of {', '.join(allowed)}")
         return v
+
+    @model_validator(mode="after")
+    def _grace_within_time_limit(self):
+        limits = [("time", self.time)] + [(f"components.{c}.time", r.time) for c, r in self.components.items()
+                                          if r.time is not None]
+        for field, text in limits:
+            seconds = time_limit_seconds(text)
+            if self.signal_grace_s and seconds is not None and self.signal_grace_s >= seconds:
+                raise ValueError(f"signal_grace_s={self.signal_grace_s} must be shorter than {field}={text!r} "
+                                 f"({seconds} s), or the warning would come before the job starts")
+        return self
 
     @model_validator(mode="after")
     def _real_cluster_needs_partition(self):

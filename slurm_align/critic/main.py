@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
+from slurm_align.algorithms.preemption import ignore_stop_signal
 from slurm_align.config import load_run_config
 from slurm_align.config.run import RunConfig
 from slurm_align.critic.channel import Command, CommandChannel
@@ -126,31 +128,59 @@ def bind_host(run: RunConfig) -> str:
     return HetEnv.from_environ().address("critic")
 
 
+def restore(worker: CriticWorker, rd: RunDir, step: int, pctx) -> None:
+    """The value model as it was at the actor's checkpoint `step`: weights, AdamW state and RNG
+    (iter_<step>/), or only the weights from an older run's iter_<step>.pt."""
+    state = rd.checkpoints("critic") / f"iter_{step:07d}"
+    weights = state.with_name(state.name + ".pt")
+    if state.is_dir():
+        worker.load_training_state(state)
+    elif weights.is_file():
+        from slurm_align.models.weights import load_full_state_dict
+        print(f"critic: {state} is missing: resuming with the weights of {weights.name} and a fresh "
+              "optimizer state", flush=True)
+        load_full_state_dict(worker.swap.models[VALUE], pctx, load_full_weights(weights))
+    else:
+        raise FileNotFoundError(f"the actor resumes from step {step}, but the critic has no checkpoint "
+                                f"of that step ({state} or {weights.name})")
+
+
 def main(run_dir: str | Path) -> int:
     from slurm_align.parallel.bootstrap import init_distributed
-    from slurm_align.parallel.layout import initialize_model_parallel
 
     rd = RunDir(Path(run_dir))
     run = load_run_config(rd.config)
     env = init_distributed()
+    ignore_stop_signal(env.comm, rd, "critic")   # the actor decides when to stop and saves the critic
+    try:
+        return run_critic(run, rd, env)
+    except BaseException:
+        # The other ranks wait for rank 0's next command (or rank 0 for their part of a
+        # collective) forever: print why, then take the whole component down at once.
+        traceback.print_exc()
+        sys.stderr.flush()
+        env.comm.Abort(1)
+        raise
+
+
+def run_critic(run: RunConfig, rd: RunDir, env) -> int:
+    from slurm_align.parallel.layout import initialize_model_parallel
+
     pctx = initialize_model_parallel(env, run.critic.tensor_parallel, run.critic.pipeline_parallel)
     models = build_models(run, pctx)
-    resumed = resume_step(rd)
-    if resumed is not None:
-        saved = rd.checkpoints("critic") / f"iter_{resumed:07d}.pt"
-        if saved.is_file() and VALUE in models:   # a reward-only critic has no state of its own
-            from slurm_align.models.weights import load_full_state_dict
-            load_full_state_dict(models[VALUE], pctx, load_full_weights(saved))
     swap = ModelSwap(models, keep_resident=run.switches.keep_critic_models_resident)
     worker = CriticWorker(swap, pctx, env.comm, lr=run.ppo.critic_lr, value_clip=run.ppo.value_clip,
                           checkpoint_dir=rd.checkpoints("critic"))
+    resumed = resume_step(rd)
+    if resumed is not None and run.critic_trains:   # a reward-only critic has no state of its own
+        restore(worker, rd, resumed, pctx)
     channel = CommandChannel(env.comm)
     tracer = Tracer(rd.root, "critic", env.rank, resume_from_step=None if resumed is None else resumed + 1)
     worker = TracedWorker(worker, tracer)
     if env.rank == 0:
         mcfg = run.critic_model_config
-        server = CriticServer.for_run(rd, bind_host(run), run.critic_server.port,
-                                      ServerLimits(max_seq_len=mcfg.max_seq_len, vocab_size=mcfg.vocab_size))
+        server = CriticServer(bind_host(run), run.critic_server.port,
+                              ServerLimits(max_seq_len=mcfg.max_seq_len, vocab_size=mcfg.vocab_size))
         server.start()
         print(f"critic: serving on {server.host}:{server.port} ({env.world_size} ranks, "
               f"TP={pctx.tp_size} PP={pctx.pp_size} DP={pctx.dp_size})", flush=True)

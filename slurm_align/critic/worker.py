@@ -8,6 +8,7 @@ hold them (last pipeline stage, TP rank 0).
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,11 @@ import torch.distributed as dist
 from slurm_align.critic.channel import Command
 from slurm_align.critic.loss import clipped_value_loss_sum
 from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
+from slurm_align.models.checkpoint import load_checkpoint, save_checkpoint
 from slurm_align.models.forward import forward_values, last_token_values, run_schedule
 from slurm_align.models.weights import full_state_dict
+
+_ITER_FILE = re.compile(r"^iter_(\d+)\.pt$")
 
 
 def save_atomic_torch(obj: Any, path: Path) -> Path:
@@ -119,12 +123,31 @@ class CriticWorker:
         return None if parts is None else float(sum(parts))
 
     def _save(self, path: str) -> str | None:
+        """The value model's full weights to `path`. For `iter_<step>.pt` (the actor's
+        checkpoints) first the resumable state beside it, iter_<step>/: sharded weights, AdamW
+        state and RNG, so a resumed run trains on as the uninterrupted one would."""
         target = Path(path)
         if not target.is_absolute():
             target = self.checkpoint_dir / target
+        step = checkpoint_step(target)
+        if step is not None:
+            save_checkpoint(target.parent, step, self.swap.use(VALUE), self.optimizer, {"role": "critic"})
         full = full_state_dict(self.swap.use(VALUE), self.pctx, to_all=False)
         written = None
         if self.comm.Get_rank() == 0:
             written = str(save_atomic_torch(full, target))
         self.comm.Barrier()  # every rank returns only once the file is durable
         return written
+
+    def load_training_state(self, path: Path) -> int:
+        """Collective: weights, optimizer state and RNG from a folder written by `_save`;
+        returns its step."""
+        common = load_checkpoint(path, self.swap.use(VALUE), self.optimizer)
+        torch.set_rng_state(common["rng"])
+        return int(common["step"])
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """`iter_0000012.pt` -> 12 (a checkpoint of the actor's step); other names -> None."""
+    m = _ITER_FILE.match(path.name)
+    return int(m.group(1)) if m else None

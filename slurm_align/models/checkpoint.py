@@ -68,6 +68,14 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                                       "exp_avg_sq": torch.zeros_like(p)}
 
 
+def _optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+    """Updates the optimizer has made (AdamW keeps the count per parameter; they agree)."""
+    for pstate in optimizer.state.values():
+        if "step" in pstate:
+            return int(pstate["step"])
+    return 0
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -89,6 +97,8 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common
     dist.barrier()
     state = _sharded_state(chunks, optimizer)
     state["common"] = {**common, "step": step, "rng": torch.get_rng_state()}
+    if optimizer is not None:   # AdamW's bias correction needs its own update count back
+        state["common"]["optimizer_steps"] = _optimizer_steps(optimizer)
     dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if rank == 0:
@@ -146,8 +156,9 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None) -> dict:
     common = loaded["common"]
     if optimizer is not None:
         osd = loaded["optimizer"]
+        steps = common.get("optimizer_steps", common["step"])   # older checkpoints: the step
         for pstate in osd["state"].values():
-            pstate["step"] = torch.tensor(float(common["step"]))
+            pstate["step"] = torch.tensor(float(steps))
         optimizer.load_state_dict(osd)
     return common
 

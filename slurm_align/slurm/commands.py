@@ -9,18 +9,28 @@ from pathlib import Path
 
 from rich.console import Console
 
-from slurm_align.config.loading import check_against_profile, load_profile, load_run_config
-from slurm_align.rundir import new_run_dir
+from slurm_align.config.errors import ConfigError
+from slurm_align.config.loading import (
+    apply_overrides, check_against_profile, load_profile, load_run_config, read_yaml, validate,
+)
+from slurm_align.config.profile import ClusterProfile
+from slurm_align.config.run import RunConfig
+from slurm_align.rundir import RunDir, new_run_dir
+from slurm_align.slurm import state as job_state
 from slurm_align.slurm.launch import find_job, launch_run
 from slurm_align.slurm.render import Entry, render_script
+from slurm_align.slurm.status import run_status
 
 out = Console()
 err = Console(stderr=True)
 
 
-def add_run_arguments(p: argparse.ArgumentParser, *, with_config: bool = True) -> None:
+def add_run_arguments(p: argparse.ArgumentParser, *, with_config: bool = True, optional_config: bool = False) -> None:
     """CONFIG, --profile, --run-dir and dotted overrides: shared by submit, render, train, sweep."""
-    if with_config:
+    if optional_config:   # submit --resume RUN_DIR takes the run's own config
+        p.add_argument("config", type=Path, nargs="?", default=None,
+                       help="run config YAML (see examples/); not with --resume")
+    elif with_config:
         p.add_argument("config", type=Path, help="run config YAML (see examples/)")
     p.add_argument("--profile", default=None,
                    help="profile name (cluster_profiles/ or $SLURM_ALIGN_PROFILE_PATH) or a .yaml path; "
@@ -33,6 +43,8 @@ def add_run_arguments(p: argparse.ArgumentParser, *, with_config: bool = True) -
 
 def load_inputs(args: argparse.Namespace, algorithm: str | None = None):
     """Run config (with overrides and algorithm), profile and run directory, all validated."""
+    if args.config is None:
+        raise ConfigError.at("CONFIG", None, "a run config YAML is required (or --resume RUN_DIR)")
     overrides = list(args.overrides)
     if algorithm:
         overrides.append(f"algorithm={algorithm}")
@@ -53,8 +65,27 @@ def cmd_render(args: argparse.Namespace) -> int:
     return 0
 
 
+def resume_inputs(args: argparse.Namespace):
+    """The run config and profile a run directory was submitted with (config.yaml, profile.yaml),
+    with this command's overrides on top (e.g. more steps, a longer time limit)."""
+    rd = RunDir(Path(args.resume).resolve())
+    overrides = list(args.overrides)
+    if args.config is not None and "=" in str(args.config):   # argparse gave the first override to CONFIG
+        overrides, args.config = [str(args.config), *overrides], None
+    if not rd.is_run_dir() or not rd.profile.is_file():
+        raise ConfigError.at("--resume", str(args.resume), "not a run directory (config.yaml and profile.yaml "
+                             "are written by `slurm-align submit`)")
+    if args.config is not None or args.profile is not None or args.run_dir is not None:
+        raise ConfigError.at("--resume", str(args.resume), "takes the run's own config, profile and directory: "
+                             "give overrides (a.b=c, -P a.b=c) instead of CONFIG, --profile or --run-dir")
+    run = validate(RunConfig, apply_overrides(read_yaml(rd.config), overrides), rd.config)
+    profile = validate(ClusterProfile, apply_overrides(read_yaml(rd.profile), list(args.profile_set)), rd.profile)
+    check_against_profile(run, profile, source=rd.config)
+    return run, profile, rd.root
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
-    run, profile, run_dir = load_inputs(args)
+    run, profile, run_dir = resume_inputs(args) if args.resume else load_inputs(args)
     job = launch_run(run, profile, run_dir, entry=_entry(args))
     out.print(f"submitted job [bold]{job.job_id}[/] ({job.record.backend}, profile {profile.name})")
     out.print(f"run directory: {job.run_dir.root}")
@@ -77,13 +108,23 @@ def _report_final(job, final: str) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     job = find_job(args.job)
-    comps = job.component_states()
+    st = run_status(job)
     if args.json:
-        print(json.dumps({"job_id": job.job_id, "state": job.state(), "components": comps}))
+        print(json.dumps(st.to_dict()))
         return 0
-    out.print(job._table(comps))
-    for comp, logs in job.failed_logs().items():
-        out.print(f"{comp} failed; logs: " + ", ".join(str(p) for p in logs))
+    out.print(job._table(st.components))
+    out.print(f"state {st.state}; requeues {st.requeues}; last checkpoint at step "
+              f"{'none' if st.last_checkpoint_step is None else st.last_checkpoint_step}", highlight=False)
+    if st.pending_reasons:
+        out.print(f"waiting: Slurm's reason {', '.join(sorted(set(st.pending_reasons)))}", highlight=False)
+    if st.state == job_state.STOPPED:
+        out.print(f"stopped for preemption at step {st.stopped_at_step}; resume with "
+                  f"`slurm-align submit --resume {job.run_dir.root}`", highlight=False)
+    if st.failed is not None:
+        f = st.failed
+        out.print(f"[red]{f.component} failed first[/] (rank {f.rank}: {f.why}); last lines of {f.log}:")
+        for line in f.tail:
+            out.print(f"  {line}", highlight=False, markup=False)
     return 0
 
 
@@ -96,7 +137,10 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 def register(sub) -> None:
     p = sub.add_parser("submit", help="validate, render and submit a run (one hetjob for PPO)")
-    add_run_arguments(p)
+    add_run_arguments(p, optional_config=True)
+    p.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                   help="start a new job on an existing run: its config and profile, from its newest "
+                        "checkpoint (overrides apply on top)")
     p.add_argument("--follow", action="store_true", help="show the components' states until the job ends")
     p.add_argument("--entry", default=None,
                    help="launcher to run instead of the algorithm's (e.g. 'report' to check a profile)")

@@ -23,12 +23,14 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from slurm_align.algorithms.preemption import STOPPED_EXIT_CODE
 from slurm_align.config.errors import ConfigError
-from slurm_align.config.loading import check_against_profile
+from slurm_align.config.loading import check_against_profile, check_run_dir, check_runnable
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig
-from slurm_align.rundir import RunDir, create_run_secret, write_atomic
+from slurm_align.rundir import RunDir, write_atomic
 from slurm_align.slurm import state as job_state
+from slurm_align.slurm.capacity import check_fits_cluster
 from slurm_align.slurm.render import Entry, render_script
 
 
@@ -96,7 +98,8 @@ class Job:
             out = {}
             for comp, code in codes.items():
                 if code is not None:
-                    out[comp] = job_state.COMPLETED if code == 0 else job_state.FAILED
+                    out[comp] = {0: job_state.COMPLETED, STOPPED_EXIT_CODE: job_state.STOPPED}.get(
+                        code, job_state.FAILED)
                 elif alive:
                     out[comp] = job_state.RUNNING
                 else:
@@ -110,7 +113,10 @@ class Job:
         for i, comp in enumerate(self.record.components):
             sched = folded[i] if i < len(folded) else (folded[0] if folded else job_state.UNKNOWN)
             code = codes.get(comp)
-            if code is not None and code != 0:
+            if code == STOPPED_EXIT_CODE:
+                # stopped at a checkpoint: requeued (Slurm says pending/running) or ended as stopped
+                out[comp] = job_state.STOPPED if sched in job_state.FINAL_STATES else sched
+            elif code is not None and code != 0:
                 out[comp] = job_state.FAILED  # known before Slurm finishes tearing the job down
             else:
                 out[comp] = sched
@@ -215,19 +221,23 @@ def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow
                entry: Entry = Entry(), console: Console | None = None) -> Job:
     """Validate, render, write the run directory and start the job. Nothing is submitted on error."""
     check_against_profile(run, profile)
+    check_run_dir(Path(run_dir))
     rd = RunDir(Path(run_dir).resolve())
     run = resolve_input_paths(run).model_copy(update={"run_dir": rd.root})
+    check_runnable(run, profile)
+    check_fits_cluster(profile, run.components)
     script = render_script(run, profile, rd.root, entry)   # raises ConfigError on bad values
     _check_not_running(rd)
 
     rd.logs.mkdir(parents=True, exist_ok=True)
     for comp in run.components:   # a resumed run's old exit codes must not be read as new ones
         (rd.logs / comp / "exit_code").unlink(missing_ok=True)
-    (rd.logs / "cancelled").unlink(missing_ok=True)
+    # A new submission: its own requeue count, no stop request or failure of an earlier job.
+    for old in (rd.logs / "cancelled", rd.first_failure, rd.requeue_count, rd.stop_requested, rd.stopped_step):
+        old.unlink(missing_ok=True)
     write_atomic(rd.config, yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False))
     write_atomic(rd.profile, yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
     write_atomic(rd.script, script)
-    create_run_secret(rd)   # mode 0600; the critic serves only requests carrying it
     rd.critic_address.unlink(missing_ok=True)
 
     popen = None

@@ -15,6 +15,8 @@ RUNNING = "RUNNING"
 COMPLETED = "COMPLETED"
 FAILED = "FAILED"
 CANCELLED = "CANCELLED"
+STOPPED = "STOPPED"
+"""Stopped at a checkpoint for preemption or the time limit, not requeued (resume it)."""
 UNKNOWN = "UNKNOWN"
 
 # Slurm states that mean the job is over, and how they fold into ours.
@@ -23,14 +25,15 @@ _FINAL = {
     "NODE_FAIL": FAILED, "OUT_OF_MEMORY": FAILED, "BOOT_FAIL": FAILED, "DEADLINE": FAILED,
     "PREEMPTED": FAILED, "REVOKED": CANCELLED,
 }
-FINAL_STATES = (COMPLETED, FAILED, CANCELLED)
+FINAL_STATES = (COMPLETED, FAILED, CANCELLED, STOPPED)
 
 
 def fold(slurm_state: str) -> str:
     base = slurm_state.split()[0].rstrip("+") if slurm_state else UNKNOWN
     if base in _FINAL:
         return _FINAL[base]
-    if base in ("PENDING", "REQUEUED", "CONFIGURING", "RESV_DEL_HOLD", "SUSPENDED"):
+    if base in ("PENDING", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "CONFIGURING", "RESV_DEL_HOLD",
+                "SUSPENDED"):
         return PENDING
     if base in ("RUNNING", "COMPLETING", "STAGE_OUT", "SIGNALING", "RESIZING"):
         return RUNNING
@@ -41,7 +44,7 @@ def combine(states: list[str]) -> str:
     """A hetjob is FAILED if any component failed, COMPLETED only when all did."""
     if not states:
         return UNKNOWN
-    for s in (FAILED, CANCELLED):
+    for s in (FAILED, CANCELLED, STOPPED):
         if s in states:
             return s
     if all(s == COMPLETED for s in states):
@@ -53,14 +56,31 @@ def combine(states: list[str]) -> str:
     return UNKNOWN
 
 
-def scontrol_states(job_id: str) -> list[str] | None:
-    """Per-component Slurm states from `scontrol show job` (None when Slurm forgot the job)."""
+def _scontrol_show(job_id: str) -> str | None:
     if not shutil.which("scontrol"):
         return None
-    proc = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True, timeout=30)
-    if proc.returncode != 0:
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", str(job_id)], capture_output=True, text=True,
+                              timeout=30)
+    except subprocess.TimeoutExpired:
         return None
-    return re.findall(r"\bJobState=(\S+)", proc.stdout) or None
+    return proc.stdout if proc.returncode == 0 else None
+
+
+def scontrol_states(job_id: str) -> list[str] | None:
+    """Per-component Slurm states from `scontrol show job` (None when Slurm forgot the job)."""
+    text = _scontrol_show(job_id)
+    return (re.findall(r"\bJobState=(\S+)", text) or None) if text else None
+
+
+def pending_reasons(job_id: str) -> list[str]:
+    """Why Slurm keeps the job's components waiting (e.g. 'Resources', 'Priority',
+    'BeginTime' after a requeue); empty when none waits."""
+    text = _scontrol_show(job_id)
+    if not text:
+        return []
+    return [reason for state, reason in re.findall(r"\bJobState=(\S+) Reason=(\S+)", text)
+            if state == "PENDING" and reason != "None"]
 
 
 def sacct_states(job_id: str) -> list[str] | None:

@@ -27,11 +27,16 @@ from slurm_align.config.errors import ConfigError
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig
 from slurm_align.rundir import write_atomic
+from slurm_align.slurm import state as job_state
+from slurm_align.slurm.capacity import check_fits_cluster
 
 MANIFEST = "sweep.json"
 FORMAT = "slurm-align-sweep/1"
 PLANNED, LAUNCH_FAILED = "PLANNED", "LAUNCH_FAILED"
-FINAL = ("COMPLETED", "FAILED", "CANCELLED", LAUNCH_FAILED)
+FINAL = (*job_state.FINAL_STATES, LAUNCH_FAILED, job_state.UNKNOWN)
+UNKNOWN_POLLS = 5
+"""Consecutive polls in which Slurm does not know a job before its point is given up (one
+can be a slow scontrol; a job Slurm forgot would otherwise be polled forever)."""
 
 
 def parse_nodes(text: str) -> list[int]:
@@ -183,6 +188,7 @@ def run_sweep(points: list[SweepPoint], manifest: Manifest, *, entry=None, max_c
     console = console or Console(stderr=True)
     limit = max_concurrent or len(points)
     jobs: dict[int, object] = {}
+    unknown: dict[int, int] = {}   # consecutive polls in which Slurm did not know the job
     todo = list(range(len(points)))
     with Live(_table(manifest), console=console, refresh_per_second=2) as live:
         while todo or jobs:
@@ -204,14 +210,16 @@ def run_sweep(points: list[SweepPoint], manifest: Manifest, *, entry=None, max_c
                 except Exception as e:  # a flaky squeue call: try again next round
                     mp.error = f"state query failed: {e}"
                     continue
+                unknown[i] = unknown.get(i, 0) + 1 if state == job_state.UNKNOWN else 0
+                if state == job_state.UNKNOWN and unknown[i] < UNKNOWN_POLLS:
+                    continue
                 if state != mp.state:
                     mp.state = state
                     if state in FINAL:
                         mp.ended_at = time.time()
                         del jobs[i]
-                        if state != "COMPLETED":
-                            logs = [str(p) for ps in job.failed_logs().values() for p in ps]
-                            mp.error = f"{state}; logs: {', '.join(logs) or manifest.run_path(mp) / 'logs'}"
+                        if state != job_state.COMPLETED:
+                            mp.error = _failure_note(job, state, manifest.run_path(mp))
                     manifest.save()
             live.update(_table(manifest))
             if jobs:
@@ -220,10 +228,33 @@ def run_sweep(points: list[SweepPoint], manifest: Manifest, *, entry=None, max_c
     return manifest
 
 
+def _failure_note(job, state: str, run_dir: Path) -> str:
+    """What the manifest keeps about a point that did not complete: its state, the component
+    and rank that failed first with the last line of its log, and where the logs are."""
+    from slurm_align.slurm.status import failing_rank   # deferred: only for failed points
+    note = state
+    if state == job_state.UNKNOWN:
+        note += " (Slurm no longer knows the job)"
+    first = job.run_dir.first_failure
+    comps = [first.read_text().strip()] if first.is_file() else list(job.failed_logs())
+    if comps:
+        f = failing_rank(job.run_dir, comps[0], lines=1)
+        note += f"; {f.component} rank {f.rank} failed first ({f.why}): {' '.join(f.tail)[:200]}"
+    return f"{note}; logs: {run_dir / 'logs'}"
+
+
 def start_sweep(run: RunConfig, profile: ClusterProfile, nodes: list[int], mode: str, sweep_dir: Path,
                 config_path: str, **kwargs) -> Manifest:
     """Plan (all errors before anything starts), write the manifest, then run every point."""
     points = plan_sweep(run, profile, nodes, mode)
+    problems = []
+    for p in points:   # a point that could never start would stay PENDING forever
+        try:
+            check_fits_cluster(p.profile, p.run.components, what=f"the point with {p.nodes} actor node(s)")
+        except ConfigError as e:
+            problems += e.problems
+    if problems:
+        raise ConfigError(problems + ["drop these node counts from --nodes"], f"profile '{profile.name}'")
     sweep_dir = Path(sweep_dir).resolve()
     if (sweep_dir / MANIFEST).exists():
         raise ConfigError.at("--sweep-dir", str(sweep_dir), "already holds a sweep; choose a new folder")

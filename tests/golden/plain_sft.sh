@@ -2,6 +2,9 @@
 # Rendered by slurm-align 0.1.0 for run /scratch/runs/golden. Re-render instead of editing.
 #SBATCH --job-name=sa-sft-golden
 #SBATCH --output=/scratch/runs/golden/logs/job-%j.out
+#SBATCH --open-mode=append
+#SBATCH --signal=B:USR2@300
+#SBATCH --no-requeue
 #SBATCH --partition=debug
 #SBATCH --account=proj-1
 #SBATCH --time=00:10:00
@@ -18,33 +21,73 @@ export SLURM_ALIGN_COMPONENTS=actor
 
 cd $REPO
 
+# A requeued job runs this script again: clear what the previous start left behind.
+rm -f "$SLURM_ALIGN_RUN_DIR"/logs/*/exit_code "$SLURM_ALIGN_RUN_DIR"/logs/*/stop_ready "$SLURM_ALIGN_RUN_DIR/logs/first_failure" \
+  "$SLURM_ALIGN_RUN_DIR/stop_requested" "$SLURM_ALIGN_RUN_DIR/stopped_step"
+# shellcheck disable=SC2329  # called from the traps below
+event() { echo "{\"event\": \"$1\", \"time\": $(date +%s.%N)${2:+, $2}}" >>"$SLURM_ALIGN_RUN_DIR/preemption.jsonl"; }
+
 pids=()
 names=()
+# Preemption and the time limit: Slurm signals this script (USR2 from --signal=B:USR2@grace,
+# TERM on cancel). Record the request in a file that the actor reads at each step boundary, and
+# forward USR2 to every component whose ranks listen for it (logs/<name>/stop_ready; earlier,
+# its default action would kill a starting rank). The actor ranks agree on a stop point, every
+# role saves, and the actor exits with 75.
+stop_requested=0
+# shellcheck disable=SC2329  # called by the traps below
+request_stop() {
+  if [[ "$stop_requested" -eq 0 ]]; then
+    stop_requested=1
+    echo "slurm-align: $1 received: stopping at the next step boundary" >&2
+    event stop_requested "\"signal\": \"$1\""
+    date +%s.%N >"$SLURM_ALIGN_RUN_DIR/stop_requested"
+  fi
+  for i in "${!pids[@]}"; do
+    if [[ -e "$SLURM_ALIGN_RUN_DIR/logs/${names[$i]}/stop_ready" ]]; then
+      kill -USR2 "${pids[$i]}" 2>/dev/null || true
+    fi
+  done
+}
+trap 'request_stop USR2' USR2
+trap 'request_stop TERM' TERM
 # --- component actor: 2 rank(s), logs in /scratch/runs/golden/logs/actor/ ---
 mkdir -p /scratch/runs/golden/logs/actor
 # shellcheck disable=SC2016  # $rank and $@ expand on each rank, not here
 SLURM_ALIGN_COMPONENT=actor SLURM_ALIGN_LOG_DIR=/scratch/runs/golden/logs/actor \
   srun --mpi=pmix --kill-on-bad-exit=1 \
-  bash -c 'rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
-  slurm-align-rank /opt/venv/bin/python -u $REPO/launchers/report.py --run-dir /scratch/runs/golden &
+  bash -c 'rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
+  slurm-align-rank /opt/venv/bin/python -u $REPO/launchers/report.py --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/actor/launcher.log 2>&1 &
 pids+=("$!")
 names+=(actor)
 
 # Reap components as they end; keep each exit code next to its logs. The job fails if any
 # component fails, and the first failure stops the others (a dead critic would otherwise
-# leave the actor waiting until its timeout). `wait -n` reaps exactly one child; the one
-# that no longer exists is the one that ended (zombies still answer kill -0).
+# leave the actor waiting until its timeout). `wait -n` reaps exactly one child (or returns
+# early for a trapped signal); `-p` names it where bash has it (5.1+), else the one that no
+# longer exists is the one that ended (zombies still answer kill -0).
 failed=0
+stopped=0
 declare -A ended=()
-for _ in "${pids[@]}"; do
+n_ended=0
+while (( n_ended < 1 )); do
   code=0
-  wait -n || code=$?
+  done_pid=""
+  if (( BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501 )); then
+    wait -n -p done_pid || code=$?
+  else
+    wait -n || code=$?
+  fi
   for i in "${!pids[@]}"; do
-    if [[ -z "${ended[$i]:-}" ]] && ! kill -0 "${pids[$i]}" 2>/dev/null; then
+    if [[ -z "${ended[$i]:-}" ]] && { [[ "${pids[$i]}" == "$done_pid" ]] || { [[ -z "$done_pid" ]] && ! kill -0 "${pids[$i]}" 2>/dev/null; }; }; then
       ended[$i]=1
+      n_ended=$((n_ended + 1))
       echo "$code" >"$SLURM_ALIGN_RUN_DIR/logs/${names[$i]}/exit_code"
-      if [[ "$code" -ne 0 && "$failed" -eq 0 ]]; then
+      if [[ "$code" -eq 75 ]]; then
+        stopped=1   # stopped at a checkpoint for preemption (slurm_align.algorithms.preemption)
+      elif [[ "$code" -ne 0 && "$failed" -eq 0 ]]; then
         echo "slurm-align: component ${names[$i]} failed with exit code $code; stopping the others" >&2
+        echo "${names[$i]}" >"$SLURM_ALIGN_RUN_DIR/logs/first_failure"
         failed=1
         kill "${pids[@]}" 2>/dev/null || true
       fi
@@ -52,4 +95,12 @@ for _ in "${pids[@]}"; do
     fi
   done
 done
-exit "$failed"
+if [[ "$failed" -ne 0 ]]; then
+  exit 1
+fi
+if [[ "$stopped" -ne 0 ]]; then
+  step="$(cat "$SLURM_ALIGN_RUN_DIR/stopped_step" 2>/dev/null || echo null)"
+  echo "slurm-align: stopped for preemption at step $step (resume: slurm-align submit --resume $SLURM_ALIGN_RUN_DIR)" >&2
+  exit 75
+fi
+exit 0

@@ -1,0 +1,103 @@
+"""Stop for preemption or the time limit at a step boundary, every actor rank agreeing.
+
+The batch script turns Slurm's warning (`--signal=B:USR2@grace`, or TERM) into USR2 for every
+component plus the file RUN_DIR/stop_requested (for ranks that were not yet listening). After
+each step the actor ranks run one allreduce of "this rank saw a request": all of them stop after
+the same step, none decides alone. The loop saves that step (unless it was just saved), rank 0
+records it in RUN_DIR/stopped_step, and the actor exits with STOPPED_EXIT_CODE, which the script
+reads as "requeue, or end as stopped for preemption at step N".
+
+Times of the stages go to RUN_DIR/preemption.jsonl (the script adds stop_requested and
+requeued), for `slurm-align status` and benchmarks/bench_preempt.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Any, Callable
+
+from slurm_align.rundir import RunDir, write_atomic
+
+STOPPED_EXIT_CODE = 75
+"""Exit code of an actor that stopped at a checkpoint (EX_TEMPFAIL: try again later)."""
+
+
+def record_event(rd: RunDir, event: str, **fields: Any) -> None:
+    """Append one event line (one write call: lines from several writers do not interleave)."""
+    line = json.dumps({"event": event, "time": time.time(), **fields}) + "\n"
+    with open(rd.preemption_events, "a") as f:
+        f.write(line)
+
+
+def read_events(rd: RunDir) -> list[dict]:
+    try:
+        text = rd.preemption_events.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+def listen_for_stop(comm, rd: RunDir, component: str, handler) -> None:
+    """Collective: install the USR2 handler on every rank, then tell the job script (file
+    logs/<component>/stop_ready) that USR2 may be forwarded: before that its default action
+    would kill a rank that is still starting, so the script only writes stop_requested."""
+    signal.signal(signal.SIGUSR2, handler)
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        ready = rd.logs / component / "stop_ready"
+        ready.parent.mkdir(parents=True, exist_ok=True)
+        ready.touch()
+
+
+def ignore_stop_signal(comm, rd: RunDir, component: str) -> None:
+    """For components the actor drives (the critic): USR2 is noted, not acted on; the actor
+    asks them to save and shuts them down."""
+    def note(signum, frame):
+        print(f"{component}: stop requested; waiting for the actor to save and shut it down", flush=True)
+    listen_for_stop(comm, rd, component, note)
+
+
+class StopPoint:
+    """Install in the actor before the run starts; call `after_step` after every step."""
+
+    def __init__(self, comm, rd: RunDir):
+        self.comm, self.rd = comm, rd
+        self.rank = comm.Get_rank()
+        self._signalled = False
+        self._first_step_done = False
+        listen_for_stop(comm, rd, "actor", self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self._signalled = True   # only a flag: the decision is taken at the step boundary
+
+    def resumed(self, start_step: int, checkpoint: str | os.PathLike | None) -> None:
+        """Rank 0 says where the run goes on from (the log line the tests and users look for)."""
+        if self.rank == 0 and checkpoint is not None:
+            print(f"resuming from step {start_step} (checkpoint {checkpoint})", flush=True)
+            record_event(self.rd, "resumed", step=start_step)
+
+    def agreed(self) -> bool:
+        """Collective over the actor's ranks: True on all of them when any saw a request."""
+        from mpi4py import MPI  # deferred: importing mpi4py initialises MPI
+
+        local = self._signalled or self.rd.stop_requested.exists()
+        return bool(self.comm.allreduce(int(local), op=MPI.MAX))
+
+    def after_step(self, step: int, *, last: bool, saved: bool, save: Callable[[int], None]) -> bool:
+        """True when the run must stop now (after `step`, which is then saved)."""
+        if not self._first_step_done:
+            self._first_step_done = True
+            if self.rank == 0:
+                record_event(self.rd, "first_step", step=step)
+        if last or not self.agreed():
+            return False
+        if not saved:
+            save(step)
+        if self.rank == 0:
+            write_atomic(self.rd.stopped_step, f"{step}\n")
+            record_event(self.rd, "saved", step=step)
+            print(f"stopped for preemption at step {step}: actor and critic saved", flush=True)
+        return True

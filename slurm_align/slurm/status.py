@@ -1,0 +1,114 @@
+"""What `slurm-align status` tells about a run: state, requeues, last checkpoint, and for a failed
+job which component failed first, on which rank, with the last lines of that rank's log.
+
+The job script records the first failing component (logs/first_failure) and keeps srun's or
+mpirun's own messages in logs/<component>/launcher.log, where they name the rank that died.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from slurm_align.rundir import RunDir
+from slurm_align.slurm import state as job_state
+
+# srun: "srun: error: n2: task 1: Killed" / "... task 0: Exited with exit code 1"
+_SRUN_TASK = re.compile(r"srun: error: \S+: tasks? (\d+)(?:-\d+)?: (.+)")
+# mpirun: "mpirun noticed that process rank 1 with PID 42 on node x exited on signal 9 (Killed)."
+_MPIRUN_RANK = re.compile(r"process rank (\d+) with PID \d+ on node \S+ (exited on signal.+|exited with.+)")
+_TRACEBACK = re.compile(r"^Traceback \(most recent call last\)", re.M)
+_ITER = re.compile(r"^iter_(\d+)$")
+
+
+def latest_step(root: Path) -> int | None:
+    """Step of the newest complete checkpoint (a manifest.json, as models.checkpoint writes last);
+    read here without importing torch and megatron, which `status` does not need."""
+    steps = [int(m.group(1)) for p in root.glob("iter_*") if (m := _ITER.match(p.name)) and (p / "manifest.json").is_file()]
+    return max(steps) if steps else None
+
+
+@dataclass
+class FailedRank:
+    component: str
+    rank: int | None
+    why: str
+    log: Path | None
+    tail: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunStatus:
+    job_id: str
+    state: str
+    components: dict[str, str]
+    requeues: int
+    last_checkpoint_step: int | None
+    stopped_at_step: int | None = None
+    pending_reasons: list[str] = field(default_factory=list)
+    failed: FailedRank | None = None
+
+    def to_dict(self) -> dict:
+        out = {"job_id": self.job_id, "state": self.state, "components": self.components,
+               "requeues": self.requeues, "last_checkpoint_step": self.last_checkpoint_step,
+               "stopped_at_step": self.stopped_at_step, "pending_reasons": self.pending_reasons}
+        if self.failed is not None:
+            f = self.failed
+            out["failed"] = {"component": f.component, "rank": f.rank, "why": f.why,
+                             "log": None if f.log is None else str(f.log), "tail": f.tail}
+        return out
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def tail(path: Path, lines: int = 20) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-lines:]
+    except FileNotFoundError:
+        return []
+
+
+def failing_rank(rd: RunDir, component: str, lines: int = 20) -> FailedRank:
+    """The rank of `component` that failed: named by srun/mpirun in launcher.log, else the rank
+    whose log holds a Python traceback, else rank 0."""
+    launcher = rd.logs / component / "launcher.log"
+    text = launcher.read_text(errors="replace") if launcher.is_file() else ""
+    rank, why = None, ""
+    for pattern in (_SRUN_TASK, _MPIRUN_RANK):
+        m = pattern.search(text)
+        if m:
+            rank, why = int(m.group(1)), m.group(2).strip().rstrip(".")
+            break
+    logs = sorted((rd.logs / component).glob("rank*.log"), key=lambda p: int(p.stem[4:] or 0))
+    if rank is None:
+        with_trace = [p for p in logs if _TRACEBACK.search(p.read_text(errors="replace"))]
+        if with_trace:
+            rank, why = int(with_trace[0].stem[4:]), "Python exception"
+        elif logs:
+            rank, why = int(logs[0].stem[4:]), "unknown (see the launcher's log)"
+    log = rd.log(component, rank) if rank is not None else None
+    return FailedRank(component, rank, why, log, tail(log, lines) if log else [])
+
+
+def run_status(job) -> RunStatus:
+    """`job`: a slurm_align.slurm.launch.Job."""
+    rd = job.run_dir
+    comps = job.component_states()
+    state = job_state.combine(list(comps.values()))
+    status = RunStatus(job.job_id, state, comps, _read_int(rd.requeue_count) or 0,
+                       latest_step(rd.checkpoints("actor")), _read_int(rd.stopped_step))
+    if job.record.backend == "slurm" and state == job_state.PENDING:
+        status.pending_reasons = job_state.pending_reasons(job.job_id)
+    if state == job_state.FAILED:
+        first = rd.first_failure.read_text().strip() if rd.first_failure.is_file() else None
+        failed = [c for c, s in comps.items() if s == job_state.FAILED]
+        component = first or (failed[0] if failed else None)
+        if component is not None:
+            status.failed = failing_rank(rd, component)
+    return status
