@@ -1,6 +1,6 @@
 """The actor component of a PPO run: every rank runs the PPO loop (slurm_align.algorithms.ppo).
 
-Usage (the job script does this on each rank): python launchers/actor.py --run-dir RUN_DIR
+Usage (the job script does this on each rank): python -m slurm_align.launchers.actor --run-dir RUN_DIR
 """
 
 import argparse

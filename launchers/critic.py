@@ -1,4 +1,4 @@
-"""Critic component entry inside a job: `python launchers/critic.py --run-dir RUN_DIR`."""
+"""Critic component entry inside a job: `python -m slurm_align.launchers.critic --run-dir RUN_DIR`."""
 
 import sys
 

@@ -2,7 +2,7 @@
 
 The smallest real launcher: used by the submit tests (a hetjob and the local profile must
 give the same report) and by `slurm-align submit --entry report` to check a new profile.
-Usage: python launchers/report.py --run-dir RUN_DIR [--fail-rank N]
+Usage: python -m slurm_align.launchers.report --run-dir RUN_DIR [--fail-rank N]
 """
 
 import argparse

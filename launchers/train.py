@@ -1,4 +1,4 @@
-"""Entry of every rank of an sft / rm / dpo job: python launchers/train.py --run-dir RUN_DIR"""
+"""Entry of every rank of an sft / rm / dpo job: python -m slurm_align.launchers.train --run-dir RUN_DIR"""
 
 import argparse
 

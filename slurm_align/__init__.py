@@ -4,9 +4,6 @@ from pathlib import Path
 
 __version__ = "0.1.0"
 
-# The repo's fixed top-level folders that the library reads at run time
-# (templates and profiles). An editable install keeps them beside the package.
+# The checkout's root, for tests and benchmarks run from one (examples/, tests/). The library
+# never reads through it: templates, launchers and profiles come from slurm_align.resources.
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TEMPLATES_DIR = REPO_ROOT / "sbatch_templates"
-PROFILES_DIR = REPO_ROOT / "cluster_profiles"
-LAUNCHERS_DIR = REPO_ROOT / "launchers"

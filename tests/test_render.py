@@ -12,6 +12,7 @@ import pytest
 
 from slurm_align import REPO_ROOT
 from slurm_align.config import load_profile, load_run_config
+from slurm_align.config.errors import ConfigError
 from slurm_align.slurm.render import Entry, render_script
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -28,12 +29,10 @@ CASES = {
 }
 
 
-def _render(name: str, raw: bool = False) -> str:
+def _render(name: str) -> str:
     profile, overrides, profile_set = CASES[name]
     run = load_run_config(EXAMPLE, overrides)
-    script = render_script(run, load_profile(profile, profile_set), RUN_DIR, Entry("report"))
-    # golden files must not depend on the clone's path
-    return script if raw else script.replace(str(REPO_ROOT), "$REPO")
+    return render_script(run, load_profile(profile, profile_set), RUN_DIR, Entry("report"))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -48,7 +47,7 @@ def test_golden(name):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_shellcheck_clean(name, tmp_path):
     script = tmp_path / f"{name}.sh"
-    script.write_text(_render(name, raw=True))
+    script.write_text(_render(name))
     proc = subprocess.run([SHELLCHECK, "--shell=bash", "--severity=style", str(script)],
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -63,6 +62,22 @@ def test_hetjob_structure():
     # the critic's hosts come from Slurm at run time, never from the script
     assert "SLURM_JOB_NODELIST_HET_GROUP" not in text
     assert 'wait -n' in text
+
+
+def test_container_job_runs_the_installed_package_in_the_run_dir():
+    """No path of the submitting machine's checkout reaches a container job: the ranks run the
+    package installed in the container, by module, with the container's python3, in the run dir."""
+    text = render_script(load_run_config(EXAMPLE), load_profile("example-gpu-cluster"), RUN_DIR)
+    assert str(REPO_ROOT) not in text and sys.executable not in text
+    assert f"cd {RUN_DIR}\n" in text
+    for comp in ("actor", "critic"):
+        assert f"python3 -u -m slurm_align.launchers.{comp} --run-dir {RUN_DIR}" in text
+    assert all(str(REPO_ROOT) not in _render(name) for name in CASES)
+
+
+def test_unknown_launcher_is_named():
+    with pytest.raises(ConfigError, match="no launcher 'nope'; available: actor, critic, report, train"):
+        render_script(load_run_config(EXAMPLE), load_profile("local"), RUN_DIR, Entry("nope"))
 
 
 def test_plain_has_no_hetjob():

@@ -1,4 +1,8 @@
-"""Render the job script (hetjob, plain or local) from sbatch_templates/ with Jinja2.
+"""Render the job script (hetjob, plain or local) from the shipped sbatch templates with Jinja2.
+
+The script runs in the run directory and starts each rank as `python -m slurm_align.launchers.<name>`:
+the package installed where the job runs (a venv, or the container of a container profile) is
+what runs, never a path into the submitting machine's source tree.
 
 Every profile value reaches the script either shell-quoted (exports, commands) or checked
 against a strict character set (#SBATCH lines, which sbatch reads itself): a value such as
@@ -16,7 +20,7 @@ from pathlib import Path
 
 import jinja2
 
-from slurm_align import LAUNCHERS_DIR, REPO_ROOT, TEMPLATES_DIR, __version__
+from slurm_align import __version__, resources
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import ROLLOUT_ALGORITHMS, RunConfig
@@ -37,7 +41,8 @@ class ComponentScript:
 
 @dataclass(frozen=True)
 class Entry:
-    """Which launcher (launchers/<name>.py) the ranks run, and extra arguments per component.
+    """Which launcher (launchers/<name>.py, run as a module) the ranks run, and extra arguments per
+    component.
 
     Default: actor/critic for the rollout algorithms (ppo, grpo, ...), train for sft/rm/dpo.
     `report` checks a profile."""
@@ -52,10 +57,15 @@ class Entry:
             return self.name
         return component if run.algorithm in ROLLOUT_ALGORITHMS else "train"
 
-    def script(self, run: RunConfig, component: str, launchers: Path) -> Path:
+    def program(self, run: RunConfig, component: str) -> list[str]:
+        """What follows `python -u`: `-m slurm_align.launchers.<name>`, or an injected script."""
         if self.scripts and component in self.scripts:
-            return Path(self.scripts[component]).resolve()
-        return launchers / f"{self.launcher(run, component)}.py"
+            return [str(Path(self.scripts[component]).resolve())]
+        name = self.launcher(run, component)
+        if name not in resources.launcher_names():
+            raise ConfigError.at("entry", name, f"no launcher '{name}'; available: "
+                                 f"{', '.join(resources.launcher_names())}")
+        return ["-m", resources.launcher_module(name)]
 
     def args(self, component: str) -> list[str]:
         return list((self.extra_args or {}).get(component, []))
@@ -125,7 +135,7 @@ def _emulated_env(run: RunConfig, profile: ClusterProfile) -> str:
 
 def _environment() -> jinja2.Environment:
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATES_DIR)),
+        loader=jinja2.FileSystemLoader(str(resources.folder(resources.TEMPLATES))),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -142,11 +152,18 @@ def template_name(run: RunConfig, profile: ClusterProfile) -> str:
     return "hetjob.sh.j2" if len(run.components) > 1 else "plain.sh.j2"
 
 
-def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry: Entry = Entry(), *,
-                  workdir: Path = REPO_ROOT, launchers: Path = LAUNCHERS_DIR) -> str:
+def job_python(profile: ClusterProfile) -> str:
+    """The interpreter the ranks run: the profile's, else in a container the container's
+    `python3` (the login node's interpreter path means nothing there), else this one."""
+    if profile.python:
+        return profile.python
+    return "python3" if profile.container else sys.executable
+
+
+def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry: Entry = Entry()) -> str:
     """The whole job script for this run on this profile (nothing is written or submitted)."""
     rd = RunDir(Path(run_dir).resolve())
-    python = profile.python or sys.executable
+    python = job_python(profile)
     hetjob = profile.kind == "slurm" and len(run.components) > 1
     components = []
     for i, comp in enumerate(run.components):
@@ -154,17 +171,12 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
             raise ConfigError([f"profile '{profile.name}' has no 'components.{comp}' section, "
                                f"which a '{run.algorithm}' run needs"])
         res = profile.resources(comp)
-        launcher = entry.script(run, comp, launchers)
-        if not launcher.is_file():
-            raise ConfigError.at("entry", entry.launcher(run, comp),
-                                 f"no launcher {launcher}; available: "
-                                 f"{', '.join(sorted(p.stem for p in launchers.glob('*.py')))}")
         components.append(ComponentScript(
             name=comp,
             ranks=res.ranks,
             sbatch=_component_flags(profile, comp) if profile.kind == "slurm" else [],
             start=_start_prefix(profile, comp, i if hetjob else None),
-            command=[python, "-u", str(launcher), "--run-dir", str(rd.root), *entry.args(comp)],
+            command=[python, "-u", *entry.program(run, comp), "--run-dir", str(rd.root), *entry.args(comp)],
         ))
     job_name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"sa-{run.algorithm}-{rd.root.name}")[:64]
     return _environment().get_template(template_name(run, profile)).render(
@@ -172,7 +184,7 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
         job_name=job_name,
         run_dir=str(rd.root),
         logs=str(rd.logs),
-        workdir=str(workdir),
+        workdir=str(rd.root),   # the job runs in the run directory, not in any source tree
         profile=profile,
         components=components,
         emulate_env=_emulated_env(run, profile),

@@ -41,7 +41,7 @@ export WANDB_API_KEY
 export SLURM_ALIGN_RUN_DIR=/scratch/runs/golden
 export SLURM_ALIGN_COMPONENTS=actor,critic
 
-cd $REPO
+cd /scratch/runs/golden
 
 # A requeued job runs this script again: clear what the previous start left behind.
 rm -f "$SLURM_ALIGN_RUN_DIR"/logs/*/exit_code "$SLURM_ALIGN_RUN_DIR"/logs/*/stop_ready "$SLURM_ALIGN_RUN_DIR/logs/first_failure" \
@@ -79,7 +79,7 @@ mkdir -p /scratch/runs/golden/logs/actor
 SLURM_ALIGN_COMPONENT=actor SLURM_ALIGN_LOG_DIR=/scratch/runs/golden/logs/actor \
   srun --het-group=0 --mpi=pmix --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/nemo:25.04 --container-mounts=/lustre/datasets:/data:ro,/lustre/users/me:/work \
   bash -c 'rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
-  slurm-align-rank /opt/venv/bin/python -u $REPO/launchers/report.py --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/actor/launcher.log 2>&1 &
+  slurm-align-rank /opt/venv/bin/python -u -m slurm_align.launchers.report --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/actor/launcher.log 2>&1 &
 pids+=("$!")
 names+=(actor)
 
@@ -89,7 +89,7 @@ mkdir -p /scratch/runs/golden/logs/critic
 SLURM_ALIGN_COMPONENT=critic SLURM_ALIGN_LOG_DIR=/scratch/runs/golden/logs/critic \
   srun --het-group=1 --mpi=pmix --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/nemo:25.04 --container-mounts=/lustre/datasets:/data:ro,/lustre/users/me:/work \
   bash -c 'rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
-  slurm-align-rank /opt/venv/bin/python -u $REPO/launchers/report.py --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/critic/launcher.log 2>&1 &
+  slurm-align-rank /opt/venv/bin/python -u -m slurm_align.launchers.report --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/critic/launcher.log 2>&1 &
 pids+=("$!")
 names+=(critic)
 

@@ -19,7 +19,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export SLURM_ALIGN_RUN_DIR=/scratch/runs/golden
 export SLURM_ALIGN_COMPONENTS=actor
 
-cd $REPO
+cd /scratch/runs/golden
 
 # A requeued job runs this script again: clear what the previous start left behind.
 rm -f "$SLURM_ALIGN_RUN_DIR"/logs/*/exit_code "$SLURM_ALIGN_RUN_DIR"/logs/*/stop_ready "$SLURM_ALIGN_RUN_DIR/logs/first_failure" \
@@ -57,7 +57,7 @@ mkdir -p /scratch/runs/golden/logs/actor
 SLURM_ALIGN_COMPONENT=actor SLURM_ALIGN_LOG_DIR=/scratch/runs/golden/logs/actor \
   srun --mpi=pmix --kill-on-bad-exit=1 \
   bash -c 'rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
-  slurm-align-rank /opt/venv/bin/python -u $REPO/launchers/report.py --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/actor/launcher.log 2>&1 &
+  slurm-align-rank /opt/venv/bin/python -u -m slurm_align.launchers.report --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/actor/launcher.log 2>&1 &
 pids+=("$!")
 names+=(actor)
 
