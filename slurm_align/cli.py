@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Imported here so `slurm-align --help` stays fast and each area owns its commands.
     from slurm_align.slurm import commands as slurm_commands
     slurm_commands.register(sub)
-    for module in ("slurm_align.algorithms.commands", "slurm_align.analysis.commands"):
+    for module in ("slurm_align.algorithms.commands", "slurm_align.analysis.commands",
+                   "slurm_align.models.hf.commands"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as e:

@@ -21,11 +21,17 @@ from megatron.core.transformer import TransformerConfig
 
 from slurm_align.config.run import ModelConfig
 from slurm_align.models.cpu_compat import apply_cpu_compat, cuda_present, seed_model_parallel
+from slurm_align.models.hf.loader import load_hf_weights
+from slurm_align.models.weights import init_weights
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's gelu_new (tanh approximation)."""
     return torch.nn.functional.gelu(x, approximate="tanh")
+
+
+def _leave_as_is(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 _ACTIVATIONS = {"gelu": torch.nn.functional.gelu, "gelu_tanh": gelu_tanh, "swiglu": torch.nn.functional.silu}
@@ -54,6 +60,11 @@ def transformer_config(model_cfg: ModelConfig, pctx: Any) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         use_cpu_initialization=True,
+        # weights.init_weights (or an HF import) sets every tensor, so megatron's own random
+        # init is skipped (perform_initialization=False would also skip setting the TP
+        # attributes of CPU-initialised parameters, which weights.py needs).
+        init_method=_leave_as_is,
+        output_layer_init_method=_leave_as_is,
         params_dtype=torch.float32,
         init_method_std=0.02,
         tensor_model_parallel_size=pctx.tp_size,
@@ -127,6 +138,8 @@ class ValueGPTModel(GPTModel):
 def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, seed: int = 1234) -> list:
     """This rank's model chunks (one chunk: its pipeline stage) on CPU, float32.
 
+    With `model_cfg.hf_path` (and no init_checkpoint, which the caller loads over the model) the
+    weights come from the HF folder; a value head without an HF `score` head starts fresh.
     `pctx` is a ParallelContext (slurm_align.parallel.layout) or anything with tp_size, pp_size,
     is_first_stage and is_last_stage; megatron's parallel_state must already be initialised.
     Weights are drawn per tensor from (seed, global name) over the full shape, so the same
@@ -154,8 +167,11 @@ def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, se
     if cuda_present():
         model = model.cuda()
     # Layout-independent init: the same seed gives the same full weights for any TP/PP.
-    from slurm_align.models.weights import init_weights
-    init_weights([model], pctx, seed)
+    if model_cfg.hf_path is not None and model_cfg.init_checkpoint is None:
+        fresh = load_hf_weights([model], pctx, model_cfg, value_head=value_head)
+        init_weights([model], pctx, seed, names=fresh)
+    else:
+        init_weights([model], pctx, seed)
     return [model]
 
 

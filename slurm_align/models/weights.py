@@ -16,6 +16,7 @@ Layouts that TP splits in a non-contiguous way:
 from __future__ import annotations
 
 import re
+import zlib
 from typing import Any, Iterator
 
 import torch
@@ -244,13 +245,15 @@ def _init_std(name: str, std: float, num_layers: int) -> float | None:
 
 
 @torch.no_grad()
-def init_weights(chunks: list, pctx: Any, seed: int) -> None:
-    """Initialise every tensor from a generator seeded by (seed, global name) over its FULL
-    shape, then keep this rank's shard: the same seed gives the same model for any TP/PP."""
-    import zlib
+def init_weights(chunks: list, pctx: Any, seed: int, names: set[str] | None = None) -> None:
+    """Initialise every tensor (or those in `names`) from a generator seeded by (seed, global
+    name) over its FULL shape, then keep this rank's shard: the same seed gives the same model
+    for any TP/PP."""
     for chunk in chunks:
         std, num_layers = chunk.config.init_method_std, chunk.config.num_layers
         for name, t in local_tensors([chunk], pctx):
+            if names is not None and name not in names:
+                continue
             if name.endswith("weight") and "layernorm" in name:
                 t.fill_(1.0)
                 continue

@@ -1,0 +1,254 @@
+"""`slurm-align import hf` and `slurm-align export hf`: HF folder <-> sharded slurm-align checkpoint.
+
+Both run in one process (a world of one rank). Export loads the checkpoint, saved under any
+TP/PP, into a TP=1, PP=1 model through the same dist_checkpointing path that training uses (it
+reshards), takes `full_state_dict` and writes the HF tensors one by one. Chosen over
+`dist_checkpointing.load_plain_tensors`, which returns Transformer Engine names, layers stacked
+per name and SwiGLU halves as the sharded factory stored them: a second naming to translate,
+where the loaded model already gives weights.py's naming that mapping.py converts.
+
+Which model a checkpoint holds: an imported checkpoint carries its ModelConfig in its common
+state; a training checkpoint RUN_DIR/checkpoints/<name>/iter_N takes it from RUN_DIR/config.yaml
+(`model`, or `critic_model` for the PPO critic; rm and critic checkpoints hold value models).
+Writes are atomic: everything goes into a hidden sibling folder that is renamed at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pydantic
+import torch
+from safetensors.torch import save_file
+
+from slurm_align.config.errors import ConfigError
+from slurm_align.config.loading import read_yaml
+from slurm_align.config.run import ModelConfig
+from slurm_align.models.checkpoint import MANIFEST, find_latest, iter_dir, load_weights, save_checkpoint, \
+    verify_checkpoint
+from slurm_align.models.hf.config import SUPPORTED, export_model_type, hf_config_dict, read_hf_config
+from slurm_align.models.hf.loader import INDEX
+from slurm_align.models.hf.mapping import sources, to_hf
+
+MAX_SHARD_BYTES = 5 * 1024**3
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")
+VALUE_CHECKPOINTS = ("rm", "critic")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class CheckpointModel:
+    """What a checkpoint holds: its model config, whether it has a value head, and the HF
+    folder it came from (None for slurm-align's own models, or when the folder is gone)."""
+
+    config: ModelConfig
+    value_head: bool
+    source: Path | None
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            with open(path, "rb+") as f:
+                os.fsync(f.fileno())
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_target(out_dir: Path) -> None:
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise ConfigError([f"export target {out_dir} exists and is not empty; give a new or empty folder"], out_dir)
+
+
+def _publish(tmp: Path, out_dir: Path) -> None:
+    """Rename the finished temp folder onto the (absent or empty) target."""
+    _fsync_tree(tmp)
+    if out_dir.is_dir():
+        out_dir.rmdir()  # empty (checked before anything was written)
+    os.replace(tmp, out_dir)
+    fd = os.open(out_dir.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp_beside(out_dir: Path) -> Path:
+    tmp = out_dir.parent / f".{out_dir.name}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _model_config(data: dict, source: Path) -> ModelConfig:
+    """A saved (resolved) model section, validated without re-reading its HF folder."""
+    try:
+        return ModelConfig.model_validate({**data, "hf_path": None})
+    except pydantic.ValidationError as e:
+        raise ConfigError.from_validation(e, source, prefix="model") from None
+
+
+def _source_folder(data: dict) -> Path | None:
+    path = data.get("hf_path")
+    return Path(path) if path and (Path(path) / "config.json").is_file() else None
+
+
+def checkpoint_model(ckpt: Path, run_config: Path | None = None) -> CheckpointModel:
+    """The model of checkpoint folder `ckpt` (see the module docstring)."""
+    from megatron.core import dist_checkpointing
+    common = dist_checkpointing.load_common_state_dict(str(ckpt)).get("common", {})
+    if "model_config" in common and run_config is None:
+        data = common["model_config"]
+        return CheckpointModel(_model_config(data, ckpt), bool(common.get("value_head")), _source_folder(data))
+    run_config = run_config or ckpt.parent.parent.parent / "config.yaml"
+    if not run_config.is_file():
+        raise ConfigError([f"cannot tell which model {ckpt} holds: no run config at {run_config}; "
+                           "give one with --config RUN_DIR/config.yaml"], ckpt)
+    data = read_yaml(run_config)
+    name = ckpt.parent.name
+    section = data.get("critic_model") if name == "critic" and data.get("critic_model") else data.get("model", {})
+    return CheckpointModel(_model_config(section or {}, run_config), name in VALUE_CHECKPOINTS,
+                           _source_folder(section or {}))
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """An iter_* folder, or the newest complete one under a checkpoints/<name> folder."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    latest = find_latest(path)
+    if latest is None:
+        raise ConfigError([f"{path} is neither a complete checkpoint (no {MANIFEST}) nor a folder of them"], path)
+    return latest
+
+
+class _ShardWriter:
+    """safetensors files of at most `max_bytes` each, named as transformers names them."""
+
+    def __init__(self, folder: Path, max_bytes: int):
+        self.folder, self.max_bytes = folder, max_bytes
+        self.shards: list[dict[str, torch.Tensor]] = [{}]
+        self.sizes = [0]
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if self.shards[-1] and self.sizes[-1] + nbytes > self.max_bytes:
+            self.flush_last()
+            self.shards.append({})
+            self.sizes.append(0)
+        self.shards[-1][name] = t
+        self.sizes[-1] += nbytes
+
+    def flush_last(self) -> None:
+        # Written now under a provisional name (the total is not known yet) and freed.
+        save_file(self.shards[-1], str(self.folder / f"part-{len(self.shards):05d}.safetensors"),
+                  metadata={"format": "pt"})
+        self.shards[-1] = {name: None for name in self.shards[-1]}
+
+    def finish(self) -> None:
+        self.flush_last()
+        n = len(self.shards)
+        if n == 1:
+            os.replace(self.folder / "part-00001.safetensors", self.folder / "model.safetensors")
+            return
+        weight_map = {}
+        for i, shard in enumerate(self.shards, start=1):
+            final = f"model-{i:05d}-of-{n:05d}.safetensors"
+            os.replace(self.folder / f"part-{i:05d}.safetensors", self.folder / final)
+            weight_map.update({name: final for name in shard})
+        index = {"metadata": {"total_size": sum(self.sizes)}, "weight_map": weight_map}
+        (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _single_rank_context():
+    """A world of one rank with megatron's parallel state (TP=1, PP=1)."""
+    from slurm_align.parallel.bootstrap import init_distributed
+    from slurm_align.parallel.layout import initialize_model_parallel
+    return initialize_model_parallel(init_distributed(), 1, 1)
+
+
+def _write_side_files(tmp: Path, source: Path | None, config: dict) -> None:
+    (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id")}
+    if source is not None and (source / "generation_config.json").is_file():
+        generation = json.loads((source / "generation_config.json").read_text())
+    (tmp / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    if source is not None:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, tmp / name)
+
+
+def export_hf(checkpoint: Path, out_dir: Path, *, run_config: Path | None = None, dtype: str = "float32",
+              max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
+    """Write the checkpoint as a HF folder `out_dir` that transformers' from_pretrained loads."""
+    from slurm_align.models.gpt import build_gpt
+    from slurm_align.models.weights import full_state_dict
+    out_dir = Path(out_dir)
+    check_target(out_dir)
+    ckpt = resolve_checkpoint(Path(checkpoint))
+    verify_checkpoint(ckpt)
+    held = checkpoint_model(ckpt, run_config)
+    cfg = held.config
+    base = read_hf_config(held.source) if held.source else None
+    model_type = export_model_type(cfg, SUPPORTED.get((base or {}).get("architectures", [""])[0])
+                                   if base else None)
+    pctx = _single_rank_context()
+    try:
+        chunks = build_gpt(cfg, pctx, value_head=held.value_head)
+        load_weights(ckpt, chunks)
+        full = full_state_dict(chunks, pctx)
+        del chunks
+    finally:
+        pctx.destroy()
+    srcs = sources(cfg, model_type, value_head=held.value_head, score_head=held.value_head)
+    tmp = _temp_beside(out_dir)
+    try:
+        writer = _ShardWriter(tmp, max_shard_bytes)
+        for name, src in srcs.items():
+            for hf_name, t in to_hf(src, full.pop(name), cfg, model_type).items():
+                writer.add(hf_name, t.to(DTYPES[dtype]).contiguous())
+        writer.finish()
+        config = hf_config_dict(cfg, model_type, base, value_head=held.value_head)
+        config["dtype"] = dtype
+        _write_side_files(tmp, held.source, config)
+        _publish(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def import_hf(hf_dir: Path, out_dir: Path) -> Path:
+    """Write the HF folder `hf_dir` as a sharded slurm-align checkpoint `out_dir` (usable as
+    model.init_checkpoint under any TP/PP). A *ForSequenceClassification folder gives a value
+    model (its `score` head), any other a causal LM."""
+    from slurm_align.models.gpt import build_gpt
+    out_dir = Path(out_dir)
+    check_target(out_dir)
+    try:
+        cfg = ModelConfig.model_validate({"hf_path": str(hf_dir)})
+    except pydantic.ValidationError as e:
+        raise ConfigError.from_validation(e, Path(hf_dir) / "config.json", prefix="model") from None
+    arch = (read_hf_config(hf_dir).get("architectures") or [""])[0]
+    value_head = arch.endswith("ForSequenceClassification")
+    pctx = _single_rank_context()
+    tmp = _temp_beside(out_dir)
+    try:
+        chunks = build_gpt(cfg, pctx, value_head=value_head)
+        common = {"model_config": cfg.model_dump(mode="json"), "value_head": value_head}
+        save_checkpoint(tmp, 0, chunks, None, common)
+        os.replace(iter_dir(tmp, 0), tmp / "checkpoint")
+        _publish(tmp / "checkpoint", out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        pctx.destroy()
+    return out_dir
