@@ -27,6 +27,7 @@ from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_wei
 from slurm_align.models.forward import run_schedule
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.tokenizer import build_tokenizer
+from slurm_align.models.weights import sync_tied_embedding_grads
 from slurm_align.rundir import RunDir, write_atomic
 
 
@@ -50,6 +51,7 @@ def reduce_gradients(params: list, pctx: Any, clip: float | None) -> float:
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    sync_tied_embedding_grads(params)  # tied embeddings under PP > 1: first + last stage
     grads = [p.grad for p in params]
     if pctx.dp_size > 1:
         flat = torch._utils._flatten_dense_tensors(grads)
@@ -59,7 +61,7 @@ def reduce_gradients(params: list, pctx: Any, clip: float | None) -> float:
     # Global grad norm over TP x PP; TP-replicated params are counted once (tp rank 0).
     sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
     for p in params:
-        if getattr(p, "tensor_model_parallel", False) or pctx.tp_rank == 0:
+        if (getattr(p, "tensor_model_parallel", False) or pctx.tp_rank == 0) and not getattr(p, "tied_copy", False):
             sq += p.grad.double().pow(2).sum()
     if pctx.tp_size * pctx.pp_size > 1:
         dist.all_reduce(sq, group=pctx.mp_group)

@@ -22,7 +22,7 @@ from megatron.core.transformer import TransformerConfig
 from slurm_align.config.run import ModelConfig
 from slurm_align.models.cpu_compat import apply_cpu_compat, cuda_present, seed_model_parallel
 from slurm_align.models.hf.loader import load_hf_weights
-from slurm_align.models.weights import init_weights
+from slurm_align.models.weights import init_weights, mark_tied_embedding
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
@@ -162,6 +162,7 @@ def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, se
         rotary_base=model_cfg.rotary_base,
     )
     model.tie_embeddings = model_cfg.tie_embeddings and not value_head
+    mark_tied_embedding(model, pctx)
     if model_cfg.rope_scaling is not None:
         apply_llama3_rope_scaling(model, model_cfg)
     if cuda_present():

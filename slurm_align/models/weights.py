@@ -10,7 +10,8 @@ Layouts that TP splits in a non-contiguous way:
   plain split along dim 0 is right.
 - Tied embeddings (no output_layer.weight in the full dict): with PP > 1 the last stage holds a
   copy of the embedding as output_layer.weight (see gpt.py), loaded and initialised from the
-  embedding's values; `sync_tied_embedding_grads` sums its gradient with the embedding's.
+  embedding's values; `sync_tied_embedding_grads` (called by the trainers' gradient reduction)
+  sums its gradient with the embedding's.
 """
 
 from __future__ import annotations
@@ -145,24 +146,29 @@ def _copy_shard(t: torch.Tensor, src: torch.Tensor, name: str, chunk, pctx: Any,
     t.copy_(src.to(t.dtype))
 
 
-@torch.no_grad()
-def sync_tied_embedding_grads(chunks: list, pctx: Any) -> None:
-    """Tied embeddings with PP > 1: sum the gradients of the embedding (first stage) and its
-    copy (last stage) over megatron's embedding group, so both copies take the same step.
-    Collective over every rank when the model is tied and PP > 1; otherwise does nothing."""
-    if pctx.pp_size == 1 or not getattr(chunks[0], "tie_embeddings", False):
+def mark_tied_embedding(chunk: torch.nn.Module, pctx: Any) -> None:
+    """Tied embeddings with PP > 1: flag the embedding (first stage) and its copy (last stage)
+    for sync_tied_embedding_grads; the copy is also left out of the gradient norm."""
+    if pctx.pp_size == 1 or not getattr(chunk, "tie_embeddings", False):
         return
-    from megatron.core import parallel_state
-    weight = None
     if pctx.is_first_stage:
-        weight = chunks[0].embedding.word_embeddings.weight
-    elif pctx.is_last_stage:
-        weight = chunks[0].output_layer.weight
-    if weight is None:
-        return
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=parallel_state.get_embedding_group())
+        chunk.embedding.word_embeddings.weight.tied_embedding = True
+    if pctx.is_last_stage:
+        chunk.output_layer.weight.tied_embedding = True
+        chunk.output_layer.weight.tied_copy = True
+
+
+@torch.no_grad()
+def sync_tied_embedding_grads(params: list) -> None:
+    """Sum the gradients of a tied embedding and its last-stage copy over megatron's embedding
+    group (first and last stage), so both copies take the same step. Parameters come flagged
+    by mark_tied_embedding; without any, nothing happens (no collective)."""
+    from megatron.core import parallel_state
+    for p in params:
+        if getattr(p, "tied_embedding", False):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=parallel_state.get_embedding_group())
 
 
 class HostSwap:
