@@ -1,186 +1,318 @@
-"""TensorRT-LLM generation engine (extra `trtllm`, NVIDIA GPUs only).
+"""TensorRT-LLM generation engine on the 1.x line (extra `trtllm`, NVIDIA GPUs only).
 
-Targets TensorRT-LLM 0.16.0's TensorRT-engine Python API (`tensorrt_llm.build`, `BuildConfig`,
-`models.GPTConfig` / `GPTForCausalLM`, `runtime.ModelRunner.from_engine`, `SamplingConfig`) and
-TensorRT's `trt.Refitter`; the path NeMo-Aligner used (../shared/TRTLLM.md, part A), without the
-NeMo exporter: our megatron weights go through trtllm_mapping.py. Written against the API on
-paper: no GPU was available to run it (see the gpu-marked tests).
+Supported release: TensorRT-LLM 1.2.x (written against 1.2.1), its LLM API with the PyTorch
+backend, the path current RL toolkits refit in place (../shared/TRTLLM.md, part B). Every
+TensorRT-LLM call made here is checked on CPU against signatures extracted from the release's
+sources (tests/test_gpu_api_conformance.py); running it needs a GPU (tests/gpu/run_gpu_checks.sh).
 
-- first refit: convert the full state dict to this rank's TP shard, build an engine with the
-  refit flag (`use_refit=True`), load it with ModelRunner.from_engine;
-- later refits: convert again and push every named weight through one trt.Refitter; a weight
-  the engine has and we do not supply (or vice versa) is an error, not a warning;
-- generate: unpadded 1-D prompts; per-sample seeds as SamplingConfig.random_seed (one int64 per
-  row); EOS handling as NeMo-Aligner does it: end_id/pad_id are a sentinel that never occurs and
-  EOS is a stop word, so the returned length includes the EOS and is_end = last token is EOS;
-- layout: one engine per generation-DP replica in the refolded layout (DP_gen = DP x PP, TP
-  kept); the MPI communicator handed to TensorRT-LLM must span exactly this replica's TP ranks
-  (GenerationLayout.mp_comm), and the engine's TP rank is layout.tp_rank.
+Refit, colocated (the generation workers share the training ranks' GPUs):
+1. every rank of a generation replica (the TP ranks of one refolded DP replica: layout.mp_comm)
+   turns the full state dict refit_from_training gave it into HF-named full tensors
+   (trtllm_mapping.hf_weights) on its own GPU, in the engine dtype, a bucket of whole layers
+   at a time (the extra memory is one bucket, not the model);
+2. each rank makes CUDA IPC handles of them (torch's reduce_tensor), keyed by its GPU's UUID,
+   and the replica's requester (mp_comm rank 0) gathers them;
+3. the requester calls LLM._collective_rpc("update_weights", (handles,)): TensorRT-LLM's own
+   WorkerExtension (ray_worker_extension_cls) rebuilds the tensors in the worker on that GPU
+   and reloads them through the model's loader (which takes each worker's TP slice); a last
+   call with None finalizes (post-load processing, prefix cache reset);
+4. a barrier on mp_comm: staged tensors live until every worker has copied them.
+The first refit also creates the LLM, from a config.json only (trtllm_mapping.hf_config) with
+load_format="dummy" (nothing read from disk); step 3 then puts the real weights in.
 
-Numerics: TensorRT-LLM's "gelu" is the tanh approximation, so logits differ slightly from the
-training model's exact-erf GELU; policy log-probs for the loss are recomputed by the training
-forward anyway (GenerationOutput.logprobs is None here).
+Why Ray: in 1.2 `_collective_rpc` (hence update_weights) is served only by the Ray
+orchestrator; the default MPI orchestrator has no path to push weights into its workers. Each
+requester starts a private local Ray instance that sees exactly its replica's GPUs
+(CUDA_VISIBLE_DEVICES by GPU UUID) and none of the job's MPI/PMIx/Slurm variables (a Ray worker
+importing tensorrt_llm would otherwise try to join the job's PMIx world). TP must fit in a node.
+
+generate: one SamplingParams per prompt (its per-sample seed), token ids in, no tokenizer; EOS
+is a stop token kept in the output and end_id is -1 (nothing else ends a sample), is_end =
+finish_reason 'stop'. Per-token log-probs are returned for plain sampling (temperature 1, no
+top-k/top-p), where the sampling distribution TensorRT-LLM reports is the unfiltered one
+GenerationOutput defines; otherwise None (PPO recomputes them in the training forward anyway).
+Every rank of the replica returns the same output (broadcast from the requester).
 """
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import tempfile
 import time
-from typing import Any, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Iterator, Sequence
 
 import torch
+from torch.multiprocessing.reductions import reduce_tensor
 
+from slurm_align.config.run import ModelConfig
 from slurm_align.generation.base import pack_prompts
 from slurm_align.generation.params import GenerationError, GenerationOutput, GptShape, SamplingParams
-from slurm_align.generation.trtllm_mapping import megatron_to_trtllm
-from slurm_align.generation.weights import check_state_dict
+from slurm_align.generation.trtllm_mapping import hf_config, hf_weights
 
-PINNED_VERSION = "0.16.0"
-_SENTINEL = -42  # end_id/pad_id: never a real token, so only the EOS stop word ends a sample
+PINNED_VERSION = "1.2.1"
+WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
+_LAUNCHER_ENV = ("PMI", "PMIX", "MPI", "OMPI", "SLURM")  # prefixes a Ray worker must not inherit
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_LAYER_PREFIX_PARTS = 3  # "model.layers.N." groups a layer's tensors into one bucket
+
+
+@dataclass(frozen=True)
+class TrtllmOptions:
+    """Engine settings (make_engine's extra keyword arguments)."""
+
+    dtype: str = "bfloat16"
+    """Weights and activations: 'bfloat16' (default) or 'float16'."""
+    max_batch_size: int = 256
+    """Requests TensorRT-LLM schedules at once."""
+    kv_cache_fraction: float = 0.3
+    """Share of the GPU memory left free after the weights that the KV cache takes (the training
+    model shares the GPU)."""
+    bucket_mib: int = 512
+    """Refit: staged weights per update_weights call (whole layers; at least one layer)."""
+    workdir: str | None = None
+    """Where config.json of the generation model goes (default: a fresh temp folder)."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise GenerationError(f"trtllm dtype={self.dtype!r}: allowed {sorted(_DTYPES)}")
+        if not 0.0 < self.kv_cache_fraction < 1.0:
+            raise GenerationError(f"trtllm kv_cache_fraction={self.kv_cache_fraction}: must be in (0, 1)")
 
 
 def import_tensorrt_llm() -> Any:
     """Import tensorrt_llm only when the engine is used, with a clear message when missing."""
-    try:
-        trtllm = importlib.import_module("tensorrt_llm")
-    except ImportError as e:
-        raise GenerationError(
-            f"generation engine 'trtllm' needs TensorRT-LLM {PINNED_VERSION} and an NVIDIA GPU: "
-            f"install the extra (`pip install slurm-align[trtllm]` from NVIDIA's index, or use an "
-            f"NVIDIA container), or choose generation.engine 'torch' ({e})") from e
     if not torch.cuda.is_available():
         raise GenerationError("generation engine 'trtllm' needs a CUDA GPU; choose generation.engine 'torch'")
-    return trtllm
+    try:
+        return importlib.import_module("tensorrt_llm")
+    except ImportError as e:
+        raise GenerationError(
+            f"generation engine 'trtllm' needs TensorRT-LLM {PINNED_VERSION} and an NVIDIA GPU: use an "
+            f"NVIDIA TensorRT-LLM container, or `pip install slurm-align[trtllm]` where NVIDIA's package "
+            f"index is reachable; or choose generation.engine 'torch' ({e})") from e
+
+
+def model_config_of(shape: GptShape | ModelConfig) -> ModelConfig:
+    """The ModelConfig the HF mapping needs, from the engine's shape (fields it lacks keep
+    ModelConfig's defaults, as for a GptShape without architecture fields)."""
+    if isinstance(shape, ModelConfig):
+        return shape
+    arch = {f: getattr(shape, f) for f in ("position_embedding", "rotary_base", "rope_scaling", "normalization",
+                                          "activation", "num_query_groups", "kv_channels", "add_bias_linear",
+                                          "add_qkv_bias", "tie_embeddings") if hasattr(shape, f)}
+    if hasattr(arch.get("rope_scaling"), "__dataclass_fields__"):
+        arch["rope_scaling"] = {f.name: getattr(arch["rope_scaling"], f.name) for f in fields(arch["rope_scaling"])}
+    return ModelConfig(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+                       num_attention_heads=shape.num_attention_heads, ffn_hidden_size=shape.ffn_hidden_size,
+                       vocab_size=shape.vocab_size, max_seq_len=shape.max_seq_len,
+                       norm_epsilon=getattr(shape, "norm_epsilon", shape.layernorm_epsilon), **arch)
+
+
+@contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """os.environ replaced by `env` for the block (child processes started in it inherit it)."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def layer_buckets(names: Sequence[str], nbytes: dict[str, int], budget: int) -> list[list[str]]:
+    """Names grouped into buckets of whole layers (a layer's q/k/v and gate/up go together, as
+    the fused modules load them), each up to `budget` bytes unless one layer alone is larger."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        parts = n.split(".")
+        key = ".".join(parts[:_LAYER_PREFIX_PARTS]) if n.startswith("model.layers.") else "rest"
+        groups.setdefault(key, []).append(n)
+    buckets: list[list[str]] = [[]]
+    size = 0
+    for group in groups.values():
+        g = sum(nbytes[n] for n in group)
+        if buckets[-1] and size + g > budget:
+            buckets.append([])
+            size = 0
+        buckets[-1].extend(group)
+        size += g
+    return buckets
 
 
 class TrtllmEngine:
-    def __init__(self, shape: GptShape, *, tp_size: int = 1, tp_rank: int = 0, max_batch_size: int = 64,
-                 max_input_len: int | None = None, dtype: str = "float16", workdir: str | None = None):
-        self.shape = shape
-        self.tp_size, self.tp_rank = tp_size, tp_rank
-        self.max_batch_size = max_batch_size
-        self.max_input_len = max_input_len or shape.max_seq_len // 2
-        self.dtype = dtype
-        self.torch_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}[dtype]
-        self.workdir = workdir or tempfile.mkdtemp(prefix="slurm_align_trtllm_")
-        self._trt = None
-        self._runner = None
+    """One TensorRT-LLM LLM per generation replica; every rank of the replica holds an engine
+    object (the requester owns the LLM, the others stage their GPU's weights and get outputs)."""
+
+    def __init__(self, shape: GptShape | ModelConfig, device: torch.device | str = "cuda", *,
+                 layout: Any = None, **options: Any):
+        self.model_cfg = model_config_of(shape)
+        self.shape = shape if isinstance(shape, GptShape) else GptShape.from_model_config(shape)
+        try:
+            self.options = TrtllmOptions(**options)
+        except TypeError as e:
+            names = [f.name for f in fields(TrtllmOptions)]
+            raise GenerationError(f"trtllm engine options {sorted(options)}: allowed {names} ({e})") from None
+        self.device = torch.device(device)
+        self.torch_dtype = _DTYPES[self.options.dtype]
+        self.tp_size = layout.tp_size if layout is not None else 1
+        self.comm = layout.mp_comm if layout is not None and self.tp_size > 1 else None
+        self.is_requester = self.comm is None or self.comm.Get_rank() == 0
+        self.workdir = Path(self.options.workdir or tempfile.mkdtemp(prefix="slurm_align_trtllm_"))
+        self._llm: Any = None
+        self._loaded = False
 
     @classmethod
-    def for_layout(cls, shape: GptShape, layout: Any, **kwargs) -> "TrtllmEngine":
-        """One engine per generation replica of a GenerationLayout (refolded or not): with TP > 1
-        TensorRT-LLM's own MPI world is split so that it spans exactly this replica's TP ranks
-        (as NeMo's exporter does; global ranks are TP-contiguous in megatron's order)."""
-        import_tensorrt_llm()
+    def for_layout(cls, shape: GptShape | ModelConfig, layout: Any, device: torch.device | str = "cuda",
+                   **options: Any) -> "TrtllmEngine":
+        """This rank's engine in a GenerationLayout: TP = the layout's, one LLM per replica."""
         if layout.pp_size != 1:
-            raise GenerationError("TrtllmEngine: generate with refold on (pipeline stages refolded into DP)")
-        if layout.tp_size > 1:
-            from tensorrt_llm.bindings import MpiComm
-            MpiComm.split(layout.dp_rank, layout.tp_rank)
-        return cls(shape, tp_size=layout.tp_size, tp_rank=layout.tp_rank, **kwargs)
+            raise GenerationError("generation engine 'trtllm': generate with switches.refold on "
+                                  "(pipeline stages refolded into data parallel; TensorRT-LLM runs TP only)")
+        return cls(shape, device, layout=layout, **options)
 
-    # -- building and refitting ------------------------------------------------------------
-    def _convert(self, full_state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        check_state_dict(full_state_dict, self.shape)
-        return megatron_to_trtllm(full_state_dict, self.shape, tp_size=self.tp_size, tp_rank=self.tp_rank,
-                                  dtype=self.torch_dtype)
-
-    def _build(self, weights: dict[str, torch.Tensor]) -> None:
-        trtllm = import_tensorrt_llm()
-        from tensorrt_llm import BuildConfig, Mapping
-        from tensorrt_llm._utils import torch_to_numpy
-        from tensorrt_llm.models import GPTConfig, GPTForCausalLM
-        from tensorrt_llm.runtime import ModelRunner
-
-        s = self.shape
-        config = GPTConfig(
-            architecture="GPTForCausalLM", dtype=self.dtype, num_hidden_layers=s.num_layers,
-            num_attention_heads=s.num_attention_heads, hidden_size=s.hidden_size,
-            intermediate_size=s.ffn_hidden_size, vocab_size=s.vocab_size, hidden_act="gelu",
-            position_embedding_type="learned_absolute", max_position_embeddings=s.max_seq_len,
-            norm_epsilon=s.layernorm_epsilon, bias=True, use_parallel_embedding=False,
-            mapping=Mapping(world_size=self.tp_size, rank=self.tp_rank, tp_size=self.tp_size, pp_size=1),
-        )
-        model = GPTForCausalLM(config)
-        model.load({k: torch_to_numpy(v.cpu()) for k, v in weights.items()})
-        build_config = BuildConfig(
-            max_batch_size=self.max_batch_size, max_input_len=self.max_input_len,
-            max_seq_len=s.max_seq_len, max_beam_width=1, use_refit=True,
-            gather_context_logits=False, gather_generation_logits=False)
-        engine = trtllm.build(model, build_config)
-        engine.save(os.path.join(self.workdir, f"tp{self.tp_rank}"))  # reload point after free()
-        self._runner = ModelRunner.from_engine(
-            engine, max_output_len=None, lora_dir=None, rank=torch.cuda.current_device(),
-            debug_mode=False, lora_ckpt_source="hf", medusa_choices=None, stream=None,
-            gpu_weights_percent=1.0, enable_context_fmha_fp32_acc=None, multi_block_mode=None)
-
-    def _refit_in_place(self, weights: dict[str, torch.Tensor]) -> None:
-        import tensorrt as trt
-
-        engine = self._runner.session.runtime.engine
-        refitter = trt.Refitter(engine, trt.Logger(trt.Logger.WARNING))
-        wanted = set(refitter.get_all_weights())
-        missing, extra = sorted(wanted - set(weights)), sorted(set(weights) - wanted)
-        if missing:
-            raise GenerationError(f"TensorRT-LLM refit: engine weights without a source: {missing[:5]}")
-        trt_dtype = {torch.float16: trt.float16, torch.bfloat16: trt.bfloat16, torch.float32: trt.float32}[self.torch_dtype]
-        on_device = {k: weights[k].to("cuda", non_blocking=True).contiguous() for k in wanted}
-        torch.cuda.synchronize()
-        for name, t in on_device.items():  # `on_device` keeps the memory alive until the refit
-            refitter.set_named_weights(name, trt.Weights(trt_dtype, t.data_ptr(), t.numel()),
-                                       trt.TensorLocation.DEVICE)
-        if not refitter.refit_cuda_engine():
-            raise GenerationError("TensorRT-LLM refit: refit_cuda_engine() returned False")
-        del extra  # names only the checkpoint has (none for this architecture) are ignored
-
+    # -- refit -------------------------------------------------------------------------------
     def refit(self, full_state_dict: dict[str, torch.Tensor]) -> float:
+        """Collective over the replica: new weights into the LLM in place (created the first time)."""
         t0 = time.perf_counter()
-        weights = self._convert(full_state_dict)
-        if self._runner is None:
-            saved = os.path.join(self.workdir, f"tp{self.tp_rank}")
-            if os.path.isdir(saved):  # freed earlier: reload the engine, then refit it
-                from tensorrt_llm.runtime import ModelRunner
-                import_tensorrt_llm()
-                self._runner = ModelRunner.from_dir(saved, rank=torch.cuda.current_device())
-                self._refit_in_place(weights)
-            else:
-                self._build(weights)
-        else:
-            self._refit_in_place(weights)
+        import_tensorrt_llm()
+        # Deferred: tensorrt_llm is an optional GPU-only package (see import_tensorrt_llm).
+        from tensorrt_llm._torch.utils import get_device_uuid
+
+        weights = hf_weights(full_state_dict, self.model_cfg)  # CPU or device views, full precision
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        uuid = get_device_uuid(index)
+        visible = f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+        if not self._loaded:  # first refit, or after free(): the requester creates the LLM
+            uuids = self.comm.allgather(visible) if self.comm is not None else [visible]
+            if self.is_requester:
+                self._llm = self._create_llm(uuids)
+        budget = self.options.bucket_mib << 20
+        nbytes = {k: v.numel() * self.torch_dtype.itemsize for k, v in weights.items()}
+        for names in layer_buckets(list(weights), nbytes, budget):
+            staged = {k: weights[k].to(self.device, self.torch_dtype, non_blocking=True).contiguous() for k in names}
+            torch.cuda.synchronize(self.device)
+            mine = (uuid, [(k, reduce_tensor(t)) for k, t in staged.items()])
+            shares = self.comm.gather(mine, root=0) if self.comm is not None else [mine]
+            if self.is_requester:
+                self._llm._collective_rpc("update_weights", args=(dict(shares),))
+            if self.comm is not None:
+                self.comm.Barrier()  # every worker has copied this bucket: staged may go
+            del staged
+        if self.is_requester:
+            self._llm._collective_rpc("update_weights", args=(None,))  # finalize
+        if self.comm is not None:
+            self.comm.Barrier()
+        self._loaded = True
         return time.perf_counter() - t0
 
+    def _create_llm(self, uuids: list[str]) -> Any:
+        # Deferred: tensorrt_llm is an optional GPU-only package (see import_tensorrt_llm).
+        from tensorrt_llm import LLM
+        from tensorrt_llm.llmapi import KvCacheConfig
+
+        self._start_ray(uuids)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        (self.workdir / "config.json").write_text(json.dumps(hf_config(self.model_cfg), indent=1))
+        kv = KvCacheConfig(free_gpu_memory_fraction=self.options.kv_cache_fraction, enable_block_reuse=False)
+        return LLM(model=str(self.workdir), skip_tokenizer_init=True, tensor_parallel_size=self.tp_size,
+                   dtype=self.options.dtype, orchestrator_type="ray", ray_worker_extension_cls=WORKER_EXTENSION,
+                   load_format="dummy", max_batch_size=self.options.max_batch_size,
+                   max_seq_len=self.shape.max_seq_len, kv_cache_config=kv,
+                   # veRL's finding: TensorRT-LLM's own all-reduce hurt convergence with several
+                   # rollout instances; NCCL's is the safe choice.
+                   allreduce_strategy="NCCL")
+
+    @staticmethod
+    def _start_ray(uuids: list[str]) -> None:
+        # Deferred: ray comes with the `trtllm` extra and is needed only here.
+        import ray
+
+        if ray.is_initialized():
+            return
+        env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)
+        with _environ(env):  # the Ray daemons (and so the workers) start with this environment
+            ray.init(address="local", num_gpus=len(uuids), include_dashboard=False, log_to_driver=False)
+
     def free(self) -> None:
-        """Drop the runner (engine + KV cache); the next refit reloads the saved engine."""
-        self._runner = None
+        """Shut the LLM down (weights and KV cache); the next refit creates it again."""
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+        self._loaded = False
         torch.cuda.empty_cache()
 
-    # -- generation ------------------------------------------------------------------------
+    # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams,
                  seeds: Sequence[int] | torch.Tensor | None = None) -> GenerationOutput:
-        if self._runner is None:
-            raise GenerationError("TrtllmEngine: no engine; call refit(full_state_dict) first")
-        from tensorrt_llm.runtime import SamplingConfig
+        """Collective over the replica (every rank passes the same prompts)."""
+        if not self._loaded:
+            raise GenerationError("TrtllmEngine: no weights; call refit(full_state_dict) first")
+        batch = pack_prompts(prompts, self.shape, params, seeds, torch.device("cpu"))  # checks + seeds
+        out = self._generate(prompts, params, batch.seeds.tolist()) if self.is_requester else None
+        return self.comm.bcast(out, root=0) if self.comm is not None else out
 
-        batch = pack_prompts(prompts, self.shape, params, seeds, torch.device("cpu"))
-        cfg = SamplingConfig(
-            end_id=_SENTINEL, pad_id=_SENTINEL, max_new_tokens=params.max_new_tokens, num_beams=1,
-            temperature=1.0 if params.greedy else params.temperature,
-            top_k=1 if params.greedy else params.top_k, top_p=0.0 if params.greedy else params.top_p,
-            stop_words_list=None if params.eos_id is None else [[[params.eos_id]]] * len(prompts),
-            return_dict=True, output_sequence_lengths=True)
-        cfg.update(random_seed=batch.seeds.clone())
-        out = self._runner.generate([p.reshape(-1).to(torch.int32).cpu() for p in prompts], sampling_config=cfg)
-        ids, seq_len = out["output_ids"][:, 0].cpu(), out["sequence_lengths"][:, 0].cpu()
-        lengths = batch.lengths.cpu()
-        n = len(prompts)
-        tokens = torch.full((n, params.max_new_tokens), params.pad_id, dtype=torch.int64)
-        resp_len = (seq_len.long() - lengths).clamp_(0, params.max_new_tokens)
-        for i in range(n):  # once per call, not per token
-            r = ids[i, int(lengths[i]): int(lengths[i]) + int(resp_len[i])].long()
-            tokens[i, : r.numel()] = r.clamp_(0, self.shape.vocab_size - 1)
-        last = tokens.gather(1, (resp_len - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
-        is_end = (resp_len > 0) & (last == params.eos_id) if params.eos_id is not None else torch.zeros(n, dtype=torch.bool)
-        width = int(resp_len.max()) if n else 0
-        return GenerationOutput(tokens[:, :width], resp_len, is_end, None)
+    def _generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, seeds: list[int]) -> GenerationOutput:
+        # Deferred: tensorrt_llm is an optional GPU-only package (see import_tensorrt_llm).
+        from tensorrt_llm import SamplingParams as TrtSamplingParams
+
+        plain = not params.greedy and (params.temperature, params.top_k, params.top_p) == (1.0, 0, 1.0)
+        want_lp = params.return_logprobs and plain
+        stop = [params.eos_id] if params.eos_id is not None else None
+        greedy = params.greedy  # top_k 1; TensorRT-LLM's top_k 0 / top_p 1 mean "all", as ours
+        per_sample = [TrtSamplingParams(max_tokens=params.max_new_tokens, seed=s, end_id=-1, stop_token_ids=stop,
+                                        include_stop_str_in_output=True, logprobs=1 if want_lp else None,
+                                        detokenize=False, top_k=1 if greedy else params.top_k,
+                                        temperature=None if greedy else params.temperature,
+                                        top_p=None if greedy else params.top_p) for s in seeds]
+        results = self._llm.generate([p.reshape(-1).tolist() for p in prompts], sampling_params=per_sample,
+                                     use_tqdm=False)
+        return self._collect(results, params, want_lp)
+
+    def _collect(self, results: list, params: SamplingParams, want_lp: bool) -> GenerationOutput:
+        n, m = len(results), params.max_new_tokens
+        tokens = torch.full((n, m), params.pad_id, dtype=torch.int64)
+        logprobs = torch.zeros(n, m, dtype=torch.float32) if want_lp else None
+        lengths = torch.zeros(n, dtype=torch.int64)
+        is_end = torch.zeros(n, dtype=torch.bool)
+        for i, r in enumerate(results):
+            c = r.outputs[0]
+            ids = list(c.token_ids)[:m]
+            ended = params.eos_id is not None and c.finish_reason == "stop"
+            if ended and (not ids or ids[-1] != params.eos_id):  # stop token left out of the ids
+                ids = ids[: m - 1] + [params.eos_id]
+                logprobs = None
+            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+            lengths[i], is_end[i] = len(ids), ended
+            if logprobs is not None:
+                lp = _sampled_logprobs(c.logprobs, ids)
+                if lp is None:
+                    logprobs = None
+                else:
+                    logprobs[i, : len(lp)] = torch.tensor(lp)
+        width = int(lengths.max()) if n else 0
+        return GenerationOutput(tokens[:, :width], lengths, is_end, None if logprobs is None else logprobs[:, :width])
+
+
+def _sampled_logprobs(per_step: Any, ids: list[int]) -> list[float] | None:
+    """The sampled token's log-prob at each step, from TensorRT-LLM's per-step entries (a dict
+    token -> Logprob, or a plain float); None when a step does not carry it."""
+    if per_step is None or len(per_step) < len(ids):
+        return None
+    out = []
+    for step, tok in zip(per_step, ids):
+        if isinstance(step, dict):
+            entry = step.get(tok)
+            if entry is None:
+                return None
+            out.append(float(getattr(entry, "logprob", entry)))
+        else:
+            out.append(float(step))
+    return out
