@@ -9,7 +9,6 @@ appends them to RUN_DIR/metrics.jsonl.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -27,8 +26,9 @@ from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_wei
 from slurm_align.models.forward import run_schedule
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.tokenizer import build_tokenizer
+from slurm_align.profiling.metrics import MetricsLogger
 from slurm_align.models.weights import sync_tied_embedding_grads
-from slurm_align.rundir import RunDir, write_atomic
+from slurm_align.rundir import RunDir
 
 
 def make_microbatches(ds, indices: list[int], micro: int) -> list[dict]:
@@ -78,6 +78,7 @@ class Trainer:
         self.run_dir = Path(run_dir)
         self.rank = dist.get_rank()
         self.console = console or Console(stderr=True)
+        self.metrics = MetricsLogger(run, self.run_dir, enabled=self.rank == 0)
         tc = run.trainer
         if tc.global_batch_size % pctx.dp_size:
             raise ConfigError.at("trainer.global_batch_size", tc.global_batch_size,
@@ -172,27 +173,13 @@ class Trainer:
         common = load_checkpoint(latest, self.chunks, self.optimizer)
         self.step = int(common["step"])
         torch.set_rng_state(common["rng"])
-        self._drop_metrics_after(self.step)
+        self.metrics.start_at(self.step + 1)   # steps after the checkpoint are redone
         self._print(f"resumed from {latest} at step {self.step}")
         return True
-
-    def _drop_metrics_after(self, step: int) -> None:
-        """Steps logged after the checkpoint we resume from will be redone: forget them."""
-        path = self.run_dir / "metrics.jsonl"
-        if self.rank != 0 or not path.exists():
-            return
-        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        write_atomic(path, "".join(line + "\n" for line in keep))
 
     def _print(self, text: str) -> None:
         if self.rank == 0:
             self.console.print(text, highlight=False)
-
-    def _log(self, record: dict) -> None:
-        if self.rank != 0:
-            return
-        with open(self.run_dir / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
 
     def fit(self) -> dict:
         tc = self.run.trainer
@@ -211,11 +198,12 @@ class Trainer:
                     record.update(self.evaluate())
                 if self.step == tc.num_steps:
                     record.update(self.evaluate())
-                self._log(record)
+                self.metrics.log(record)
                 progress.update(task, advance=1, description=" ".join(
                     f"{k}={v:.4g}" for k, v in record.items() if k not in ("step", "step_time_s")))
                 if (tc.save_interval and self.step % tc.save_interval == 0) or self.step == tc.num_steps:
                     self.save()
                 last = record
+        self.metrics.close()
         self._print(f"{self.algo.name} done: " + " ".join(f"{k}={v:.4g}" for k, v in last.items()))
         return last

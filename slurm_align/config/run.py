@@ -369,6 +369,49 @@ class SweepConfig(StrictModel):
     critic gets ceil(actor_nodes * C / A) nodes, at least 1 (ppo only)."""
 
 
+class WandbConfig(StrictModel):
+    """A Weights & Biases run. The API key is never part of the config: W&B reads WANDB_API_KEY
+    from the job's environment (list it in the profile's secret_env)."""
+
+    project: str = Field(min_length=1)
+    """W&B project."""
+    entity: str | None = None
+    """W&B team or user; default: the key's default entity."""
+    mode: Literal["online", "offline", "disabled"] = "online"
+    """offline: write RUN_DIR/wandb/ only, no network (upload later with `wandb sync`)."""
+    name: str | None = None
+    """Display name of the run; default: the run directory's name."""
+    id: str | None = Field(None, pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    """W&B run id; default: from the run directory's name, so a resumed job continues its run."""
+    group: str | None = None
+    """W&B group (e.g. one sweep)."""
+    tags: list[str] = []
+    """W&B tags."""
+
+
+class MlflowConfig(StrictModel):
+    """An MLflow run."""
+
+    tracking_uri: str | None = None
+    """Tracking server or store URI; default: a file store in RUN_DIR/mlruns."""
+    experiment: str = Field("slurm-align", min_length=1)
+    """Experiment name (created if missing)."""
+    run_name: str | None = None
+    """Run name; default: the run directory's name."""
+
+
+class LoggingConfig(StrictModel):
+    """Where per-step metrics go besides RUN_DIR/metrics.jsonl (always written), e.g.
+    `logging: {tensorboard: true, wandb: {project: my-rlhf, mode: offline}}`."""
+
+    tensorboard: bool = False
+    """Event files in RUN_DIR/tensorboard/ (needs the tensorboard extra)."""
+    wandb: WandbConfig | None = None
+    """Log to Weights & Biases (needs the wandb extra)."""
+    mlflow: MlflowConfig | None = None
+    """Log to MLflow (needs the mlflow extra)."""
+
+
 class RunConfig(StrictModel):
     """One run: algorithm, models, parallelism per component, hyper-parameters, switches."""
 
@@ -410,6 +453,8 @@ class RunConfig(StrictModel):
     """Critic server address and timeouts."""
     sweep: SweepConfig = SweepConfig()
     """Node scaling rule for `slurm-align sweep`."""
+    logging: LoggingConfig = LoggingConfig()
+    """Metrics to TensorBoard, W&B or MLflow (metrics.jsonl is always written)."""
 
     @model_validator(mode="after")
     def _layouts_fit_models(self):
