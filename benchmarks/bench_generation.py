@@ -12,6 +12,7 @@ plain sampling (temperature 1, no top-k/top-p, no EOS), 2 threads.
   megatron-core model; also the general path's cost (full_state_dict gather + refit), shown apart.
 
     .venv/bin/python benchmarks/bench_generation.py       (needs the `bench` extra: transformers)
+    python benchmarks/bench_generation.py --engine trtllm --device cuda   (GPU: TensorRT-LLM vs torch)
 """
 
 from __future__ import annotations
@@ -44,14 +45,14 @@ def timed(fn, repeat: int = 1) -> float:
     return best
 
 
-def build_training_model():
+def build_training_model(arch: dict | None = None):
     from slurm_align.config.run import ModelConfig
     from slurm_align.parallel.bootstrap import init_distributed
     from slurm_align.parallel.layout import initialize_model_parallel
     from slurm_align.models.gpt import build_gpt
 
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
-                      vocab_size=VOCAB, max_seq_len=256)
+                      vocab_size=VOCAB, max_seq_len=256, **(arch or {}))
     pctx = initialize_model_parallel(init_distributed(), 1, 1)
     return cfg, pctx, build_gpt(cfg, pctx, seed=5)
 
@@ -62,6 +63,7 @@ def train_step_seconds(chunks) -> float:
     model = chunks[0]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, VOCAB, (TRAIN_BATCH, TRAIN_SEQ), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(next(model.parameters()).device)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -172,5 +174,72 @@ def main() -> None:
           f"engine_over_naive={e_naive:.2f} refit_over_step={r_step:.5f}")
 
 
+# --engine / --device other than the CPU default (tests/gpu/run_gpu_checks.sh runs trtllm on cuda).
+# TensorRT-LLM's PyTorch backend runs Llama-style models only (trtllm_mapping), so W1 is built
+# Llama-style (rope, RMSNorm, SwiGLU, no biases) for it; the torch engine runs beside it on the
+# same model and device.
+LLAMA_STYLE = dict(position_embedding="rope", normalization="RMSNorm", activation="swiglu", add_bias_linear=False)
+
+
+def engine_main(kind: str, device: str) -> None:
+    from slurm_align.generation import GenerationError, GptShape, SamplingParams, make_engine
+    from slurm_align.generation.refit import refit_from_training
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA GPU here")
+    if device == "cpu" and torch.cuda.is_available():
+        raise SystemExit("--device cpu on a GPU machine: hide the GPUs (CUDA_VISIBLE_DEVICES=) so the model stays on CPU")
+    cfg, pctx, chunks = build_training_model(LLAMA_STYLE if kind == "trtllm" else None)
+    shape = GptShape.from_model_config(cfg)
+    engines = {kind: make_engine(kind, cfg if kind == "trtllm" else shape, device)}
+    if kind != "torch":
+        engines["torch"] = make_engine("torch", shape, device)
+    g = torch.Generator().manual_seed(0)
+    prompts = list(torch.randint(0, VOCAB, (N_PROMPTS, PROMPT_LEN), generator=g))
+    params, seeds = SamplingParams(max_new_tokens=NEW, temperature=1.0), list(range(N_PROMPTS))
+    tok_s: dict[str, float | None] = {}
+    refit_s: dict[str, float] = {}
+    for name, engine in engines.items():
+        try:
+            refit_from_training(engine, chunks, pctx, refold=True)  # first refit: builds
+            refit_s[name] = timed(lambda: refit_from_training(engine, chunks, pctx, refold=True), repeat=3)
+            if name == "naive":
+                t, _ = naive_estimate_seconds(engine, shape, SamplingParams)
+            else:
+                engine.generate(prompts, SamplingParams(max_new_tokens=8), seeds)  # warm-up
+                t = timed(lambda: engine.generate(prompts, params, seeds), repeat=ROUNDS)
+            tok_s[name] = N_PROMPTS * NEW / t
+            print(f"{name} engine on {device}: {tok_s[name]:,.0f} tokens/s, refit {refit_s[name] * 1e3:.1f} ms", flush=True)
+        except GenerationError as e:  # e.g. the torch engine without this architecture
+            tok_s[name] = None
+            print(f"{name} engine on {device}: not measured ({e})", flush=True)
+        engine.free()
+    step = train_step_seconds(chunks)
+    pctx.destroy()
+
+    def fmt(v: float | None, spec: str) -> str:
+        return "NA" if v is None else format(v, spec)
+
+    refit = refit_s.get(kind)
+    over = None if refit is None else refit / step
+    print(f"training step ({TRAIN_BATCH}x{TRAIN_SEQ}, fwd+bwd+AdamW): {step * 1e3:.0f} ms")
+    if kind == "trtllm":
+        print(f"trtllm_tok_s={fmt(tok_s.get('trtllm'), '.0f')} torch_gpu_tok_s={fmt(tok_s.get('torch'), '.0f')} "
+              f"refit_s={fmt(refit, '.5f')} refit_over_step={fmt(over, '.5f')}")
+    else:
+        print(f"engine={kind} device={device} engine_tok_s={fmt(tok_s.get(kind), '.0f')} "
+              f"refit_s={fmt(refit, '.5f')} step_s={step:.4f} refit_over_step={fmt(over, '.5f')}")
+
+
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    ap = argparse.ArgumentParser(description="generation engines on workload W1 (see the module docstring)")
+    ap.add_argument("--engine", choices=("torch", "naive", "trtllm"), default="torch",
+                    help="engine to measure (default torch: the CPU comparison with HF and the naive engine)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    args = ap.parse_args()
+    if (args.engine, args.device) == ("torch", "cpu"):
+        main()
+    else:
+        engine_main(args.engine, args.device)
