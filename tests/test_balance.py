@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from slurm_align.balance.rebalance import RebalanceError, plan_rebalance
+from slurm_align.balance.rebalance import RebalanceError, plan_groups, plan_rebalance
 from slurm_align.balance.static import static_shard
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +39,11 @@ def test_prompt_server_and_rebalance_on_real_ranks(ranks: int) -> None:
         assert len(seen[name].get("per_rank", seen[name].get("spans_per_rank"))) == ranks, name
     assert sum(seen["slow_worker_10x"]["per_rank"]) == 60
     assert len(set(seen["rebalance_tokens"]["counts"])) == 1
+    # RolloutBatch along a Route (the program checks each rank's share against the plan, the
+    # multiset of samples, payloads, and that every member of a DP rank got the same shard).
+    for dp in {1, ranks, 2 if ranks % 2 == 0 else ranks}:
+        for g in (1, 2):
+            assert seen[f"route_dp{dp}_g{g}"]["counts"] == [6 * g] * dp
 
 
 @pytest.mark.parametrize("strided", [False, True])
@@ -87,3 +92,25 @@ def test_rebalance_plan_balances_tokens() -> None:
 def test_rebalance_indivisible_total_is_a_clear_error() -> None:
     with pytest.raises(RebalanceError, match="17 rollout samples .* 4 DP ranks.*divisible"):
         plan_rebalance([5, 4, 4, 4])
+
+
+def test_group_plan_keeps_groups_together_with_equal_counts_and_balanced_tokens() -> None:
+    rng = np.random.default_rng(1)
+    groups = np.repeat(np.arange(12), 4)
+    lengths = rng.integers(1, 200, size=len(groups))
+    plan = plan_groups(lengths, groups, 3)
+    assert set(plan) == set(range(12))
+    counts = np.bincount([plan[g] for g in groups], minlength=3)
+    assert counts.tolist() == [16, 16, 16]
+    loads = np.bincount([plan[g] for g in groups], weights=lengths, minlength=3)
+    assert loads.max() - loads.min() <= np.bincount(groups, weights=lengths).max()
+    # Each sample its own group: the same plan as the per-source planner with one source.
+    single = plan_groups(lengths, np.arange(len(lengths)), 4)
+    assert [single[i] for i in range(len(lengths))] == plan_rebalance([len(lengths), 0, 0, 0],
+                                                                       [lengths.tolist(), [], [], []])[0].tolist()
+
+
+def test_groups_that_cannot_split_evenly_are_a_clear_error() -> None:
+    with pytest.raises(RebalanceError, match="group of 2 samples fits on no DP rank"):
+        plan_groups([5] * 6, [0, 0, 1, 1, 2, 2], 2)   # 3 groups of 2 over 2 ranks
+    assert plan_groups([5] * 6, [0, 0, 1, 1, 2, 2], 2, equal_counts=False)

@@ -1,51 +1,60 @@
 """The PPO actor loop (every rank of the actor component runs `main`).
 
-One step, as in ../shared/DESIGN.md ("Data flow of one PPO step"):
+One step, as in ../shared/DESIGN.md ("Data flow of one PPO step") and as `PPOActor.step` reads:
 
-    refit -> generate (prompt server, PP refolded to DP; each finished micro-batch goes to the
-    critic at once) -> logprobs / init_logprobs (while the critic works) -> critic_wait ->
-    rebalance -> rewards + GAE + whitening -> store -> train (the critic trains meanwhile)
+    refit -> generate (prompt server, PP refolded into DP; each finished micro-batch goes to the
+    critic at once) -> rebalance (one alltoall: each training DP rank gets its token-balanced
+    shard as a RolloutBatch) -> logprobs / init_logprobs on the shard (the critic works
+    meanwhile) -> critic_wait (values and rewards follow their samples along the same route) ->
+    advantages (KL-penalised rewards, GAE, whitening by all-reduce) -> rank 0 gathers the step
+    -> store -> train (the critic's update goes out first and overlaps it)
 
 Every phase is a span in RUN_DIR/traces.zarr. Rollouts go to RUN_DIR/rollouts.zarr (rank 0).
-Shapes: per-token tensors are [B, T] over response tokens; the critic sees whole sequences,
-where the value of response token t sits at sequence position prompt_len + t - 1 (the state
-before the token was generated), as in NeMo-Aligner.
+Construction (models, engine on the rank's device and generation layout, critic client, stores)
+is `build_actor`, apart from the loop.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-import traceback
 import time
+import traceback
 from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+from rich.progress import Progress
 
 from slurm_align.algorithms import ppo_math
 from slurm_align.algorithms.losses import next_token_logprobs, token_logprobs
+from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, gather_response, response_positions
+from slurm_align.algorithms.trainer import optimizer_step
+from slurm_align.balance.replica import open_prompt_source, replica_batches
 from slurm_align.config import RunConfig, load_run_config
+from slurm_align.critic.client import CriticClient
+from slurm_align.data.jsonl import PROMPT_KEYS, read_jsonl
+from slurm_align.generation import Engine, engine_from_config
+from slurm_align.generation.memory import TrainingStateOffload, generation_phase
+from slurm_align.generation.params import SamplingParams
+from slurm_align.generation.refit import refit_from_training
+from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_weights, save_checkpoint
+from slurm_align.models.forward import forward_logits, run_schedule
+from slurm_align.models.gpt import build_gpt
+from slurm_align.models.tokenizer import build_tokenizer
+from slurm_align.models.weights import HostSwap
+from slurm_align.parallel.bootstrap import DistEnv, init_distributed
+from slurm_align.parallel.layout import ParallelContext, initialize_model_parallel
 from slurm_align.profiling import phases as P
 from slurm_align.profiling.timers import Tracer
 from slurm_align.rundir import RunDir, write_atomic
+from slurm_align.store.rollouts import TOKEN_FIELDS, RolloutStore
 
-
-@dataclass
-class Sample:
-    """One rollout; per-token arrays are over response tokens."""
-
-    index: int                    # prompt index in the dataset (unique within a step)
-    prompt: np.ndarray
-    response: np.ndarray
-    is_end: bool
-    rank: int                     # actor rank that generated it
-    values: np.ndarray | None = None
-    reward: float | None = None
-    logprobs: np.ndarray | None = None
-    ref_logprobs: np.ndarray | None = None
+STORED_SAMPLE_FIELDS = ("reward", "is_end", "rank")
+"""Per-sample columns the rollout store keeps (its per-token ones are store.rollouts.TOKEN_FIELDS)."""
 
 
 def sample_seed(run_seed: int, step: int, index: int) -> int:
@@ -53,112 +62,34 @@ def sample_seed(run_seed: int, step: int, index: int) -> int:
     return (run_seed * 1_000_003 + step * 100_003 + index) % (2**62)
 
 
-def pad_sequences(samples: list[Sample], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded prompt+response tokens [B, L], prompt lengths [B], response lengths [B]."""
-    plen = torch.tensor([len(s.prompt) for s in samples], dtype=torch.int64)
-    rlen = torch.tensor([len(s.response) for s in samples], dtype=torch.int64)
-    width = int((plen + rlen).max())
-    tokens = torch.full((len(samples), width), pad_id, dtype=torch.int64)
-    for i, s in enumerate(samples):
-        seq = np.concatenate([s.prompt, s.response])
-        tokens[i, : len(seq)] = torch.from_numpy(seq.astype(np.int64))
-    return tokens, plen, rlen
-
-
-def response_positions(plen: torch.Tensor, rlen: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Index of the position whose output predicts response token t ([B, T]) and the mask."""
-    t = torch.arange(T).unsqueeze(0)
-    mask = (t < rlen.unsqueeze(1)).float()
-    pos = (plen.unsqueeze(1) - 1 + t).clamp(min=0)
-    return pos, mask
-
-
-def response_logprobs(token_logp: torch.Tensor, plen: torch.Tensor, rlen: torch.Tensor, T: int) -> torch.Tensor:
-    """log p(response token t) [B, T] from next-token log-probs [B, L-1] (0 past each end)."""
-    pos, mask = response_positions(plen, rlen, T)
-    # Index j of token_logp is token j+1's log-prob; positions past a sequence's end are masked.
-    return token_logp.gather(1, pos.clamp(max=token_logp.shape[1] - 1)) * mask
-
-
-def to_response_layout(per_position: np.ndarray, plen: int, rlen: int) -> np.ndarray:
-    """Critic values over sequence positions -> one per response token."""
-    return per_position[plen - 1: plen - 1 + rlen].astype(np.float32)
+def actor_engine(run: RunConfig, env: DistEnv, pctx: ParallelContext) -> Engine:
+    """The generation engine on this rank's device (cuda:local_rank, or cpu) in the generation
+    layout (TensorRT-LLM takes its TP from it). Collective: the layout's groups are built here."""
+    with pctx.generation_layout(run.switches.refold) as layout:
+        return engine_from_config(run, env.device, layout)
 
 
 class PPOActor:
-    """State of one actor rank: models, optimizer, engine, critic client, stores."""
+    """One actor rank's parts (made by `build_actor`) and the PPO loop over them."""
 
-    def __init__(self, run: RunConfig, run_dir: Path):
-        from slurm_align.critic.client import CriticClient
-        from slurm_align.data.jsonl import PROMPT_KEYS, read_jsonl
-        from slurm_align.parallel.bootstrap import init_distributed
-        from slurm_align.parallel.layout import initialize_model_parallel
-        from slurm_align.generation import engine_from_config
-        from slurm_align.generation.memory import TrainingStateOffload
-        from slurm_align.models.gpt import build_gpt
-        from slurm_align.models.tokenizer import build_tokenizer
-        from slurm_align.models.checkpoint import find_latest, load_weights
-        from slurm_align.models.weights import HostSwap
-
-        self.run, self.rd = run, RunDir(run_dir)
-        self.env = init_distributed()
-        self.pctx = initialize_model_parallel(self.env, run.actor.tensor_parallel, run.actor.pipeline_parallel)
-        self.rank = self.env.rank
-        torch.manual_seed(run.seed)
-        self.tokenizer = build_tokenizer(run.model)
-        # Prompts are BOS + text, as the SFT trainer formats its inputs.
-        self.prompts = [np.asarray([self.tokenizer.bos_id, *self.tokenizer.encode(row["prompt"])], dtype=np.int64)
-                        for row in read_jsonl(run.data.train_path, PROMPT_KEYS, "prompts")]
-        self.policy = build_gpt(run.model, self.pctx, seed=run.seed)
-        self.optimizer = torch.optim.AdamW([p for c in self.policy for p in c.parameters()],
-                                           lr=run.ppo.actor_lr, weight_decay=0.0)
-        if run.model.init_checkpoint is not None:
-            # an iter_* folder, or a trainer's checkpoints folder (then its newest complete one)
-            load_weights(find_latest(run.model.init_checkpoint) or run.model.init_checkpoint, self.policy)
-        # The reference policy is the initial policy; it lives in host memory and is swapped in.
-        self.reference = HostSwap(self.policy)
-        self.start_step = self._resume()
-        self.offload = TrainingStateOffload(self.optimizer, self.policy) if run.switches.offload_optimizer else None
-        self.engine = engine_from_config(run)
-        self.critic = CriticClient.from_run_config(run)
-        self.critic.connect()   # waits (with backoff) while the critic starts; not part of step 0
-        self.tracer = Tracer(self.rd.root, "actor", self.rank, resume_from_step=self.start_step)
-        self.store = None
-        if self.rank == 0:
-            from slurm_align.store.rollouts import RolloutStore
-            path = self.rd.rollouts
-            self.store = RolloutStore.open(path) if path.exists() else RolloutStore.create(path)
-            # A resumed run redoes the steps after its checkpoint: drop their rollouts and metrics.
-            self.store.truncate_to(self.start_step)
-        self.metrics_path = self.rd.root / "metrics.jsonl"
-        if self.rank == 0 and self.metrics_path.exists():
-            kept = [line for line in self.metrics_path.read_text().splitlines()
-                    if line and json.loads(line)["step"] < self.start_step]
-            write_atomic(self.metrics_path, "".join(f"{line}\n" for line in kept))
-
-    # -- checkpoints -------------------------------------------------------------------------
-    def _resume(self) -> int:
-        """Continue after the newest complete checkpoint of this run (policy, optimizer, RNG)."""
-        from slurm_align.models.checkpoint import find_latest, load_checkpoint
-        latest = find_latest(self.rd.checkpoints("actor"))
-        if latest is None:
-            return 0
-        common = load_checkpoint(latest, self.policy, self.optimizer)
-        torch.set_rng_state(common["rng"])
-        return int(common["step"]) + 1
-
-    def save_checkpoint(self, step: int) -> None:
-        from slurm_align.models.checkpoint import save_checkpoint
-        save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer, {"algorithm": "ppo"})
-        if self.rank == 0:
-            self.critic.save(str(self.rd.checkpoints("critic") / f"iter_{step:07d}.pt"))
+    def __init__(self, run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext, *, tokenizer,
+                 prompts: list[np.ndarray], policy: list, optimizer: torch.optim.Optimizer, reference: HostSwap,
+                 offload: TrainingStateOffload | None, engine: Engine, critic: CriticClient, tracer: Tracer,
+                 store: RolloutStore | None, start_step: int):
+        self.run, self.rd, self.env, self.pctx = run, rd, env, pctx
+        self.rank = env.rank
+        self.tokenizer, self.prompts = tokenizer, prompts
+        self.policy, self.optimizer, self.reference, self.offload = policy, optimizer, reference, offload
+        self.engine, self.critic, self.tracer, self.store = engine, critic, tracer, store
+        self.start_step = start_step
+        self.pad_id = tokenizer.pad_id
+        self.metrics_path = rd.root / "metrics.jsonl"
 
     # -- phases ------------------------------------------------------------------------------
-    def generate(self, step: int) -> tuple[list[Sample], list[tuple[list[int], Future]]]:
-        from slurm_align.balance.replica import open_prompt_source, replica_batches
-        from slurm_align.generation.params import SamplingParams
-        from slurm_align.generation.refit import refit_from_training
-
+    def generate(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Future]]]:
+        """Refit, then generate this rank's share of the step's prompts; every finished
+        micro-batch goes to the critic at once. Returns this rank's rollouts (empty on ranks
+        that do not request prompts) and the critic futures with their micro-batches."""
         run = self.run
         with self.tracer.span(P.REFIT, step):
             refit_from_training(self.engine, self.policy, self.pctx, refold=run.switches.refold)
@@ -167,180 +98,113 @@ class PPOActor:
         order = rng.choice(len(self.prompts), size=n, replace=n > len(self.prompts)) if n != len(self.prompts) \
             else rng.permutation(n)
         # Dataset positions may repeat when n > dataset; the step-local index keeps samples unique.
-        params = SamplingParams.from_config(run.generation, eos_id=self.tokenizer.eos_id, pad_id=self.tokenizer.pad_id)
-        samples: list[Sample] = []
-        pending: list[tuple[list[int], Future]] = []
+        params = SamplingParams.from_config(run.generation, eos_id=self.tokenizer.eos_id, pad_id=self.pad_id)
+        pending: list[tuple[RolloutBatch, Future]] = []
         with self.pctx.generation_layout(run.switches.refold) as layout:
             source = open_prompt_source(self.env.comm, layout, n, dynamic=run.switches.dynamic_prompts,
                                         tracer=self.tracer, step=step)
             for batch in replica_batches(layout, source, run.generation.prompt_batch_size):
                 idx = [int(i) for i in batch]
+                prompts = [self.prompts[order[i]] for i in idx]
                 with self.tracer.span(P.GENERATE, step):
-                    out = self.engine.generate([torch.from_numpy(self.prompts[order[i]]) for i in idx], params,
+                    out = self.engine.generate([torch.from_numpy(p) for p in prompts], params,
                                                seeds=[sample_seed(run.seed, step, i) for i in idx])
                 if not layout.is_requester:
                     continue    # the replica's other ranks ran the same batch in lock-step
-                new = [Sample(i, self.prompts[order[i]], r.numpy().astype(np.int64), bool(e), self.rank)
-                       for i, r, e in zip(idx, out.responses(), out.is_end.tolist())]
-                samples += new
-                tokens, plen, rlen = pad_sequences(new, self.tokenizer.pad_id)
-                fut = self.critic.infer_async(tokens.numpy(), (plen + rlen).numpy(), step=step)
+                # Each sample is its own group until prompts are sampled several times (GRPO).
+                mb = RolloutBatch.from_sequences(prompts, out.responses(), self.pad_id, index=idx, group=idx,
+                                                 is_end=out.is_end.numpy(), rank=[self.rank] * len(idx))
+                fut = self.critic.infer_async(mb.tokens.numpy(), mb.seq_lengths.numpy(), step=step)
                 if not run.switches.async_critic:
                     with self.tracer.span(P.CRITIC_WAIT, step):
                         fut.result()
-                pending.append((idx, fut))
+                pending.append((mb, fut))
             source.close()
-        return samples, pending
-
-    def gather(self, samples: list[Sample]) -> list[Sample]:
-        """Every rank gets every rollout of the step, ordered by index."""
-        everything = [s for part in self.env.comm.allgather(samples) for s in part]
-        everything.sort(key=lambda s: s.index)
-        indices = [s.index for s in everything]
-        if len(set(indices)) != len(indices) or len(indices) != self.run.ppo.num_rollout_samples:
-            raise RuntimeError(f"rollout gather: got {len(indices)} samples ({len(set(indices))} distinct) for "
-                               f"{self.run.ppo.num_rollout_samples} prompts: a sample was lost or duplicated")
-        return everything
-
-    def training_shard(self, samples: list[Sample]) -> list[Sample]:
-        """This DP rank's equal share, balanced by token count (same plan on every rank)."""
-        from slurm_align.balance.rebalance import plan_rebalance
-        dp = self.pctx.dp_size
-        if dp == 1:
-            return samples
-        lengths = [len(s.prompt) + len(s.response) for s in samples]
-        # As if all samples sat on one source rank: the plan spreads them over dp ranks.
-        dest = plan_rebalance([len(samples)] + [0] * (dp - 1), [lengths] + [[]] * (dp - 1))[0]
-        return [s for s, d in zip(samples, dest) if d == self.pctx.dp_rank]
+        return RolloutBatch.cat([mb for mb, _ in pending], self.pad_id), pending
 
     @torch.no_grad()
-    def logprobs(self, shard: list[Sample], step: int) -> None:
-        from slurm_align.models.forward import forward_logits
-        tokens, plen, rlen = pad_sequences(shard, self.tokenizer.pad_id)
-        T = int(rlen.max())
-        mbs = self.run.ppo.train_micro_batch_size
+    def logprobs(self, shard: RolloutBatch, step: int) -> None:
+        """Policy and reference log-probs of the shard's responses (every rank of the shard's
+        model-parallel group gets them)."""
+        mbs, vocab = self.run.ppo.train_micro_batch_size, self.run.model.vocab_size
+
+        def response_logprobs() -> torch.Tensor:
+            logits = forward_logits(self.policy, self.pctx, shard.tokens, vocab, micro_batch_size=mbs, broadcast=True)
+            return shard.from_positions(next_token_logprobs(logits, shard.tokens))
+
         with self.tracer.span(P.LOGPROBS, step):
-            logits = forward_logits(self.policy, self.pctx, tokens, self.run.model.vocab_size,
-                                    micro_batch_size=mbs, broadcast=True)
-            lp = response_logprobs(next_token_logprobs(logits, tokens), plen, rlen, T)
+            shard.set_tokens("logprobs", response_logprobs())
         with self.tracer.span(P.INIT_LOGPROBS, step):
             self.reference.swap()
             try:
-                logits = forward_logits(self.policy, self.pctx, tokens, self.run.model.vocab_size,
-                                        micro_batch_size=mbs, broadcast=True)
+                shard.set_tokens("ref_logprobs", response_logprobs())
             finally:
                 self.reference.swap()
-            ref = response_logprobs(next_token_logprobs(logits, tokens), plen, rlen, T)
-        for i, s in enumerate(shard):
-            s.logprobs = lp[i, : len(s.response)].numpy()
-            s.ref_logprobs = ref[i, : len(s.response)].numpy()
 
-    def critic_results(self, samples: list[Sample], pending, step: int) -> None:
-        """Wait for this rank's critic futures, then share every result with every rank."""
-        mine = {}
+    def critic_results(self, pending: list[tuple[RolloutBatch, Future]], step: int) -> RolloutBatch:
+        """This rank's micro-batches with the critic's values (per response token) and rewards."""
         with self.tracer.span(P.CRITIC_WAIT, step):
-            by_index = {s.index: s for s in samples}
-            for idx, fut in pending:
+            for mb, fut in pending:
                 values, rewards = fut.result()
-                for row, i in enumerate(idx):
-                    s = by_index[i]
-                    mine[i] = (to_response_layout(values[row], len(s.prompt), len(s.response)), float(rewards[row]))
-        return mine
+                mb.set_tokens("values", mb.from_positions(torch.from_numpy(values)))
+                mb.set_samples("reward", torch.from_numpy(rewards))
+        return RolloutBatch.cat([mb for mb, _ in pending], self.pad_id)
 
-    def finish_batch(self, samples: list[Sample], critic: dict, lp: dict) -> dict[str, torch.Tensor]:
-        """Rewards with the KL penalty, GAE, whitened advantages over the whole (global) batch."""
-        run = self.run
-        for s in samples:
-            s.values, s.reward = critic[s.index]
-            s.logprobs, s.ref_logprobs = lp[s.index]
-        B, T = len(samples), max(len(s.response) for s in samples)
-        mask = torch.zeros(B, T)
-        logp, ref, values = torch.zeros(B, T), torch.zeros(B, T), torch.zeros(B, T)
-        for i, s in enumerate(samples):
-            r = len(s.response)
-            mask[i, :r] = 1
-            logp[i, :r] = torch.from_numpy(s.logprobs)
-            ref[i, :r] = torch.from_numpy(s.ref_logprobs)
-            values[i, :r] = torch.from_numpy(s.values)
-        score = torch.tensor([s.reward for s in samples])
-        rewards = ppo_math.kl_penalized_rewards(score, logp, ref, mask, run.ppo.kl_coef)
-        adv, returns = ppo_math.gae(rewards, values, mask, run.ppo.gamma, run.ppo.lam)
-        # Every rank holds the whole batch, so whitening over it is whitening across all DP ranks.
-        adv = ppo_math.masked_whiten(adv, mask)
-        return {"mask": mask, "logp": logp, "ref": ref, "values": values, "advantages": adv,
-                "returns": returns, "score": score}
+    def advantages(self, shard: RolloutBatch) -> None:
+        """KL-penalised rewards, GAE, and advantages whitened over the whole step (all-reduce)."""
+        ppo = self.run.ppo
+        mask = shard.mask
+        rewards = ppo_math.kl_penalized_rewards(shard["reward"].float(), shard["logprobs"], shard["ref_logprobs"],
+                                                mask, ppo.kl_coef)
+        adv, returns = ppo_math.gae(rewards, shard["values"], mask, ppo.gamma, ppo.lam)
+        shard.set_tokens("advantages", ppo_math.masked_whiten(adv, mask, self.pctx.dp_group))
+        shard.set_tokens("returns", returns)
 
-    def write_rollouts(self, step: int, samples: list[Sample], batch: dict) -> None:
-        if self.store is None:
-            return
-        lens = [len(s.response) for s in samples]
-        cut = lambda t: [t[i, :n].numpy() for i, n in enumerate(lens)]  # noqa: E731  ragged, one per sample
-        self.store.append_step(step, {
-            "prompt_tokens": [s.prompt for s in samples], "response_tokens": [s.response for s in samples],
-            "logprobs": cut(batch["logp"]), "ref_logprobs": cut(batch["ref"]), "values": cut(batch["values"]),
-            "advantages": cut(batch["advantages"]), "returns": cut(batch["returns"]),
-            "reward": batch["score"].numpy(), "is_end": np.array([s.is_end for s in samples]),
-            "rank": np.array([s.rank for s in samples]),
-        })
-
-    def critic_train(self, samples: list[Sample], batch: dict, step: int) -> Future | None:
-        """Rank 0 sends the value-model update for the whole batch; the actor trains meanwhile."""
-        if self.rank != 0:
+    def gather_step(self, shard: RolloutBatch) -> RolloutBatch | None:
+        """The whole step on rank 0 (for the store and the critic's update), in index order: one
+        gather from the DP ranks' model-parallel leaders. None on the other ranks."""
+        if self.pctx.tp_rank or self.pctx.pp_rank:
             return None
-        tokens, plen, rlen = pad_sequences(samples, self.tokenizer.pad_id)
-        B, L = tokens.shape
-        full = {k: np.zeros((B, L), dtype=np.float32) for k in ("returns", "values", "mask")}
-        for i, s in enumerate(samples):
-            a, r = int(plen[i]) - 1, len(s.response)
-            full["returns"][i, a:a + r] = batch["returns"][i, :r].numpy()
-            full["values"][i, a:a + r] = batch["values"][i, :r].numpy()
-            full["mask"][i, a:a + r] = 1.0
-        return self.critic.train_async(tokens.numpy(), (plen + rlen).numpy(), full["returns"], full["values"],
-                                       full["mask"], step=step)
+        parts = self.pctx.dp_comm.gather(shard.pack(), root=0)
+        return None if parts is None else RolloutBatch.unpack(parts, self.pad_id).sorted_by("index")
 
-    def train(self, samples: list[Sample], shard_ids: set[int], batch: dict, step: int) -> dict:
+    def critic_train(self, step_batch: RolloutBatch | None, step: int) -> Future | None:
+        """Rank 0 sends the value-model update for the whole step; the actor trains meanwhile."""
+        if step_batch is None:
+            return None
+        b = step_batch
+        return self.critic.train_async(b.tokens.numpy(), b.seq_lengths.numpy(), b.to_positions("returns").numpy(),
+                                       b.to_positions("values").numpy(), b.position_mask().numpy(), step=step)
+
+    def train(self, shard: RolloutBatch, step: int) -> dict:
         """One PPO update of the policy on this DP rank's shard (grads summed over DP)."""
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-        from slurm_align.algorithms.trainer import reduce_gradients
-        from slurm_align.models.forward import run_schedule
-
-        run = self.run
-        rows = [i for i, s in enumerate(samples) if s.index in shard_ids]
-        ended = torch.tensor([s.is_end for s in samples])
+        run, dp = self.run, self.pctx.dp_group
         # The loss is a mean over all ended tokens of the GLOBAL batch: each rank adds its share.
-        token_count = float((batch["mask"] * ended[:, None]).sum())
-        shard = [samples[i] for i in rows]
-        tokens, plen, rlen = pad_sequences(shard, self.tokenizer.pad_id)
-        T = batch["mask"].shape[1]
-        mbs = run.ppo.train_micro_batch_size
-        vocab = run.model.vocab_size
-        micro = []
-        for a in range(0, len(rows), mbs):
-            sel = list(range(a, min(a + mbs, len(rows))))
-            g = [rows[i] for i in sel]
-            micro.append({"tokens": tokens[sel], "plen": plen[sel], "rlen": rlen[sel],
-                          "old": batch["logp"][g], "adv": batch["advantages"][g], "mask": batch["mask"][g],
-                          "is_end": ended[g]})
-        # Pipeline buffers need equal micro-batch shapes: pad the last one with masked rows.
-        last = micro[-1]
-        short = mbs - last["tokens"].shape[0]
-        if short:
-            micro[-1] = {k: torch.cat([v, v[-1:].expand(short, *v.shape[1:]) if k not in ("mask", "is_end")
-                                       else torch.zeros(short, *v.shape[1:], dtype=v.dtype)]) for k, v in last.items()}
-        stats = []
+        token_count = all_reduce_sums({"n": (shard.mask * shard["is_end"][:, None]).sum()}, dp)["n"]
+        micro = shard.micro_batches(run.ppo.train_micro_batch_size, samples=["is_end"],
+                                    per_token=["logprobs", "advantages"])
+        T, vocab = shard.max_response, run.model.vocab_size
+        sums = {"loss": 0.0, "ratio": 0.0, "clamped": 0.0, "tokens": 0.0}
 
         def loss_fn(output, mb):
-            logp = response_logprobs(token_logprobs(output, mb["tokens"], vocab), mb["plen"], mb["rlen"], T)
+            dev = output.device
+            mask, is_end = mb["mask"].to(dev), mb["is_end"].to(dev)
+            logp = gather_response(token_logprobs(output, mb["tokens"], vocab), mb["prompt_lengths"],
+                                   mb["response_lengths"], T)
             entropy = None
             if run.ppo.entropy_coef > 0:
                 logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
-                pos, _ = response_positions(mb["plen"], mb["rlen"], T)
+                pos = response_positions(mb["prompt_lengths"], mb["response_lengths"], T)[0].to(dev)
                 lp_all = torch.log_softmax(logits.float(), -1).gather(
                     1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
                 entropy = -(lp_all.exp() * lp_all).sum(-1)
-            loss, st = ppo_math.ppo_policy_loss(logp, mb["old"], mb["adv"], mb["mask"], mb["is_end"],
-                                                run.ppo.ratio_clip, entropy, run.ppo.entropy_coef, token_count)
-            stats.append((st, float((mb["mask"] * mb["is_end"][:, None]).sum())))
+            loss, st = ppo_math.ppo_policy_loss(logp, mb["logprobs"].to(dev), mb["advantages"].to(dev), mask,
+                                                is_end, run.ppo.ratio_clip, entropy, run.ppo.entropy_coef,
+                                                token_count)
+            n = float((mask * is_end[:, None]).sum())
+            for k, v in (("loss", st.loss), ("ratio", st.ppo_ratio * n), ("clamped", st.ppo_ratio_clamped * n),
+                         ("tokens", n)):
+                sums[k] += v
             return loss, {"loss": loss.detach()}
 
         with self.tracer.span(P.TRAIN, step):
@@ -348,66 +212,60 @@ class PPOActor:
                 c.train()
             self.optimizer.zero_grad(set_to_none=True)
             run_schedule(self.policy, micro, loss_fn, forward_only=False)
-            grad_norm = reduce_gradients([p for c in self.policy for p in c.parameters()], self.pctx,
-                                         run.ppo.grad_clip)
-            self.optimizer.step()
-        # Sums over this rank's micro-batches; only last-stage ranks of TP rank 0 computed a loss
-        # (one per DP rank): add their shares, weight the ratio statistics by ended tokens.
-        mine = None
-        if stats and self.pctx.tp_rank == 0:
-            mine = [(st.loss, st.ppo_ratio * n, st.ppo_ratio_clamped * n, n) for st, n in stats]
-        parts = [x for part in self.env.comm.allgather(mine) if part for x in part]
-        loss, ratio, clamped, tokens = (sum(col) for col in zip(*parts)) if parts else (0.0, 0.0, 0.0, 0.0)
-        tokens = max(tokens, 1.0)
-        return {"loss": loss, "ppo_ratio": ratio / tokens, "ppo_ratio_clamped": clamped / tokens,
-                "grad_norm": grad_norm, "lr": run.ppo.actor_lr}
+            grad_norm = optimizer_step(self.optimizer, self.pctx, run.ppo.grad_clip)
+        # Only the last stage computed a loss: sum over DP, then hand it to the other stages.
+        total = all_reduce_sums(all_reduce_sums(sums, dp), self.pctx.pp_group)
+        tokens = max(total["tokens"], 1.0)
+        return {"loss": total["loss"], "ppo_ratio": total["ratio"] / tokens,
+                "ppo_ratio_clamped": total["clamped"] / tokens, "grad_norm": grad_norm, "lr": run.ppo.actor_lr}
+
+    def rollout_metrics(self, shard: RolloutBatch) -> dict:
+        """Means over the whole step (sums all-reduced over DP)."""
+        mask = shard.mask
+        s = all_reduce_sums({"reward": shard["reward"].double().sum(), "samples": shard.size,
+                             "kl": ((shard["logprobs"] - shard["ref_logprobs"]) * mask).sum(),
+                             "tokens": mask.sum(), "ended": shard["is_end"].sum()}, self.pctx.dp_group)
+        return {"rewards": s["reward"] / s["samples"], "kl": s["kl"] / s["tokens"],
+                "response_lengths": s["tokens"] / s["samples"],
+                "fraction_of_samples_properly_ended": s["ended"] / s["samples"]}
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self, step: int) -> dict:
-        from slurm_align.generation.memory import generation_phase
-        run = self.run
+        run, pctx = self.run, self.pctx
         with generation_phase(self.engine, self.offload, free_engine_after=False):
             local, pending = self.generate(step)
         with self.tracer.span(P.REBALANCE, step):
-            samples = self.gather(local)
-            shard = self.training_shard(samples)
+            route = local.route(self.env.comm, pctx.dp_rank, pctx.dp_size, expected=run.ppo.num_rollout_samples)
+            shard = local.moved(route)
         self.logprobs(shard, step)   # the critic works on the futures meanwhile
-        mine = self.critic_results(local, pending, step)
+        results = self.critic_results(pending, step)
         with self.tracer.span(P.REBALANCE, step):
-            critic = {k: v for part in self.env.comm.allgather(mine) for k, v in part.items()}
-            # Only one rank of each model-parallel group contributes log-probs (they agree).
-            lp_mine = {s.index: (s.logprobs, s.ref_logprobs) for s in shard} \
-                if self.pctx.tp_rank == 0 and self.pctx.pp_rank == 0 else {}
-            lp = {k: v for part in self.env.comm.allgather(lp_mine) for k, v in part.items()}
-            batch = self.finish_batch(samples, critic, lp)
+            shard.merge(results.moved(route, samples=["index", "reward"], per_token=["values"], with_tokens=False))
+            self.advantages(shard)
+            step_batch = self.gather_step(shard)
         with self.tracer.span(P.STORE, step):
-            self.write_rollouts(step, samples, batch)
-        critic_future = self.critic_train(samples, batch, step)
-        optim = {}
-        if step >= run.ppo.critic_warmup_steps:
-            optim = self.train(samples, {s.index for s in shard}, batch, step)
+            if self.store is not None:
+                self.store.append_step(step, step_batch.store_columns(TOKEN_FIELDS, STORED_SAMPLE_FIELDS))
+        critic_future = self.critic_train(step_batch, step)
+        optim = self.train(shard, step) if step >= run.ppo.critic_warmup_steps else {}
         if critic_future is not None:
             with self.tracer.span(P.CRITIC_WAIT, step):
                 optim["critic_loss"] = critic_future.result()
-        mask = batch["mask"]
-        rollouts = {
-            "rewards": float(batch["score"].mean()),
-            "kl": float(((batch["logp"] - batch["ref"]) * mask).sum() / mask.sum()),
-            "response_lengths": float(mask.sum(1).mean()),
-            "fraction_of_samples_properly_ended": float(np.mean([s.is_end for s in samples])),
-        }
         # Named as NeMo-Aligner users know them: train_rollouts/, train_optim/, timers/.
-        return {"step": step, **{f"train_rollouts/{k}": v for k, v in rollouts.items()},
+        return {"step": step, **{f"train_rollouts/{k}": v for k, v in self.rollout_metrics(shard).items()},
                 **{f"train_optim/{k}": v for k, v in optim.items()},
                 **{f"timers/{k}": v for k, v in self.tracer.durations(step).items()}}
 
+    def save_checkpoint(self, step: int) -> None:
+        save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer, {"algorithm": "ppo"})
+        if self.rank == 0:
+            self.critic.save(str(self.rd.checkpoints("critic") / f"iter_{step:07d}.pt"))
+
     def run_loop(self) -> None:
-        from rich.progress import Progress
         run = self.run
-        steps = range(self.start_step, run.ppo.num_steps)
         with Progress(disable=self.rank != 0, transient=False) as progress:
             task = progress.add_task("PPO", total=run.ppo.num_steps, completed=self.start_step)
-            for step in steps:
+            for step in range(self.start_step, run.ppo.num_steps):
                 t0 = time.perf_counter()
                 metrics = self.step(step)
                 metrics["timers/step"] = time.perf_counter() - t0
@@ -436,10 +294,68 @@ class PPOActor:
         self.pctx.destroy()
 
 
+# -- construction ----------------------------------------------------------------------------
+def _resume(rd: RunDir, policy: list, optimizer: torch.optim.Optimizer) -> int:
+    """Continue after the newest complete checkpoint of this run (policy, optimizer, RNG)."""
+    latest = find_latest(rd.checkpoints("actor"))
+    if latest is None:
+        return 0
+    common = load_checkpoint(latest, policy, optimizer)
+    torch.set_rng_state(common["rng"])
+    return int(common["step"]) + 1
+
+
+def _open_store(rd: RunDir, start_step: int) -> RolloutStore:
+    store = RolloutStore.open(rd.rollouts) if rd.rollouts.exists() else RolloutStore.create(rd.rollouts)
+    store.truncate_to(start_step)
+    return store
+
+
+def _drop_metrics_from(path: Path, start_step: int) -> None:
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < start_step]
+        write_atomic(path, "".join(f"{line}\n" for line in kept))
+
+
+def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext) -> PPOActor:
+    """Everything an actor rank needs, built once (collective): tokenised prompts, policy and
+    optimizer (from the SFT checkpoint, or resumed from this run's newest checkpoint), the frozen
+    reference in host memory, the engine on this rank's device, the critic client, the stores."""
+    torch.manual_seed(run.seed)
+    tokenizer = build_tokenizer(run.model)
+    # Prompts are BOS + text, as the SFT trainer formats its inputs.
+    prompts = [np.asarray([tokenizer.bos_id, *tokenizer.encode(row["prompt"])], dtype=np.int64)
+               for row in read_jsonl(run.data.train_path, PROMPT_KEYS, "prompts")]
+    policy = build_gpt(run.model, pctx, seed=run.seed)
+    optimizer = torch.optim.AdamW([p for c in policy for p in c.parameters()], lr=run.ppo.actor_lr, weight_decay=0.0)
+    if run.model.init_checkpoint is not None:
+        # an iter_* folder, or a trainer's checkpoints folder (then its newest complete one)
+        load_weights(find_latest(run.model.init_checkpoint) or run.model.init_checkpoint, policy)
+    # The reference policy is the initial policy; it lives in host memory and is swapped in.
+    reference = HostSwap(policy)
+    start_step = _resume(rd, policy, optimizer)
+    offload = TrainingStateOffload(optimizer, policy) if run.switches.offload_optimizer else None
+    engine = actor_engine(run, env, pctx)
+    pctx.dp_comm  # noqa: B018  (collective the first time: every rank makes it now)
+    critic = CriticClient.from_run_config(run)
+    critic.connect()   # waits (with backoff) while the critic starts; not part of the first step
+    tracer = Tracer(rd.root, "actor", env.rank, resume_from_step=start_step)
+    store = None
+    if env.rank == 0:
+        # A resumed run redoes the steps after its checkpoint: drop their rollouts and metrics.
+        store = _open_store(rd, start_step)
+        _drop_metrics_from(rd.root / "metrics.jsonl", start_step)
+    return PPOActor(run, rd, env, pctx, tokenizer=tokenizer, prompts=prompts, policy=policy, optimizer=optimizer,
+                    reference=reference, offload=offload, engine=engine, critic=critic, tracer=tracer, store=store,
+                    start_step=start_step)
+
+
 def main(run_dir: str | Path) -> int:
-    run_dir = Path(run_dir)
-    run = load_run_config(RunDir(run_dir).config)
-    actor = PPOActor(run, run_dir)
+    rd = RunDir(Path(run_dir))
+    run = load_run_config(rd.config)
+    env = init_distributed()
+    pctx = initialize_model_parallel(env, run.actor.tensor_parallel, run.actor.pipeline_parallel)
+    actor = build_actor(run, rd, env, pctx)
     try:
         actor.run_loop()
     except BaseException:

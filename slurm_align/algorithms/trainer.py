@@ -72,6 +72,16 @@ def reduce_gradients(params: list, pctx: Any, clip: float | None) -> float:
     return norm
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, pctx: Any, clip: float | None) -> float:
+    """The one optimizer step of every trained model (SFT/RM/DPO trainers, the PPO actor, the
+    critic): gradients summed over DP, clipped to the global norm over TP x PP, then the update.
+    Returns the norm before clipping."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    norm = reduce_gradients(params, pctx, clip)
+    optimizer.step()
+    return norm
+
+
 class Trainer:
     def __init__(self, run: RunConfig, pctx: Any, run_dir: Path, algo, *, console: Console | None = None):
         self.run, self.pctx, self.algo = run, pctx, algo
@@ -123,9 +133,6 @@ class Trainer:
             dist.all_reduce(vec, group=self.pctx.pp_group)
         return dict(zip(keys, vec.cpu()))
 
-    def _reduce_grads(self) -> float:
-        return reduce_gradients(self.params, self.pctx, self.run.trainer.grad_clip)
-
     def train_step(self, step: int) -> dict:
         for c in self.chunks:
             c.train()
@@ -137,8 +144,7 @@ class Trainer:
         self.algo.prepare(self, mbs)
         self.optimizer.zero_grad(set_to_none=False)
         infos = run_schedule(self.chunks, mbs, self.algo.loss, forward_only=False)
-        grad_norm = self._reduce_grads()
-        self.optimizer.step()
+        grad_norm = optimizer_step(self.optimizer, self.pctx, self.run.trainer.grad_clip)
         metrics = self.algo.metrics(self._reduce_sums(infos))
         metrics["grad_norm"] = grad_norm
         return metrics

@@ -1,10 +1,18 @@
-"""Global rollout rebalance: after dynamic generation, every DP rank gets the same sample count.
+"""Global rollout rebalance: after dynamic generation, every training DP rank gets its share.
 
-PPO trains on a fixed rollout count that DP must divide, so a total that does not divide is an
-error (nothing is padded or dropped). With per-sample token counts the assignment is greedy
-longest-processing-time under the equal-count constraint, so token loads come out even too.
-The plan is a pure function of the allgathered counts/lengths, computed identically everywhere;
-the samples move with one alltoall of pickles over the DP communicator.
+Two plans, one greedy core (longest-processing-time first, under an equal-count constraint, so
+token loads come out even too):
+
+- `plan_groups`: the actor's plan. Every rank knows every sample's (index, group, tokens) (a
+  small allgather); groups are the unit (a GRPO group stays on one DP rank), and the plan is a
+  pure function of those numbers, not of which rank generated what, so a run is reproducible
+  whatever the dynamic prompt server did.
+- `plan_rebalance`: per source rank, keeping samples where they are when that is as good (fewest
+  moves); used by `rebalance`, the generic alltoall of picklable samples.
+
+`Route` carries a plan out: one alltoall over the component's communicator, in which each sample
+goes to every rank of its destination DP rank's model-parallel group (they all need the same
+batch) and nowhere else. The same route can move further columns later (the critic's results).
 """
 
 from __future__ import annotations
@@ -18,16 +26,54 @@ class RebalanceError(ValueError):
     """The rollouts cannot be split evenly over the DP ranks."""
 
 
-def plan_rebalance(counts: Sequence[int], lengths: Sequence[Sequence[int]] | None = None) -> list[np.ndarray]:
-    """Destination DP rank of every sample, per source rank: plan[src][i] = dest of sample i."""
-    size, total = len(counts), int(sum(counts))
+def _lpt(weights: Sequence[int], sizes: Sequence[int], num_ranks: int, capacity: int | None,
+         home: Sequence[int] | None = None) -> np.ndarray:
+    """Destination of each unit: heaviest first to the least-loaded rank with room (`capacity`
+    samples per rank, None: unbounded); ties go to the unit's `home` if it is among the best,
+    else to the lowest rank. Units are visited by (-weight, position): deterministic."""
+    dest = np.full(len(weights), -1, dtype=np.int64)
+    load, filled = np.zeros(num_ranks, dtype=np.int64), np.zeros(num_ranks, dtype=np.int64)
+    for u in sorted(range(len(weights)), key=lambda u: (-int(weights[u]), u)):
+        room = np.arange(num_ranks) if capacity is None else np.flatnonzero(filled + sizes[u] <= capacity)
+        if not len(room):
+            raise RebalanceError(
+                f"a group of {sizes[u]} samples fits on no DP rank (each takes {capacity} samples, filled "
+                f"{filled.tolist()}): the groups cannot be split evenly over {num_ranks} DP ranks; choose a "
+                f"prompt count divisible by the data-parallel size {num_ranks}")
+        best = room[load[room] == load[room].min()]
+        d = int(home[u]) if home is not None and home[u] in best else int(best[0])
+        dest[u] = d
+        load[d] += int(weights[u])
+        filled[d] += sizes[u]
+    return dest
+
+
+def _check_divisible(total: int, size: int, detail: str) -> int:
     if total % size:
         raise RebalanceError(
-            f"{total} rollout samples cannot be split evenly over {size} DP ranks "
-            f"(per-rank counts {list(counts)}); choose a rollout count (ppo rollout batch size) "
-            f"divisible by the data-parallel size {size}"
-        )
-    target = total // size
+            f"{total} rollout samples cannot be split evenly over {size} DP ranks ({detail}); choose a "
+            f"rollout count (ppo rollout batch size) divisible by the data-parallel size {size}")
+    return total // size
+
+
+def plan_groups(lengths: Sequence[int], groups: Sequence[int], num_ranks: int, *,
+                equal_counts: bool = True) -> dict[int, int]:
+    """Destination DP rank of every group: {group id: rank}. `lengths` and `groups` are per
+    sample (token count, group id), in any order. With `equal_counts` every rank gets the same
+    number of samples (an error when the groups do not allow it); tokens are balanced greedily."""
+    lengths, groups = np.asarray(lengths, dtype=np.int64), np.asarray(groups, dtype=np.int64)
+    ids, inverse = np.unique(groups, return_inverse=True)
+    weight = np.bincount(inverse, weights=lengths, minlength=len(ids)).astype(np.int64)
+    size = np.bincount(inverse, minlength=len(ids))
+    capacity = _check_divisible(len(groups), num_ranks, f"{len(ids)} groups") if equal_counts else None
+    dest = _lpt(weight, size, num_ranks, capacity)
+    return dict(zip(ids.tolist(), dest.tolist()))
+
+
+def plan_rebalance(counts: Sequence[int], lengths: Sequence[Sequence[int]] | None = None) -> list[np.ndarray]:
+    """Destination DP rank of every sample, per source rank: plan[src][i] = dest of sample i."""
+    size = len(counts)
+    target = _check_divisible(int(sum(counts)), size, f"per-rank counts {list(counts)}")
     plan = [np.full(c, -1, dtype=np.int64) for c in counts]
     if lengths is None:
         # Fewest moves: each rank keeps up to `target` of its own; the surplus fills the deficits.
@@ -40,16 +86,54 @@ def plan_rebalance(counts: Sequence[int], lengths: Sequence[Sequence[int]] | Non
         return plan
     if [len(x) for x in lengths] != list(counts):
         raise RebalanceError(f"token lengths per rank {[len(x) for x in lengths]} do not match sample counts {list(counts)}")
-    items = sorted(((int(n), s, i) for s, ls in enumerate(lengths) for i, n in enumerate(ls)), key=lambda t: (-t[0], t[1], t[2]))
-    load, filled = np.zeros(size, dtype=np.int64), np.zeros(size, dtype=np.int64)
-    for n, s, i in items:
-        open_ranks = np.flatnonzero(filled < target)
-        best = open_ranks[load[open_ranks] == load[open_ranks].min()]
-        d = s if s in best else int(best[0])  # on ties keep the sample where it is
+    units = [(s, i) for s, ls in enumerate(lengths) for i in range(len(ls))]
+    dest = _lpt([lengths[s][i] for s, i in units], [1] * len(units), size, target, home=[s for s, _ in units])
+    for (s, i), d in zip(units, dest):
         plan[s][i] = d
-        load[d] += n
-        filled[d] += 1
     return plan
+
+
+class Route:
+    """A plan for this rank's local samples, and the alltoall that carries it out.
+
+    `dest[i]` is the destination DP rank of local sample i; `members[d]` the ranks of `comm` that
+    make up DP rank d (its whole TP x PP group: each of them receives the same part)."""
+
+    def __init__(self, comm: Any, dest: np.ndarray, members: list[list[int]]):
+        self.comm, self.dest, self.members = comm, dest, members
+        self.dp_of = {r: d for d, ranks in enumerate(members) for r in ranks}
+
+    @classmethod
+    def plan(cls, comm: Any, dp_rank: int, dp_size: int, *, index: np.ndarray, groups: np.ndarray,
+             lengths: np.ndarray, equal_counts: bool = True, expected: int | None = None) -> "Route":
+        """Collective over `comm`. Every rank passes its local samples' index (unique in the step),
+        group id and token count (empty on ranks that hold none); only these travel to plan.
+        `expected`: the step's sample count, checked (a lost or duplicated sample is an error)."""
+        every = comm.allgather((int(dp_rank), np.asarray(index, np.int64), np.asarray(groups, np.int64),
+                                np.asarray(lengths, np.int64)))
+        all_index = np.concatenate([e[1] for e in every])
+        if expected is not None and len(all_index) != expected:
+            raise RebalanceError(f"the ranks hold {len(all_index)} rollout samples, expected {expected}: "
+                                 f"a sample was lost or duplicated")
+        if len(np.unique(all_index)) != len(all_index):
+            raise RebalanceError(f"rollout indices are not unique over the ranks ({len(all_index)} samples, "
+                                 f"{len(np.unique(all_index))} distinct): a sample was generated twice")
+        to = plan_groups(np.concatenate([e[3] for e in every]), np.concatenate([e[2] for e in every]),
+                         dp_size, equal_counts=equal_counts)
+        members = [[r for r, e in enumerate(every) if e[0] == d] for d in range(dp_size)]
+        dest = np.array([to[int(g)] for g in np.asarray(groups).tolist()], dtype=np.int64)
+        return cls(comm, dest, members)
+
+    def rows_for(self, d: int) -> np.ndarray:
+        """Positions of the local samples bound for DP rank d."""
+        return np.flatnonzero(self.dest == d)
+
+    def exchange(self, parts: Sequence[Any]) -> list[Any]:
+        """parts[d] goes to every member of DP rank d (collective); returns what every rank of
+        `comm` sent here, in rank order."""
+        if len(parts) != len(self.members):
+            raise RebalanceError(f"got {len(parts)} parts for {len(self.members)} DP ranks")
+        return self.comm.alltoall([parts[self.dp_of[r]] for r in range(self.comm.Get_size())])
 
 
 def _is_columnar(samples: Any) -> bool:
@@ -79,14 +163,10 @@ def rebalance(samples: Any, comm: Any, *, lengths: Sequence[int] | None = None) 
         raise RebalanceError(f"got {len(lengths)} token lengths for {n} samples on DP rank {comm.Get_rank()}")
     counts = comm.allgather(n)
     all_lengths = comm.allgather(list(map(int, lengths))) if lengths is not None else None
-    dest = plan_rebalance(counts, all_lengths)[comm.Get_rank()]
     size = comm.Get_size()
+    route = Route(comm, plan_rebalance(counts, all_lengths)[comm.Get_rank()], [[r] for r in range(size)])
     if columnar:
-        outgoing = [{k: v[dest == d] for k, v in samples.items()} for d in range(size)]
-        incoming = comm.alltoall(outgoing)
-        keys = list(samples.keys())
-        return {k: np.concatenate([part[k] for part in incoming]) for k in keys}
-    outgoing = [[] for _ in range(size)]
-    for sample, d in zip(samples, dest):
-        outgoing[d].append(sample)
-    return [x for part in comm.alltoall(outgoing) for x in part]
+        incoming = route.exchange([{k: v[route.rows_for(d)] for k, v in samples.items()} for d in range(size)])
+        return {k: np.concatenate([part[k] for part in incoming]) for k in samples}
+    return [x for part in route.exchange([[samples[i] for i in route.rows_for(d)] for d in range(size)])
+            for x in part]

@@ -17,6 +17,7 @@ from pathlib import Path
 import jinja2
 import torch
 
+from slurm_align.algorithms.rollout_batch import position_mask
 from slurm_align.config.errors import ConfigError
 from slurm_align.data.jsonl import Row, read_rows
 
@@ -152,10 +153,9 @@ def pad(seqs: list[list[int]], pad_id: int, length: int | None = None) -> tuple[
 
 def response_mask(seqs: list[Sequence], length: int) -> torch.Tensor:
     """[n, length-1] float: 1 where position t predicts a response token t+1."""
-    mask = torch.zeros(len(seqs), length - 1)
-    for i, s in enumerate(seqs):
-        mask[i, s.prompt_len - 1 : len(s.ids) - 1] = 1.0
-    return mask
+    plen = torch.tensor([s.prompt_len for s in seqs], dtype=torch.int64)
+    rlen = torch.tensor([len(s.ids) for s in seqs], dtype=torch.int64) - plen
+    return position_mask(plen, rlen, length - 1)
 
 
 class DataOrder:

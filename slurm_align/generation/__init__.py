@@ -7,10 +7,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from slurm_align.generation.base import Engine
+from slurm_align.generation.naive_engine import NaiveEngine
 from slurm_align.generation.params import GenerationError, GenerationOutput, GptShape, SamplingParams
+from slurm_align.generation.torch_engine import KVCacheEngine
 
 __all__ = ["Engine", "GenerationError", "GenerationOutput", "GptShape", "SamplingParams", "make_engine",
            "engine_from_config"]
@@ -18,23 +22,26 @@ __all__ = ["Engine", "GenerationError", "GenerationOutput", "GptShape", "Samplin
 ENGINES = ("torch", "naive", "trtllm")
 
 
-def make_engine(kind: str, shape: GptShape, device: torch.device | str = "cpu", **kwargs) -> Engine:
-    """An engine by GenerationConfig.engine name; extra kwargs go to the TensorRT-LLM engine."""
+def make_engine(kind: str, shape: GptShape, device: torch.device | str = "cpu", layout: Any = None,
+                **trtllm_options: Any) -> Engine:
+    """An engine by GenerationConfig.engine name on `device`. `layout` (a GenerationLayout) is
+    where this rank generates: the torch engines compute at TP 1 (refit hands them the whole
+    model); TensorRT-LLM builds this replica's TP shard from it (without one: TP 1)."""
     if kind == "torch":
-        from slurm_align.generation.torch_engine import KVCacheEngine
         return KVCacheEngine(shape, device)
     if kind == "naive":
-        from slurm_align.generation.naive_engine import NaiveEngine
         return NaiveEngine(shape, device)
     if kind == "trtllm":
+        # Deferred: the one engine module tied to an optional, GPU-only extra.
         from slurm_align.generation.trtllm_engine import TrtllmEngine
-        return TrtllmEngine(shape, **kwargs)
+        if layout is None:
+            return TrtllmEngine(shape, **trtllm_options)
+        return TrtllmEngine.for_layout(shape, layout, device=device, **trtllm_options)
     raise GenerationError(f"generation engine {kind!r}: allowed {ENGINES}")
 
 
-def engine_from_config(run_cfg, device: torch.device | str = "cpu", **kwargs) -> Engine:
+def engine_from_config(run_cfg, device: torch.device | str = "cpu", layout: Any = None) -> Engine:
     """The policy's generation engine for a RunConfig: generation.engine, except that the
     switch `switches.kv_cache_engine: false` selects the naive baseline (the ablation)."""
     kind = run_cfg.generation.engine if run_cfg.switches.kv_cache_engine else "naive"
-    return make_engine(kind, GptShape.from_model_config(run_cfg.model), device, **kwargs)
-
+    return make_engine(kind, GptShape.from_model_config(run_cfg.model), device, layout)

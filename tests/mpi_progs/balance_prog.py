@@ -15,10 +15,12 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 from slurm_align.balance.prompts import PromptServer
-from slurm_align.balance.rebalance import RebalanceError, rebalance
+from slurm_align.algorithms.rollout_batch import RolloutBatch
+from slurm_align.balance.rebalance import RebalanceError, plan_groups, rebalance
 from slurm_align.balance.static import StaticPrompts
 
 comm = MPI.COMM_WORLD
@@ -51,6 +53,55 @@ def run_dynamic(name: str, n: int, batch: int, *, slow_rank: int | None = None, 
         assert len(server.wait_times) == len(waits) >= 1 and all(w >= 0 for w in waits)
     dataset = np.arange(n) if order is None else np.asarray(order)
     return check_exact(name, mine, dataset, {"requests": comm.gather(len(waits), root=0)})
+
+
+def run_route(dp_size: int, group_size: int) -> None:
+    """Uneven local rollouts (rank 1 generates nothing) -> each DP rank's planned share, on every
+    rank of that DP rank (ranks r with r % dp_size == d: a stand-in for its TP x PP group)."""
+    dp_rank = rank % dp_size
+    n_groups = 6 * dp_size
+    # Groups go round-robin to the ranks that generate (all but rank 1, unless alone).
+    makers = [r for r in range(size) if r != 1] or [0]
+    mine = [g for g in range(n_groups) if makers[g % len(makers)] == rank]
+    index = [g * group_size + k for g in mine for k in range(group_size)]
+    rng = np.random.default_rng(index[0] if index else 0)
+    prompts = [np.full(1 + i % 3, i) for i in index]
+    responses = [np.full(int(rng.integers(0, 9)), i) for i in index]
+    local = RolloutBatch.from_sequences(prompts, responses, -1, index=np.array(index, dtype=np.int64),
+                                        group=np.array(index, dtype=np.int64) // group_size,
+                                        rank=np.full(len(index), rank))
+    if local.size:
+        local.set_tokens("values", local.mask * local["index"][:, None].float())
+    route = local.route(comm, dp_rank, dp_size, expected=n_groups * group_size)
+    shard = local.moved(route, per_token=[])
+
+    # The plan every rank computes alike, from every sample's (length, group).
+    meta = comm.allgather((local.seq_lengths.tolist(), local["group"].tolist() if local.size else []))
+    lengths = [x for m in meta for x in m[0]]
+    groups = [x for m in meta for x in m[1]]
+    plan = plan_groups(lengths, groups, dp_size)
+    want = sorted(g * group_size + k for g, d in plan.items() if d == dp_rank for k in range(group_size))
+    assert shard["index"].tolist() == want, (rank, shard["index"].tolist(), want)   # its planned share
+    for i in range(shard.size):   # payload intact: every token of sample i is i
+        seq = shard.tokens[i, : int(shard.seq_lengths[i])]
+        assert (seq == shard["index"][i]).all()
+    # Equal counts, token loads within one group's weight, and nothing lost or doubled.
+    loads = comm.allgather((dp_rank, shard.size, int(shard.seq_lengths.sum()), shard["index"].tolist()))
+    firsts = {d: (n, load, idx) for d, n, load, idx in reversed(loads)}  # one member per DP rank
+    assert all(firsts[d] == (n, load, idx) for d, n, load, idx in loads), "members of a DP rank differ"
+    counts = [firsts[d][0] for d in range(dp_size)]
+    assert len(set(counts)) == 1, counts
+    heaviest = max(np.bincount(groups, weights=lengths)) if groups else 0
+    tok = [firsts[d][1] for d in range(dp_size)]
+    assert max(tok) - min(tok) <= heaviest, (tok, heaviest)
+    every = sorted(i for d in range(dp_size) for i in firsts[d][2])
+    assert every == list(range(n_groups * group_size)), "samples lost or duplicated"
+    # A second move along the same route: only columns travel, merged by index.
+    shard.merge(local.moved(route, samples=["index", "rank"], per_token=["values"], with_tokens=False))
+    assert torch.equal(shard["values"], shard.mask * shard["index"][:, None].float())
+    if rank == 0:
+        print(json.dumps({"scenario": f"route_dp{dp_size}_g{group_size}", "counts": counts, "tokens": tok}),
+              flush=True)
 
 
 def main() -> None:
@@ -141,6 +192,11 @@ def main() -> None:
         flat = sorted(p for part in pairs for p in part)
         assert flat == sorted((r, i) for r in range(size) for i in range(n_local[r]))
         print(json.dumps({"scenario": "rebalance_tokens", "counts": counts, "loads": loads}), flush=True)
+
+    # The actor's path: RolloutBatch moved along a Route to training DP ranks of dp_size ranks each.
+    for dp_size in sorted({1, size, 2 if size % 2 == 0 else size}):
+        run_route(dp_size, group_size=2)
+        run_route(dp_size, group_size=1)
 
     # Not divisible: a clear error on every rank, nothing moved.
     if size > 1:

@@ -1,0 +1,317 @@
+"""One step's rollouts as columns: the actor's single data path from generation to training.
+
+A RolloutBatch of B samples holds
+    tokens            [B, L] int64: prompt then response, right-padded with pad_id
+    prompt_lengths    [B] int64 (BOS included), response_lengths [B] int64
+    samples           per-sample columns [B]: index (unique within the step), group (the prompt's
+                      group: GRPO's samples of one prompt), is_end, rank (generating rank), reward...
+    per_token         per-response-token columns [B, T] float32, T = longest response, 0 on padding:
+                      logprobs, ref_logprobs, values, advantages, returns...
+
+It owns the padding (one place), the mapping between sequence positions and response tokens,
+equal-shape micro-batches, and moving samples over the DP ranks (through a balance.Route).
+
+The mapping: response token t of sample i is sequence position p_i + t (p_i its prompt length);
+the model output that predicts it (its next-token log-prob, and the critic's value of the state
+before it, as in NeMo-Aligner) sits at sequence position p_i + t - 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from slurm_align.balance.rebalance import Route
+
+
+# -- the sequence <-> response mapping ---------------------------------------------------------
+def response_positions(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, T: int
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence position whose output predicts response token t ([B, T] int64), and the mask of
+    real response tokens ([B, T] float)."""
+    t = torch.arange(T).unsqueeze(0)
+    mask = (t < response_lengths.unsqueeze(1)).float()
+    pos = (prompt_lengths.unsqueeze(1) - 1 + t).clamp(min=0)
+    return pos, mask
+
+
+def gather_response(per_position: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
+                    T: int) -> torch.Tensor:
+    """[B, W] values over sequence positions (next-token log-probs [B, L-1], critic values
+    [B, L]) -> [B, T] over response tokens, 0 past each response's end."""
+    pos, mask = response_positions(prompt_lengths, response_lengths, T)
+    pos, mask = pos.to(per_position.device), mask.to(per_position.device)
+    return per_position.gather(1, pos.clamp(max=per_position.shape[1] - 1)) * mask
+
+
+def position_mask(prompt_lengths: torch.Tensor, response_lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, width] float: 1 at the sequence positions that predict a response token."""
+    col = torch.arange(width).unsqueeze(0)
+    start = prompt_lengths.unsqueeze(1) - 1
+    return ((col >= start) & (col < start + response_lengths.unsqueeze(1))).float()
+
+
+def scatter_positions(per_token: torch.Tensor, prompt_lengths: torch.Tensor, response_lengths: torch.Tensor,
+                      width: int) -> torch.Tensor:
+    """Inverse of gather_response: [B, T] over response tokens -> [B, width], 0 elsewhere."""
+    pos, mask = response_positions(prompt_lengths, response_lengths, per_token.shape[1])
+    out = torch.zeros(per_token.shape[0], width + per_token.shape[1], dtype=per_token.dtype)
+    # Padding columns (mask 0) write zeros past `width`, into a margin that is cut off.
+    pos = torch.where(mask.bool(), pos, width + torch.arange(per_token.shape[1]).unsqueeze(0))
+    out.scatter_(1, pos, per_token * mask.to(per_token.dtype))
+    return out[:, :width]
+
+
+def all_reduce_sums(values: dict[str, float | torch.Tensor], group: Any) -> dict[str, float]:
+    """Sum named scalars over the ranks of `group` (one float64 all-reduce; None: this rank only)."""
+    keys = list(values)
+    vec = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(vec, group=group)
+    return dict(zip(keys, vec.tolist()))
+
+
+# -- the batch ---------------------------------------------------------------------------------
+@dataclass
+class RolloutBatch:
+    tokens: torch.Tensor
+    prompt_lengths: torch.Tensor
+    response_lengths: torch.Tensor
+    pad_id: int
+    samples: dict[str, torch.Tensor] = field(default_factory=dict)
+    per_token: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    # construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_sequences(cls, prompts: Sequence[Any], responses: Sequence[Any], pad_id: int,
+                       **samples: Any) -> "RolloutBatch":
+        """Right-pad ragged 1-D prompts and responses (arrays or tensors); `samples` are
+        per-sample columns (one value per sample)."""
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts for {len(responses)} responses")
+        prompts = [np.asarray(p, np.int64).reshape(-1) for p in prompts]
+        responses = [np.asarray(r, np.int64).reshape(-1) for r in responses]
+        seqs = [np.concatenate([p, r]) for p, r in zip(prompts, responses)]
+        plen = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        rlen = torch.tensor([len(r) for r in responses], dtype=torch.int64)
+        tokens = torch.full((len(seqs), max((len(s) for s in seqs), default=0)), pad_id, dtype=torch.int64)
+        for i, s in enumerate(seqs):
+            tokens[i, : len(s)] = torch.from_numpy(s)
+        batch = cls(tokens, plen, rlen, pad_id)
+        for name, values in samples.items():
+            batch.samples[name] = torch.as_tensor(np.asarray(values))
+        batch._check()
+        return batch
+
+    @classmethod
+    def empty(cls, pad_id: int) -> "RolloutBatch":
+        """No samples (a rank that generated none)."""
+        z = torch.zeros(0, dtype=torch.int64)
+        return cls(torch.zeros(0, 0, dtype=torch.int64), z, z.clone(), pad_id)
+
+    def _check(self) -> None:
+        B = self.size
+        for name, col in self.samples.items():
+            if col.shape[:1] != (B,):
+                raise ValueError(f"sample column {name!r} has shape {tuple(col.shape)}, expected ({B},)")
+        for name, col in self.per_token.items():
+            if tuple(col.shape) != (B, self.max_response):
+                raise ValueError(f"token column {name!r} has shape {tuple(col.shape)}, expected "
+                                 f"({B}, {self.max_response}) (samples x longest response)")
+
+    # shape ----------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def seq_lengths(self) -> torch.Tensor:
+        return self.prompt_lengths + self.response_lengths
+
+    @property
+    def max_response(self) -> int:
+        """T: the width of the per-token columns."""
+        return int(self.response_lengths.max()) if self.size else 0
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, T] float: 1 on real response tokens."""
+        return response_positions(self.prompt_lengths, self.response_lengths, self.max_response)[1]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self.samples:
+            return self.samples[name]
+        if name in self.per_token:
+            return self.per_token[name]
+        raise KeyError(f"RolloutBatch has no column {name!r} (sample columns {sorted(self.samples)}, "
+                       f"token columns {sorted(self.per_token)})")
+
+    def set_tokens(self, name: str, values: torch.Tensor) -> None:
+        """Add or replace a per-token column [B, T]."""
+        self.per_token[name] = values.float()
+        self._check()
+
+    def set_samples(self, name: str, values: Any) -> None:
+        """Add or replace a per-sample column [B]."""
+        self.samples[name] = torch.as_tensor(np.asarray(values) if not isinstance(values, torch.Tensor) else values)
+        self._check()
+
+    # the mapping ----------------------------------------------------------------------------
+    def from_positions(self, per_position: torch.Tensor) -> torch.Tensor:
+        """[B, W] over sequence positions -> [B, T] over response tokens (see module doc)."""
+        return gather_response(per_position.cpu(), self.prompt_lengths, self.response_lengths, self.max_response)
+
+    def to_positions(self, name: str) -> torch.Tensor:
+        """A per-token column laid out over sequence positions, [B, L] (the critic's layout)."""
+        return scatter_positions(self.per_token[name], self.prompt_lengths, self.response_lengths,
+                                 self.tokens.shape[1])
+
+    def position_mask(self) -> torch.Tensor:
+        return position_mask(self.prompt_lengths, self.response_lengths, self.tokens.shape[1])
+
+    # selection ------------------------------------------------------------------------------
+    def select(self, rows: Sequence[int] | np.ndarray | torch.Tensor) -> "RolloutBatch":
+        """The given rows, in that order, padded only as wide as they need."""
+        rows = torch.as_tensor(np.asarray(rows, dtype=np.int64).reshape(-1))
+        plen, rlen = self.prompt_lengths[rows], self.response_lengths[rows]
+        L = int((plen + rlen).max()) if len(rows) else 0
+        T = int(rlen.max()) if len(rows) else 0
+        return RolloutBatch(self.tokens[rows, :L], plen, rlen, self.pad_id,
+                            {k: v[rows] for k, v in self.samples.items()},
+                            {k: v[rows, :T] for k, v in self.per_token.items()})
+
+    def sorted_by(self, name: str) -> "RolloutBatch":
+        return self.select(torch.argsort(self.samples[name], stable=True))
+
+    @classmethod
+    def cat(cls, batches: Sequence["RolloutBatch"], pad_id: int) -> "RolloutBatch":
+        """Rows of every batch in order, re-padded to common widths (empty batches are skipped)."""
+        full = [b for b in batches if b.size]
+        if not full:
+            return cls.empty(pad_id)
+        keys = (sorted(full[0].samples), sorted(full[0].per_token))
+        for b in full:
+            if (sorted(b.samples), sorted(b.per_token)) != keys:
+                raise ValueError(f"RolloutBatch.cat: columns differ ({keys} vs "
+                                 f"{(sorted(b.samples), sorted(b.per_token))})")
+        L = max(b.tokens.shape[1] for b in full)
+        T = max(b.max_response for b in full)
+        pad = lambda x, w, v: torch.nn.functional.pad(x, (0, w - x.shape[1]), value=v)  # noqa: E731
+        return cls(torch.cat([pad(b.tokens, L, pad_id) for b in full]),
+                   torch.cat([b.prompt_lengths for b in full]), torch.cat([b.response_lengths for b in full]),
+                   pad_id, {k: torch.cat([b.samples[k] for b in full]) for k in keys[0]},
+                   {k: torch.cat([pad(b.per_token[k], T, 0.0) for b in full]) for k in keys[1]})
+
+    def merge(self, other: "RolloutBatch", key: str = "index") -> None:
+        """Take `other`'s columns, matching rows by `key` (same samples, any order)."""
+        here = torch.argsort(self.samples[key])
+        there = torch.argsort(other.samples[key])
+        if not torch.equal(self.samples[key][here], other.samples[key][there]):
+            raise ValueError(f"RolloutBatch.merge: the two batches hold different samples ({key} differs)")
+        if not torch.equal(self.response_lengths[here], other.response_lengths[there]):
+            raise ValueError("RolloutBatch.merge: response lengths differ for the same samples")
+        inverse = torch.empty_like(here)
+        inverse[here] = torch.arange(len(here))
+        rows = there[inverse]  # row of `other` for each row of self
+        for k, v in other.samples.items():
+            if k != key:
+                self.samples[k] = v[rows]
+        for k, v in other.per_token.items():
+            self.per_token[k] = v[rows]
+        self._check()
+
+    # the wire format: ragged numpy columns, nothing padded ------------------------------------
+    def pack(self, samples: Sequence[str] | None = None, per_token: Sequence[str] | None = None,
+             with_tokens: bool = True) -> dict[str, np.ndarray]:
+        """Columns as flat numpy arrays (padding dropped) to send to another rank."""
+        if not self.size:  # nothing to send; `unpack` skips empty parts
+            return {"prompt_lengths": np.zeros(0, np.int64), "response_lengths": np.zeros(0, np.int64)}
+        rlen, slen = self.response_lengths.numpy(), self.seq_lengths.numpy()
+        out = {"prompt_lengths": self.prompt_lengths.numpy(), "response_lengths": rlen}
+        if with_tokens:
+            keep = np.arange(self.tokens.shape[1])[None, :] < slen[:, None]
+            out["tokens"] = self.tokens.numpy()[keep]
+        tmask = np.arange(self.max_response)[None, :] < rlen[:, None]
+        for k in (self.samples if samples is None else samples):
+            out[f"s:{k}"] = self.samples[k].numpy()
+        for k in (self.per_token if per_token is None else per_token):
+            out[f"t:{k}"] = self.per_token[k].numpy()[tmask]
+        return out
+
+    @classmethod
+    def unpack(cls, parts: Sequence[dict[str, np.ndarray]], pad_id: int) -> "RolloutBatch":
+        """Inverse of pack over several parts (their rows in order). Without tokens the batch
+        has tokens of width 0 (columns only, e.g. for `merge`)."""
+        parts = [p for p in parts if len(p["response_lengths"])]
+        if not parts:
+            return cls.empty(pad_id)
+        plen = torch.from_numpy(np.concatenate([p["prompt_lengths"] for p in parts]).astype(np.int64))
+        rlen = torch.from_numpy(np.concatenate([p["response_lengths"] for p in parts]).astype(np.int64))
+        B, T = len(rlen), int(rlen.max())
+        if "tokens" in parts[0]:
+            slen = (plen + rlen).numpy()
+            tokens = np.full((B, int(slen.max())), pad_id, dtype=np.int64)
+            tokens[np.arange(tokens.shape[1])[None, :] < slen[:, None]] = np.concatenate([p["tokens"] for p in parts])
+        else:
+            tokens = np.zeros((B, 0), dtype=np.int64)
+        batch = cls(torch.from_numpy(tokens), plen, rlen, pad_id)
+        tmask = np.arange(T)[None, :] < rlen.numpy()[:, None]
+        for k in parts[0]:
+            if k.startswith("s:"):
+                batch.samples[k[2:]] = torch.from_numpy(np.concatenate([p[k] for p in parts]))
+            elif k.startswith("t:"):
+                col = np.zeros((B, T), dtype=np.float32)
+                col[tmask] = np.concatenate([p[k] for p in parts])
+                batch.per_token[k[2:]] = torch.from_numpy(col)
+        batch._check()
+        return batch
+
+    def route(self, comm: Any, dp_rank: int, dp_size: int, *, expected: int | None = None) -> Route:
+        """Collective: plan where every sample of the step goes (groups kept together, token
+        counts balanced, equal sample counts per DP rank); see balance.rebalance.Route."""
+        col = lambda k: self.samples[k].numpy() if self.size else np.zeros(0, np.int64)  # noqa: E731
+        return Route.plan(comm, dp_rank, dp_size, index=col("index"), groups=col("group"),
+                          lengths=self.seq_lengths.numpy(), expected=expected)
+
+    def moved(self, route: Route, **pack_args: Any) -> "RolloutBatch":
+        """Collective: send each local sample where `route` says; returns this rank's share,
+        sorted by index (so the result does not depend on who generated what)."""
+        parts = [self.select(route.rows_for(d)).pack(**pack_args) for d in range(len(route.members))]
+        return RolloutBatch.unpack(route.exchange(parts), self.pad_id).sorted_by("index")
+
+    # training views -------------------------------------------------------------------------
+    def micro_batches(self, size: int, samples: Sequence[str] = (), per_token: Sequence[str] = ()) -> list[dict]:
+        """Dicts of `size` rows with equal shapes (pipeline buffers need one shape per step):
+        tokens [size, L], prompt_lengths, response_lengths, mask [size, T] and the named columns.
+        The last one is filled up with copies of its last row whose mask is 0."""
+        out = []
+        for a in range(0, self.size, size):
+            rows = torch.arange(a, min(a + size, self.size))
+            rows = torch.cat([rows, rows[-1:].expand(size - len(rows))])
+            real = (torch.arange(size) < self.size - a).float()
+            mb = {"tokens": self.tokens[rows], "prompt_lengths": self.prompt_lengths[rows],
+                  "response_lengths": self.response_lengths[rows], "mask": self.mask[rows] * real[:, None]}
+            mb.update({k: self.samples[k][rows] for k in samples})
+            mb.update({k: self.per_token[k][rows] for k in per_token})
+            out.append(mb)
+        return out
+
+    def store_columns(self, names: Sequence[str], sample_names: Sequence[str]) -> dict[str, Any]:
+        """Ragged per-sample arrays in the layout RolloutStore.append_step takes."""
+        plen, rlen = self.prompt_lengths.tolist(), self.response_lengths.tolist()
+        tok = self.tokens.numpy()
+        cols: dict[str, Any] = {"prompt_tokens": [tok[i, :p] for i, p in enumerate(plen)],
+                                "response_tokens": [tok[i, p:p + r] for i, (p, r) in enumerate(zip(plen, rlen))]}
+        for k in names:
+            col = self.per_token[k].numpy()
+            cols[k] = [col[i, :r] for i, r in enumerate(rlen)]
+        for k in sample_names:
+            cols[k] = self.samples[k].numpy()
+        return cols
