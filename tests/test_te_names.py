@@ -8,8 +8,13 @@ te_names, so the table itself is under test.
 
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from slurm_align.generation import GptShape, SamplingParams, make_engine
@@ -20,6 +25,7 @@ from slurm_align.models.weights import full_state_dict, init_weights, load_full_
 SHAPE = GptShape(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
                  vocab_size=50, padded_vocab_size=64, max_seq_len=24)
 PCTX = SimpleNamespace(tp_size=1, tp_rank=0, pp_size=1, pp_rank=0)
+REPO = Path(__file__).resolve().parents[1]
 
 
 def te_spec_names(shape: GptShape) -> dict[str, tuple[int, ...]]:
@@ -95,3 +101,14 @@ def test_te_named_model_init_state_dict_load_and_engine_binding():
     out = engine.generate([torch.tensor([1, 2, 3])], SamplingParams(max_new_tokens=3, temperature=0.0))
     assert out.response_lengths.tolist() == [3]
     assert set(local_names(te_sd)) == set(expected_shapes(SHAPE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and importlib.util.find_spec("transformer_engine")),
+                    reason="needs a CUDA GPU and Transformer Engine (extra `te`); this machine has "
+                           + ("no CUDA" if not torch.cuda.is_available() else "no transformer_engine"))
+def test_te_spec_model_equals_local_spec_model_on_gpu():
+    """Built with the TE spec and with the local spec, same seed: same full state dict, same logits."""
+    proc = subprocess.run([sys.executable, "-W", "ignore", "tests/gpu/te_spec_worker.py"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.count("TE_SPEC_OK") == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
