@@ -1,0 +1,310 @@
+"""The critic on a shared cluster: only its run's actor may call it, it writes only inside the run,
+it listens only where it was told, and a stranger's flood does not disturb the run.
+
+The attacks are made as another user of the cluster would make them: raw HTTP requests (KServe v2
+JSON), with no secret, a wrong one, or another run's, and with the Triton gate token that other
+users of the node can read on tritonserver's command line (that gets past Triton's gate, not
+past the critic's own check of the secret).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from slurm_align import REPO_ROOT
+from slurm_align.config import load_profile, load_run_config
+from slurm_align.critic import protocol as P
+from slurm_align.critic.client import CriticClient, CriticError
+from slurm_align.rundir import RunDir, create_run_secret, read_run_secret
+from slurm_align.slurm.launch import launch_run
+from tests.critic_support import CriticProcess, client_for, critic_address, random_batch, write_run_dir
+
+OTHER = "o" * 43   # a well-formed secret of nobody
+
+
+@pytest.fixture(scope="module")
+def critic(tmp_path_factory):
+    run_dir = write_run_dir(tmp_path_factory.mktemp("secured"))
+    other_run = tmp_path_factory.mktemp("other-run")
+    create_run_secret(RunDir(other_run))
+    proc = CriticProcess(run_dir)
+    client = client_for(run_dir)
+    try:
+        addr = proc.wait_ready()
+        client.connect()
+    except AssertionError:
+        proc.stop()
+        raise
+    yield {"run_dir": run_dir, "proc": proc, "client": client, "addr": addr,
+           "secret": read_run_secret(RunDir(run_dir)), "other": read_run_secret(RunDir(other_run))}
+    client.close()
+    proc.stop()
+
+
+# --- raw HTTP, as a stranger sends it ------------------------------------------------------------
+
+def _tensor(name: str, arr: np.ndarray, dtype: str) -> dict:
+    return {"name": name, "shape": list(arr.shape), "datatype": dtype, "data": arr.reshape(-1).tolist()}
+
+
+def well_formed(endpoint: str, save_name: str = "stranger.pt") -> dict:
+    """A request the endpoint would accept from its actor."""
+    tok = np.arange(8, dtype=np.int64).reshape(2, 4) % 50
+    f = np.ones((2, 4), np.float32)
+    if endpoint == P.INFER:
+        inputs = [_tensor("tokens", tok, "INT64"), _tensor("lengths", np.full((2, 1), 4), "INT64")]
+    elif endpoint == P.TRAIN:
+        inputs = [_tensor("tokens", tok, "INT64"), _tensor("lengths", np.full(2, 4), "INT64"),
+                  *[_tensor(n, f, "FP32") for n in P.TRAIN_FLOAT_INPUTS]]
+    elif endpoint == P.SAVE:
+        inputs = [{"name": "name", "shape": [1], "datatype": "BYTES", "data": [save_name]}]
+    else:
+        inputs = [_tensor("flag", np.ones(1, np.int64), "INT64")]
+    return {"inputs": inputs}
+
+
+def raw(addr, path: str, body: bytes | None = None, headers: dict | None = None,
+        method: str | None = None) -> tuple[int, str]:
+    req = urllib.request.Request(f"http://{addr[0]}:{addr[1]}{path}", data=body, headers=headers or {},
+                                 method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read().decode(errors="replace")
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode(errors="replace")
+
+
+def raw_infer(addr, endpoint: str, headers: dict, body: dict | None = None) -> tuple[int, str]:
+    return raw(addr, f"/v2/models/{endpoint}/infer", json.dumps(body or well_formed(endpoint)).encode(),
+               {"Content-Type": "application/json", **headers})
+
+
+def stranger_headers(secret: str, other: str) -> dict[str, dict]:
+    """Every way a stranger may try; the last three hold the gate token (readable on the node)."""
+    gate = {P.GATE_HEADER: P.gate_token(secret)}
+    return {"none": {}, "wrong": P.auth_headers(OTHER), "other_run": P.auth_headers(other),
+            "secret_without_gate": {P.SECRET_HEADER: OTHER},
+            "gate_only": gate, "gate_wrong": {**gate, P.SECRET_HEADER: OTHER},
+            "gate_other_run": {**gate, P.SECRET_HEADER: other}}
+
+
+def files_under(root: Path) -> dict[str, int]:
+    """Every file and its modification time, but the critic's log (refusals are logged)."""
+    return {str(p): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file() and p.suffix != ".log"}
+
+
+# --- tests ----------------------------------------------------------------------------------------
+
+def test_every_endpoint_refuses_strangers_and_nothing_changes(critic, tmp_path):
+    client, addr, run_dir = critic["client"], critic["addr"], critic["run_dir"]
+    rng = np.random.default_rng(11)
+    tokens, lengths = random_batch(rng, 3, 9)
+    before, rewards = client.infer(tokens, lengths)
+    files = files_under(run_dir.parent)
+    outside = tmp_path / "outside.pt"
+    for endpoint in P.ENDPOINTS:
+        for how, headers in stranger_headers(critic["secret"], critic["other"]).items():
+            body = well_formed(endpoint, save_name=str(outside)) if endpoint == P.SAVE else None
+            status, text = raw_infer(addr, endpoint, headers, body)
+            assert status in (400, 403, 500), (endpoint, how, status, text)   # 500: a model refusing
+            assert "restricted" in text or "refused" in text, (endpoint, how, text)
+            # The run's own actor is served between the strangers' calls.
+            np.testing.assert_array_equal(client.infer(tokens, lengths)[0], before)
+    # Metadata and model control are gated as well (unloading a model would stop the run).
+    for method, path in [("GET", f"/v2/models/{P.INFER}"), ("GET", f"/v2/models/{P.INFER}/config"),
+                         ("POST", "/v2/repository/index"), ("POST", f"/v2/repository/models/{P.INFER}/unload"),
+                         ("GET", "/v2/models/stats"), ("GET", "/v2/logging")]:
+        status, text = raw(addr, path, b"{}" if method == "POST" else None, method=method)
+        assert status == 403 and "restricted" in text, (path, status, text)
+    # Our own client with another run's secret is refused too, saying why.
+    intruder = CriticClient(*addr, secret=critic["other"], connect_timeout_s=10, request_timeout_s=30)
+    with pytest.raises(CriticError, match="refused"):
+        intruder.infer(tokens, lengths)
+    intruder.close()
+
+    after, rewards_after = client.infer(tokens, lengths)
+    np.testing.assert_array_equal(after, before)          # no stranger trained the value model
+    np.testing.assert_array_equal(rewards_after, rewards)
+    assert files_under(run_dir.parent) == files, "a refused request wrote or changed a file"
+    assert not outside.exists()
+    critic["proc"].check_alive()
+    log = Path(critic["proc"].log.name).read_text()
+    assert "critic: refused a" in log and "peers connected now" in log   # refusals past the gate are logged
+
+
+@pytest.mark.parametrize("name,why", [
+    ("ABS", "not a path"), ("../escape.pt", "not a path"), ("sub/../../escape.pt", "not a path"),
+    ("link.pt", "is a symlink"), ("iter_0000003.pt", "is a symlink"), ("..", "not a path"), ("", "not a path"),
+])
+def test_save_writes_only_inside_the_critic_checkpoint_folder(critic, tmp_path, name, why):
+    client, run_dir = critic["client"], critic["run_dir"]
+    folder = run_dir / "checkpoints" / "critic"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = outside / "victim.pt"
+    target.write_bytes(b"precious")
+    if name == "ABS":
+        name = str(outside / "abs.pt")
+    (folder / "link.pt").unlink(missing_ok=True)
+    (folder / "link.pt").symlink_to(target)                 # a file symlink leading outside
+    (folder / "iter_0000003").unlink(missing_ok=True)
+    (folder / "iter_0000003").symlink_to(outside, target_is_directory=True)   # the folder saved beside it
+    files = files_under(run_dir.parent)
+    with pytest.raises(CriticError, match=f"{P.SAVE}.*{why}"):
+        client._call(P.SAVE, {"name": np.array([name.encode()], dtype=np.object_)}, ["path"])
+    assert sorted(p.name for p in outside.iterdir()) == ["victim.pt"]
+    assert target.read_bytes() == b"precious"
+    assert files_under(run_dir.parent) == files
+    # A plain name still saves, inside the folder.
+    assert Path(client.save("fine.pt")) == folder / "fine.pt"
+
+
+def test_listens_only_on_the_chosen_address_http_only(critic):
+    """tritonserver and everything it starts listen on the published address and nowhere else:
+    no gRPC, no metrics port, nothing on 0.0.0.0. (The critic's Python process also listens
+    for MPI and torch.distributed, which are not the server's: see bootstrap.py.)"""
+    host, port = critic["addr"]
+    triton = [p for p in psutil.Process(critic["proc"].proc.pid).children(recursive=True)
+              if p.name() == "tritonserver"]
+    assert len(triton) == 1, triton
+    listening = set()
+    for p in [triton[0], *triton[0].children(recursive=True)]:
+        try:
+            conns = p.net_connections(kind="inet")
+        except psutil.NoSuchProcess:
+            continue
+        listening |= {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
+    assert listening == {(host, port)}, listening
+
+
+def test_secret_file_is_private_and_never_elsewhere(critic):
+    rd = RunDir(critic["run_dir"])
+    assert stat.S_IMODE(rd.secret.stat().st_mode) == 0o600
+    assert_secret_only_in_its_file(rd, critic["secret"], extra_logs=[Path(critic["proc"].log.name)])
+    # A secret others can read is refused.
+    os.chmod(rd.secret, 0o644)
+    try:
+        with pytest.raises(Exception, match="mode 0644.*must be 0600"):
+            read_run_secret(rd)
+    finally:
+        os.chmod(rd.secret, 0o600)
+
+
+def assert_secret_only_in_its_file(rd: RunDir, secret: str, extra_logs: list[Path] = ()) -> None:
+    needle = secret.encode()
+    for path in [*rd.root.rglob("*"), *extra_logs]:
+        if path.is_file() and path != rd.secret:
+            assert needle not in path.read_bytes(), f"the run's secret appears in {path}"
+
+
+def test_two_critics_share_a_node_and_a_taken_port_fails_at_once(critic, tmp_path):
+    second = write_run_dir(tmp_path / "second")
+    proc = CriticProcess(second)
+    try:
+        addr = proc.wait_ready()
+        assert addr[1] != critic["addr"][1]
+        with client_for(second) as c:
+            assert c.infer(*random_batch(np.random.default_rng(3), 2, 5))[0].shape == (2, 5)
+    finally:
+        proc.stop()
+    # A fixed port that is taken (the first critic's): the critic fails at once, saying why.
+    taken = write_run_dir(tmp_path / "taken", port=critic["addr"][1])
+    proc = CriticProcess(taken)
+    try:
+        code = proc.wait(timeout=120)   # not the actor's connect timeout: it does not wait at all
+    finally:
+        proc.stop()
+    assert code != 0
+    assert f"cannot listen on 127.0.0.1:{critic['addr'][1]}" in proc.log_text()
+    assert "critic_server.port to 0" in proc.log_text()
+    assert critic_address(taken) is None
+
+
+# --- a stranger's flood during a PPO run ----------------------------------------------------------
+
+EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"
+PROMPTS = REPO_ROOT / "examples" / "synthetic" / "prompts.jsonl"
+FLOOD = 1000
+
+
+def tiny_ppo(run_dir: Path):
+    run = load_run_config(EXAMPLE, [
+        f"data.train_path={PROMPTS}", "ppo.num_steps=2", "ppo.num_rollout_samples=8",
+        "generation.max_new_tokens=8", "generation.prompt_batch_size=2", "ppo.train_micro_batch_size=2",
+        "switches.dynamic_prompts=false", "critic_server.connect_timeout_s=120"])
+    return launch_run(run, load_profile("local"), run_dir)
+
+
+def flood(rd: RunDir, stop: threading.Event, outcomes: list) -> None:
+    """FLOOD bad requests from 8 threads, as soon as the critic publishes its address: no or
+    wrong secrets on every endpoint, broken JSON, wrong shapes, unknown models, garbage bytes."""
+    deadline = time.monotonic() + 300
+    while not rd.critic_address.exists() and not stop.is_set() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    addr = tuple(json.loads(rd.critic_address.read_text())[k] for k in ("host", "port"))
+    other = P.auth_headers(OTHER)
+    kinds = [lambda: raw_infer(addr, P.INFER, {}),
+             lambda: raw_infer(addr, P.TRAIN, other),
+             lambda: raw_infer(addr, P.SAVE, other),
+             lambda: raw_infer(addr, P.SHUTDOWN, {}),
+             lambda: raw(addr, f"/v2/models/{P.INFER}/infer", b"{not json", {"Content-Type": "application/json"}),
+             lambda: raw_infer(addr, P.INFER, other, {"inputs": [{"name": "tokens", "shape": [1, 2, 3],
+                                                                   "datatype": "FP32", "data": [1]}]}),
+             lambda: raw(addr, "/v2/models/nope/infer", b"{}", other),
+             lambda: raw(addr, f"/v2/repository/models/{P.INFER}/unload", b"{}", other)]
+
+    def worker(i: int) -> None:
+        for j in range(FLOOD // 8):
+            if stop.is_set():
+                return
+            try:
+                status, _ = kinds[(i + j) % len(kinds)]()
+            except OSError as e:   # the run ended and the critic with it
+                status = type(e).__name__
+            outcomes.append(status)
+            time.sleep(0.01)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def rewards(run_dir: Path) -> list[float]:
+    return [json.loads(line)["train_rollouts/rewards"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_flood_of_bad_requests_leaves_the_run_as_it_would_have_been(tmp_path):
+    calm = tiny_ppo(tmp_path / "calm")
+    assert calm.wait(timeout_s=600) == "COMPLETED", calm.failed_logs()
+
+    rd = RunDir(tmp_path / "flooded")
+    job = tiny_ppo(rd.root)
+    stop, outcomes = threading.Event(), []
+    attacker = threading.Thread(target=flood, args=(rd, stop, outcomes))
+    attacker.start()
+    try:
+        state = job.wait(timeout_s=600)
+    finally:
+        stop.set()
+        attacker.join()
+    assert state == "COMPLETED", job.failed_logs()
+    answered = [s for s in outcomes if isinstance(s, int)]
+    assert len(answered) >= FLOOD // 2, f"the flood did not reach the critic during the run: {outcomes[:20]}"
+    assert all(s in (400, 403, 404, 500) for s in answered), sorted(set(answered))
+    assert rewards(rd.root) == pytest.approx(rewards(calm.run_dir.root), rel=1e-5, abs=1e-6)
+    # The secret was made at submit, private, and is written nowhere else, nor in any log.
+    assert stat.S_IMODE(rd.secret.stat().st_mode) == 0o600
+    assert_secret_only_in_its_file(rd, read_run_secret(rd))
