@@ -46,6 +46,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_ranks_for_cpu_tests(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks a CPU test starts stay on CPU on a GPU machine too (CUDA hidden from its child
+    processes): these tests are about gloo ranks, and two of them on one GPU is refused (NCCL)."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
 # --- the real Slurm test cluster (tests/cluster) -------------------------------
 @pytest.fixture(scope="session")
 def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[LocalSlurmCluster]:
