@@ -116,6 +116,8 @@ def test_engine_options_and_missing_gpu_are_clear_errors():
         make_engine("trtllm", shape, dtype="float32")
     with pytest.raises(GenerationError, match="allowed.*kv_cache_fraction"):
         make_engine("trtllm", shape, kv_cach_fraction=0.5)
+    with pytest.raises(GenerationError, match="no model for this architecture"):
+        make_engine("trtllm", ModelConfig())  # slurm-align's GPT: refused when the engine is made
     engine = make_engine("trtllm", QWEN)  # constructing imports nothing
     assert engine.options.dtype == "bfloat16" and engine.tp_size == 1
     if not GPUS:

@@ -52,7 +52,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 from slurm_align.config.run import ModelConfig
 from slurm_align.generation.base import pack_prompts
 from slurm_align.generation.params import GenerationError, GenerationOutput, GptShape, SamplingParams
-from slurm_align.generation.trtllm_mapping import hf_config, hf_weights
+from slurm_align.generation.trtllm_mapping import hf_config, hf_model_type, hf_weights
 
 PINNED_VERSION = "1.2.1"
 WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
@@ -159,6 +159,7 @@ class TrtllmEngine:
         except TypeError as e:
             names = [f.name for f in fields(TrtllmOptions)]
             raise GenerationError(f"trtllm engine options {sorted(options)}: allowed {names} ({e})") from None
+        hf_model_type(self.model_cfg)  # refuse a model TensorRT-LLM cannot run now, not at the first refit
         self.device = torch.device(device)
         self.torch_dtype = _DTYPES[self.options.dtype]
         self.tp_size = layout.tp_size if layout is not None else 1
