@@ -62,7 +62,11 @@ class SamplingParams:
 
 @dataclass(frozen=True)
 class GptShape:
-    """The contract GPT's shape, as the engines need it (weights come from a full state dict)."""
+    """The model's architecture, as the engines need it (weights come from a full state dict).
+
+    The defaults are slurm-align's own GPT; the other fields follow ModelConfig (see
+    /work/coord/MODEL_FIELDS.md): Llama/Qwen2/Mistral use rope, RMSNorm, swiglu, GQA.
+    """
 
     num_layers: int
     hidden_size: int
@@ -73,16 +77,52 @@ class GptShape:
     padded_vocab_size: int
     max_seq_len: int
     layernorm_epsilon: float = 1e-5
+    """Epsilon of every norm (ModelConfig.norm_epsilon)."""
+    position_embedding: str = "learned"
+    """'learned' absolute positions or 'rope'."""
+    rotary_base: float = 10000.0
+    """RoPE theta."""
+    rope_scaling: Any = None
+    """Llama-3 frequency scaling (a RopeScalingConfig: factor, low_freq_factor, high_freq_factor,
+    original_max_position_embeddings) or None."""
+    normalization: str = "LayerNorm"
+    """'LayerNorm' (weight and bias) or 'RMSNorm' (weight only)."""
+    activation: str = "gelu"
+    """'gelu' (erf), 'gelu_tanh' or 'swiglu' (fc1 rows are [gate; up])."""
+    num_query_groups: int | None = None
+    """Key/value heads (GQA); None: one per attention head."""
+    kv_channels: int | None = None
+    """Head dimension; None: hidden_size // num_attention_heads."""
+    add_bias_linear: bool = True
+    """Biases in every linear layer."""
+    add_qkv_bias: bool = False
+    """A bias in the QKV projection (implied by add_bias_linear)."""
+    tie_embeddings: bool = False
+    """The output layer is the word embedding (no output_layer.weight)."""
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def query_groups(self) -> int:
+        """Key/value heads: the KV cache holds this many per layer."""
+        return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
 
     @classmethod
     def from_model_config(cls, cfg: Any) -> "GptShape":
         """From a slurm_align.config.run.ModelConfig."""
         return cls(cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn,
-                   cfg.vocab_size, cfg.padded_vocab_size, cfg.max_seq_len)
+                   cfg.vocab_size, cfg.padded_vocab_size, cfg.max_seq_len,
+                   layernorm_epsilon=cfg.norm_epsilon, position_embedding=cfg.position_embedding,
+                   rotary_base=cfg.rotary_base, rope_scaling=cfg.rope_scaling, normalization=cfg.normalization,
+                   activation=cfg.activation, num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
+                   add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias,
+                   tie_embeddings=cfg.tie_embeddings)
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 Prompts are left-padded to a common length P with per-sequence positions, so every sequence
 writes its step-t keys/values into the same cache column P+t and the whole batch advances in
-one set of batched ops per layer (no per-sample Python work). The cache [L, 2, B, heads, S, d]
+one set of batched ops per layer (no per-sample Python work). The cache [L, 2, B, groups, S, d]
+(groups = key/value heads: GQA keys/values are cached once per group)
 is one preallocated buffer reused across calls. Finished samples stay in the batch, masked,
 until a quarter of it has finished; then the batch (cache included) is compacted.
 """
@@ -33,7 +34,7 @@ class KVCacheEngine(TorchEngineBase):
 
     def _kv_cache(self, batch: int, seq: int) -> torch.Tensor:
         s = self.shape
-        dims = (s.num_layers, 2, batch, s.num_attention_heads, seq, s.head_dim)
+        dims = (s.num_layers, 2, batch, s.query_groups, seq, s.head_dim)
         numel = 1
         for d in dims:
             numel *= d

@@ -1,10 +1,13 @@
-"""The contract GPT's forward in plain torch, equal to megatron-core's GPTModel (local spec).
+"""The model's forward in plain torch, equal to megatron-core's GPTModel (local spec).
 
-Embedding = word + learned absolute position; per layer: LayerNorm -> fused QKV (rows grouped
-per head as [q, k, v], megatron's layout) -> causal softmax attention (scale 1/sqrt(d)) ->
-output projection -> residual; LayerNorm -> fc1 -> exact GELU -> fc2 -> residual; final
-LayerNorm; untied output layer (no bias). Two entry points: a full forward over a padded batch
-(prefill, the naive engine) and a one-token decode step against a KV cache.
+Embedding = word (+ learned absolute position); per layer: norm -> fused QKV (rows grouped per
+query group as [q_1..q_r, k, v], megatron's layout; r = heads / groups, 1 without GQA) ->
+RoPE on q and k (rope models) -> causal softmax attention (scale 1/sqrt(d)) -> output projection
+-> residual; norm -> fc1 -> activation (GELU, tanh-GELU, or SwiGLU on fc1's [gate; up]) -> fc2
+-> residual; final norm; output layer (the word embedding when tied, no bias). Norms are
+LayerNorm or RMSNorm; absent biases are None. Two entry points: a full forward over a padded
+batch (prefill, the naive engine) and a one-token decode step against a KV cache that holds
+`query_groups` heads (GQA keys/values are never expanded to all heads).
 """
 
 from __future__ import annotations
@@ -12,15 +15,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slurm_align.generation.weights import GptWeights, LayerWeights
-
-
-def _split_qkv(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[B, T, 3H] in megatron layout -> q, k, v as [B, heads, T, d] (strided views, no copy)."""
-    b, t, three_h = qkv.shape
-    x = qkv.view(b, t, heads, 3, three_h // (3 * heads)).permute(3, 0, 2, 1, 4)
-    return x[0], x[1], x[2]
-
+from slurm_align.generation.params import GptShape
+from slurm_align.generation.rope import apply_rope
+from slurm_align.generation.weights import EMBEDDING, POSITIONS, GptWeights, LayerWeights
 
 # Below this many elements LayerNorm runs as plain tensor ops: ATen's layer_norm kernel splits
 # even a [32, 256] decode input across threads, and that barrier dominates decode on a busy
@@ -35,9 +32,51 @@ def layer_norm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, eps: float) ->
     return torch.addcmul(b, xc * torch.rsqrt((xc * xc).mean(-1, keepdim=True) + eps), w)
 
 
-def _mlp(x: torch.Tensor, lw: LayerWeights, eps: float) -> torch.Tensor:
-    h = layer_norm(x, lw.ln2_w, lw.ln2_b, eps)
-    return F.linear(F.gelu(F.linear(h, lw.fc1_w, lw.fc1_b)), lw.fc2_w, lw.fc2_b)
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * w, as transformers' LlamaRMSNorm (float32)."""
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def norm(s: GptShape, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    if s.normalization == "RMSNorm":
+        return rms_norm(x, w, s.layernorm_epsilon)
+    return layer_norm(x, w, b, s.layernorm_epsilon)
+
+
+def _mlp(s: GptShape, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+    h = F.linear(norm(s, x, lw.ln2_w, lw.ln2_b), lw.fc1_w, lw.fc1_b)
+    if s.activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    else:
+        h = F.gelu(h, approximate="tanh" if s.activation == "gelu_tanh" else "none")
+    return F.linear(h, lw.fc2_w, lw.fc2_b)
+
+
+def _embed(w: GptWeights, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    x = F.embedding(tokens, w[EMBEDDING])
+    if w.shape.position_embedding == "learned":
+        x = x + F.embedding(positions, w[POSITIONS])
+    return x
+
+
+def _rope_at(w: GptWeights, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cos, sin for these positions [B, T] as [B, 1, T, d] (broadcast over heads); None without rope."""
+    if w.rope is None:
+        return None
+    cos, sin = w.rope
+    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+
+def _split_qkv(s: GptShape, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[B, T, rows] in megatron layout -> q [B, heads, T, d], k and v [B, groups, T, d]
+    (strided views without GQA, no copy)."""
+    b, t, _ = qkv.shape
+    g, d = s.query_groups, s.head_dim
+    r = s.num_attention_heads // g
+    x = qkv.view(b, t, g, r + 2, d).permute(3, 0, 2, 1, 4)   # [r+2, B, g, T, d]
+    q = x[0] if r == 1 else x[:r].permute(1, 2, 0, 3, 4).reshape(b, g * r, t, d)
+    return q, x[r], x[r + 1]
 
 
 def attention_mask(key_valid: torch.Tensor) -> torch.Tensor:
@@ -52,53 +91,65 @@ def attention_mask(key_valid: torch.Tensor) -> torch.Tensor:
     return (mask | torch.eye(t, dtype=torch.bool, device=key_valid.device))[:, None]
 
 
+def _final(w: GptWeights, x: torch.Tensor) -> torch.Tensor:
+    x = norm(w.shape, x, w["decoder.final_layernorm.weight"], w.tensors.get("decoder.final_layernorm.bias"))
+    return F.linear(x, w.output)
+
+
 def forward_full(w: GptWeights, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
                  *, last_only: bool = False, kv_out: torch.Tensor | None = None) -> torch.Tensor:
     """Logits of a padded batch: tokens/positions [B, T] int64, key_valid [B, T] bool.
 
     last_only: logits of the last column only ([B, V]); else [B, T, V].
-    kv_out: a KV cache [L, 2, B, heads, S, d] (S >= T): this call's keys/values land in
-    kv_out[:, :, :, :, :T] (the prefill of the KV-cache engine).
+    kv_out: a KV cache [L, 2, B, groups, S, d] (S >= T): this call's keys (after RoPE) and
+    values land in kv_out[:, :, :, :, :T] (the prefill of the KV-cache engine).
     """
     s = w.shape
-    x = F.embedding(tokens, w["embedding.word_embeddings.weight"]) + \
-        F.embedding(positions, w["embedding.position_embeddings.weight"])
+    x = _embed(w, tokens, positions)
+    rope = _rope_at(w, positions)
     mask = attention_mask(key_valid)
+    gqa = s.query_groups != s.num_attention_heads
     t = tokens.shape[1]
     for i, lw in enumerate(w.layers):
-        h = layer_norm(x, lw.ln1_w, lw.ln1_b, s.layernorm_epsilon)
-        q, k, v = _split_qkv(F.linear(h, lw.qkv_w, lw.qkv_b), s.num_attention_heads)
+        h = norm(s, x, lw.ln1_w, lw.ln1_b)
+        q, k, v = _split_qkv(s, F.linear(h, lw.qkv_w, lw.qkv_b))
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_out is not None:
             kv_out[i, 0, :, :, :t].copy_(k)
             kv_out[i, 1, :, :, :t].copy_(v)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        x = x + F.linear(a.transpose(1, 2).reshape(x.shape), lw.proj_w, lw.proj_b)
-        x = x + _mlp(x, lw, s.layernorm_epsilon)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        x = x + F.linear(a.transpose(1, 2).reshape(*x.shape[:2], -1), lw.proj_w, lw.proj_b)
+        x = x + _mlp(s, x, lw)
     if last_only:
         x = x[:, -1]
-    x = layer_norm(x, w["decoder.final_layernorm.weight"], w["decoder.final_layernorm.bias"],
-                   s.layernorm_epsilon)
-    return F.linear(x, w["output_layer.weight"])
+    return _final(w, x)
 
 
 def decode_step(w: GptWeights, kv: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 slot: int, key_bias: torch.Tensor) -> torch.Tensor:
     """One new token per sequence: tokens/positions [B]; its K/V go to cache column `slot`;
     attention covers columns [0, slot] with additive key_bias [B, 1, 1, >= slot+1]
-    (0 = attend, -inf = padding). Returns logits [B, V]."""
+    (0 = attend, -inf = padding). Returns logits [B, V].
+
+    The r = heads / groups queries of one group attend as r rows against that group's cached
+    keys ([B, groups, r, d] queries), so the cache is read once per group, never expanded."""
     s = w.shape
-    x = (F.embedding(tokens, w["embedding.word_embeddings.weight"]) +
-         F.embedding(positions, w["embedding.position_embeddings.weight"])).unsqueeze(1)
+    b, g, d = tokens.shape[0], s.query_groups, s.head_dim
+    r = s.num_attention_heads // g
+    x = _embed(w, tokens, positions).unsqueeze(1)
+    rope = _rope_at(w, positions.unsqueeze(1))   # [B, 1, 1, d]: broadcast over groups and rows
     bias = key_bias[..., : slot + 1]
     for i, lw in enumerate(w.layers):
-        h = layer_norm(x, lw.ln1_w, lw.ln1_b, s.layernorm_epsilon)
-        q, k, v = _split_qkv(F.linear(h, lw.qkv_w, lw.qkv_b), s.num_attention_heads)
+        h = norm(s, x, lw.ln1_w, lw.ln1_b)
+        qkv = F.linear(h, lw.qkv_w, lw.qkv_b).view(b, g, r + 2, d)
+        q, k, v = qkv[:, :, :r], qkv[:, :, r: r + 1], qkv[:, :, r + 1:]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         kv[i, 0, :, :, slot: slot + 1].copy_(k)
         kv[i, 1, :, :, slot: slot + 1].copy_(v)
         a = F.scaled_dot_product_attention(q, kv[i, 0, :, :, : slot + 1], kv[i, 1, :, :, : slot + 1],
                                            attn_mask=bias)
-        x = x + F.linear(a.transpose(1, 2).reshape(x.shape), lw.proj_w, lw.proj_b)
-        x = x + _mlp(x, lw, s.layernorm_epsilon)
-    x = layer_norm(x[:, 0], w["decoder.final_layernorm.weight"], w["decoder.final_layernorm.bias"],
-                   s.layernorm_epsilon)
-    return F.linear(x, w["output_layer.weight"])
+        x = x + F.linear(a.reshape(b, 1, -1), lw.proj_w, lw.proj_b)
+        x = x + _mlp(s, x, lw)
+    return _final(w, x[:, 0])

@@ -1,4 +1,4 @@
-"""Engine-owned copies of the GPT weights, refitted in place from a full state dict.
+"""Engine-owned copies of the model's weights, refitted in place from a full state dict.
 
 The first `load` allocates (on the engine's device) and checks names and shapes against the
 contract shape; later loads copy into the same storage, so views taken once (per-layer
@@ -13,37 +13,47 @@ from dataclasses import dataclass
 import torch
 
 from slurm_align.generation.params import GenerationError, GptShape
+from slurm_align.generation.rope import rope_tables
 from slurm_align.models.te_names import local_names
+
+EMBEDDING, POSITIONS, OUTPUT = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
+                                "output_layer.weight")
 
 
 def expected_shapes(shape: GptShape) -> dict[str, tuple[int, ...]]:
-    """Keys/shapes of the contract model's TP=1, PP=1 megatron state dict (no _extra_state)."""
-    h, f, v = shape.hidden_size, shape.ffn_hidden_size, shape.padded_vocab_size
-    out: dict[str, tuple[int, ...]] = {
-        "embedding.word_embeddings.weight": (v, h),
-        "embedding.position_embeddings.weight": (shape.max_seq_len, h),
-        "decoder.final_layernorm.weight": (h,),
-        "decoder.final_layernorm.bias": (h,),
-        "output_layer.weight": (v, h),
-    }
+    """Keys/shapes of the model's TP=1, PP=1 megatron state dict (local spec, no _extra_state)."""
+    h, f, v, d = shape.hidden_size, shape.ffn_hidden_size, shape.padded_vocab_size, shape.head_dim
+    qkv = (shape.num_attention_heads + 2 * shape.query_groups) * d
+    fc1 = 2 * f if shape.activation == "swiglu" else f
+    norm_bias, bias = shape.normalization == "LayerNorm", shape.add_bias_linear
+    out: dict[str, tuple[int, ...]] = {EMBEDDING: (v, h), "decoder.final_layernorm.weight": (h,)}
+    if shape.position_embedding == "learned":
+        out[POSITIONS] = (shape.max_seq_len, h)
+    if norm_bias:
+        out["decoder.final_layernorm.bias"] = (h,)
+    if not shape.tie_embeddings:
+        out[OUTPUT] = (v, h)
     for i in range(shape.num_layers):
         p = f"decoder.layers.{i}."
-        out.update({
-            p + "input_layernorm.weight": (h,), p + "input_layernorm.bias": (h,),
-            p + "self_attention.linear_qkv.weight": (3 * h, h),
-            p + "self_attention.linear_qkv.bias": (3 * h,),
-            p + "self_attention.linear_proj.weight": (h, h),
-            p + "self_attention.linear_proj.bias": (h,),
-            p + "pre_mlp_layernorm.weight": (h,), p + "pre_mlp_layernorm.bias": (h,),
-            p + "mlp.linear_fc1.weight": (f, h), p + "mlp.linear_fc1.bias": (f,),
-            p + "mlp.linear_fc2.weight": (h, f), p + "mlp.linear_fc2.bias": (h,),
-        })
+        layer = {
+            "input_layernorm.weight": (h,), "input_layernorm.bias": (h,) if norm_bias else None,
+            "self_attention.linear_qkv.weight": (qkv, h),
+            "self_attention.linear_qkv.bias": (qkv,) if shape.qkv_bias else None,
+            "self_attention.linear_proj.weight": (h, shape.num_attention_heads * d),
+            "self_attention.linear_proj.bias": (h,) if bias else None,
+            "pre_mlp_layernorm.weight": (h,), "pre_mlp_layernorm.bias": (h,) if norm_bias else None,
+            "mlp.linear_fc1.weight": (fc1, h), "mlp.linear_fc1.bias": (fc1,) if bias else None,
+            "mlp.linear_fc2.weight": (h, f), "mlp.linear_fc2.bias": (h,) if bias else None,
+        }
+        out.update({p + k: s for k, s in layer.items() if s is not None})
     return out
 
 
 def check_state_dict(sd: dict[str, torch.Tensor], shape: GptShape) -> None:
     want = expected_shapes(shape)
     got = {k for k in sd if not k.endswith("_extra_state")}
+    if shape.tie_embeddings:
+        got.discard(OUTPUT)  # a tied model's output layer is the embedding, whoever passes a copy
     missing, extra = sorted(set(want) - got), sorted(got - set(want))
     if missing or extra:
         raise GenerationError(f"full state dict does not match the model shape {shape}: "
@@ -55,29 +65,32 @@ def check_state_dict(sd: dict[str, torch.Tensor], shape: GptShape) -> None:
 
 @dataclass
 class LayerWeights:
-    """Handles into one layer's tensors (megatron layout: qkv rows grouped per head as [q, k, v])."""
+    """Handles into one layer's tensors (megatron layout: qkv rows grouped per query group as
+    [q_1..q_r, k, v]; fc1 rows [gate; up] for swiglu). Absent biases are None."""
 
     ln1_w: torch.Tensor
-    ln1_b: torch.Tensor
+    ln1_b: torch.Tensor | None
     qkv_w: torch.Tensor
-    qkv_b: torch.Tensor
+    qkv_b: torch.Tensor | None
     proj_w: torch.Tensor
-    proj_b: torch.Tensor
+    proj_b: torch.Tensor | None
     ln2_w: torch.Tensor
-    ln2_b: torch.Tensor
+    ln2_b: torch.Tensor | None
     fc1_w: torch.Tensor
-    fc1_b: torch.Tensor
+    fc1_b: torch.Tensor | None
     fc2_w: torch.Tensor
-    fc2_b: torch.Tensor
+    fc2_b: torch.Tensor | None
 
 
 class GptWeights:
-    """The weights one engine computes with; `load` is the in-place refit."""
+    """The weights one engine computes with; `load` is the in-place refit. With rope, the
+    cos/sin tables (a function of the shape only) are built with the first load."""
 
     def __init__(self, shape: GptShape, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.shape, self.device, self.dtype = shape, torch.device(device), dtype
         self.tensors: dict[str, torch.Tensor] | None = None
         self.layers: list[LayerWeights] = []
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def loaded(self) -> bool:
@@ -90,7 +103,7 @@ class GptWeights:
         if self.tensors is None:
             self.tensors = {k: sd[k].detach().to(self.device, self.dtype, copy=True).contiguous()
                             for k in expected_shapes(self.shape)}
-            self._bind_layers()
+            self._bind()
             return
         for k, dst in self.tensors.items():
             dst.copy_(sd[k].detach(), non_blocking=True)
@@ -98,20 +111,28 @@ class GptWeights:
             torch.cuda.current_stream(self.device).synchronize()
 
     def free(self) -> None:
-        self.tensors, self.layers = None, []
+        self.tensors, self.layers, self.rope = None, [], None
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if self.tensors is None:
             raise GenerationError("the engine has no weights: call refit(full_state_dict) first")
         return self.tensors[key]
 
-    def _bind_layers(self) -> None:
-        t = self.tensors
+    @property
+    def output(self) -> torch.Tensor:
+        """The output layer's weight (the word embedding when tied)."""
+        return self[EMBEDDING if self.shape.tie_embeddings else OUTPUT]
+
+    def _bind(self) -> None:
+        t, s = self.tensors, self.shape
         names = ("input_layernorm.weight", "input_layernorm.bias",
                  "self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias",
                  "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
                  "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
                  "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
                  "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
-        self.layers = [LayerWeights(*(t[f"decoder.layers.{i}.{n}"] for n in names))
-                       for i in range(self.shape.num_layers)]
+        self.layers = [LayerWeights(*(t.get(f"decoder.layers.{i}.{n}") for n in names))
+                       for i in range(s.num_layers)]
+        if s.position_embedding == "rope":
+            cos, sin = rope_tables(s.max_seq_len, s.head_dim, s.rotary_base, s.rope_scaling)
+            self.rope = (cos.to(self.device, self.dtype), sin.to(self.device, self.dtype))
