@@ -60,13 +60,3 @@ def test_refold_from_pp2_generates_as_pp1(pp1, tmp_path):
         assert torch.equal(r["greedy"], pp1["greedy"])
         assert torch.equal(r["sampled"], pp1["sampled"])
         assert (r["greedy_lp"] - pp1["greedy_lp"]).abs().max() < 1e-5
-
-
-@pytest.mark.mpi
-def test_trtllm_mapping_on_real_model_weights(pp1):
-    """The megatron -> TensorRT-LLM mapping on build_gpt's real full state dict."""
-    from slurm_align.generation.params import GptShape
-    from tests.generation_worker import MODEL
-    from tests.test_generation_trtllm import check_mapping
-
-    check_mapping(pp1["full"], GptShape.from_model_config(MODEL))

@@ -48,11 +48,9 @@ def megatron_full(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
             for name in sources(cfg, model_type, value_head=False, score_head=False)}
 
 
-@pytest.mark.parametrize("cfg", [QWEN, LLAMA], ids=["qwen2-gqa-qkvbias-tied", "llama-mha-untied"])
-def test_mapping_lines_up_with_megatron_tp_shards(cfg):
+def check_lines_up(full: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
     """HF tensors as TensorRT-LLM's TP workers slice them hold exactly megatron's TP shards
     (same heads, same gate/up rows), and megatron's shards read back from them, at TP 1, 2, 4."""
-    full = megatron_full(cfg, 0)
     hf = hf_weights(full, cfg)
     model_type = hf_model_type(cfg)
     assert ("lm_head.weight" in hf) == (not cfg.tie_embeddings)
@@ -91,6 +89,29 @@ def test_mapping_lines_up_with_megatron_tp_shards(cfg):
                 got = read_shard(src, cfg, model_type, lambda n, dm, a, b: hf[n] if dm is None else hf[n].narrow(dm, a, b - a),
                                  tuple(want.shape), dim, tp, r)
                 assert torch.equal(got, want), (name, tp, r)
+
+
+@pytest.mark.parametrize("cfg", [QWEN, LLAMA], ids=["qwen2-gqa-qkvbias-tied", "llama-mha-untied"])
+def test_mapping_lines_up_with_megatron_tp_shards(cfg):
+    check_lines_up(megatron_full(cfg, 0), cfg)
+
+
+def test_mapping_on_real_megatron_weights(tmp_path):
+    """build_gpt's real full state dict (Qwen2 style) maps with every name accounted for."""
+    code = ("import torch\n"
+            "from slurm_align.parallel.bootstrap import init_distributed\n"
+            "from slurm_align.parallel.layout import initialize_model_parallel\n"
+            "from slurm_align.models.gpt import build_gpt\n"
+            "from slurm_align.models.weights import full_state_dict\n"
+            "from tests.test_generation_trtllm import QWEN\n"
+            "pctx = initialize_model_parallel(init_distributed(), 1, 1)\n"
+            f"torch.save(full_state_dict(build_gpt(QWEN, pctx, seed=4), pctx), {str(tmp_path / 'full.pt')!r})\n")
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full = torch.load(tmp_path / "full.pt")
+    assert "output_layer.weight" not in full  # tied
+    check_lines_up(full, QWEN)
 
 
 def test_hf_config_names_the_pytorch_backend_architecture():
