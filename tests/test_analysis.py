@@ -9,8 +9,10 @@ import matplotlib.image
 import numpy as np
 import pytest
 import yaml
+from rich.console import Console
 
 from slurm_align.analysis.breakdown import compute_breakdown
+from slurm_align.analysis.commands import _breakdown_table, _per_step_tables
 from slurm_align.analysis.scaling import compute_scaling, efficiencies
 from slurm_align.analysis.trace_export import chrome_trace
 from slurm_align.cli import main
@@ -182,3 +184,48 @@ def test_scaling_report_hand_computed(tmp_path, capsys):
     assert_png(sweep / "scaling.png")
     assert main(["analyze", "scaling", str(tmp_path)]) == 2
     assert "not a sweep directory" in err_text(capsys)
+
+
+def test_component_phase_times_hand_computed(tmp_path):
+    b = compute_breakdown(read_traces(write_run(tmp_path / "run") / "traces.zarr").spans)
+    assert sorted(b.component_phase_s) == ["actor", "critic"]
+    actor = dict(zip(b.phases, b.component_phase_s["actor"][0]))
+    critic = dict(zip(b.phases, b.component_phase_s["critic"][0]))
+    assert actor["generate"] == pytest.approx(0.050) and actor["train"] == pytest.approx(0.040)
+    assert actor["critic_infer"] == 0 and critic["generate"] == 0
+    assert critic["critic_infer"] == pytest.approx(0.020) and critic["critic_train"] == pytest.approx(0.020)
+    np.testing.assert_allclose(b.percentile_phase_s(50)[b.phases.index("train")], 0.055)
+
+
+def test_summary_fits_100_columns_and_per_step_on_request(tmp_path, capsys):
+    # 20 steps: the per-step table that used to be the default would be far wider than 100 columns.
+    spans = [(c, r, s, p, 1000 * s + a, 1000 * s + e) for s in range(20) for c, r, _, p, a, e in SPANS[:8]]
+    run = write_run(tmp_path / "run", spans)
+    b = compute_breakdown(read_traces(run / "traces.zarr").spans)
+    console = Console(width=100, record=True)
+    console.print(_breakdown_table(b))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 100
+    for phase in b.phases:
+        assert f" {phase} " in text   # whole names, never "gener…"
+    assert "p50 s" in text and "max s" in text and "step 3" not in text
+    assert main(["analyze", "breakdown", str(run), "--no-plot", "--per-step"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"step {s} " in out for s in range(20))   # tables as wide as the console, all steps
+    tables = _per_step_tables(b, 100)
+    assert len(tables) > 1 and sum(len(t.columns) - 1 for t in tables) == 20
+    console = Console(width=100, record=True)
+    for t in tables:
+        console.print(t)
+    assert max(len(line) for line in console.export_text().splitlines()) <= 100
+
+
+def test_bars_per_component_and_timeline_png(tmp_path, capsys):
+    run = write_run(tmp_path / "run")
+    assert main(["analyze", "breakdown", str(run), "--timeline-step", "0"]) == 0
+    assert_png(run / "reports" / "breakdown.png")
+    assert_png(run / "reports" / "timeline_step0.png")
+    assert "timeline:" in err_text(capsys)
+    assert main(["analyze", "breakdown", str(run), "--timeline-step", "7"]) == 2
+    err = err_text(capsys)
+    assert "--timeline-step" in err and "not an analysed step" in err

@@ -8,6 +8,8 @@ Definitions (per step s; a "rank" is one (component, rank) pair):
   busy_r,s        = length of the union of rank r's spans in s (nested spans are not counted twice).
   idle_r,s        = T_s − busy_r,s; the `idle` phase of a step is the max over ranks of idle_r,s.
   means           = plain means over the steps analysed; share_p = mean P_p / mean T.
+  component time  = the phase times above over one component's ranks only (C_c,s,p), so the
+                    actor's and the critic's phases can be drawn side by side.
 Phase times of ranks that run concurrently (actor and critic) overlap, so the phases of one step
 may add up to more than T_s.
 """
@@ -34,6 +36,12 @@ class Breakdown:
     """[steps] step time in seconds."""
     idle_s: dict[str, np.ndarray] = field(default_factory=dict)
     """'component/rankN' -> [steps] idle seconds of that rank."""
+    component_phase_s: dict[str, np.ndarray] = field(default_factory=dict)
+    """component -> [steps, phases] seconds, max over that component's ranks (no idle column value)."""
+
+    def percentile_phase_s(self, q: float) -> np.ndarray:
+        """[phases] the q-th percentile over steps (50: the median)."""
+        return np.percentile(self.phase_s, q, axis=0) if len(self.steps) else np.full(len(self.phases), np.nan)
 
     @property
     def mean_step_s(self) -> float:
@@ -85,6 +93,7 @@ def compute_breakdown(spans: np.ndarray, name: str = "run", skip_steps: int = 0)
     phase_s = np.zeros((len(steps), len(phases)))
     step_s = np.zeros(len(steps))
     idle = {f"{c}/rank{r}": np.zeros(len(steps)) for c, r in rank_keys}
+    by_comp = {c: np.zeros((len(steps), len(phases))) for c in sorted({c for c, _ in rank_keys})}
     for i, step in enumerate(steps):
         sel = spans[spans["step"] == step]
         per_rank = {}
@@ -98,8 +107,9 @@ def compute_breakdown(spans: np.ndarray, name: str = "run", skip_steps: int = 0)
                 dur = (mine["end_ns"] - mine["start_ns"])[mine["phase"] == phase].sum() / 1e9
                 j = col[str(phase)]
                 phase_s[i, j] = max(phase_s[i, j], dur)
+                by_comp[comp][i, j] = max(by_comp[comp][i, j], dur)
         for (comp, rank), mine in per_rank.items():
             gap = step_s[i] - _union_length(mine["start_ns"], mine["end_ns"]) / 1e9
             idle[f"{comp}/rank{rank}"][i] = gap
             phase_s[i, col[IDLE]] = max(phase_s[i, col[IDLE]], gap)
-    return Breakdown(name, steps, phases, phase_s, step_s, idle)
+    return Breakdown(name, steps, phases, phase_s, step_s, idle, by_comp)

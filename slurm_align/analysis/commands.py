@@ -8,10 +8,21 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
 from slurm_align.analysis.breakdown import Breakdown, compute_breakdown
+from slurm_align.analysis.plots import plot_breakdown, plot_scaling, plot_timeline
+from slurm_align.analysis.runs import load_run
+from slurm_align.analysis.scaling import compute_scaling
+from slurm_align.analysis.trace_export import write_chrome_trace
+from slurm_align.config import load_profile, load_run_config
+from slurm_align.config.errors import ConfigError
+from slurm_align.profiling.phases import phase_order
+from slurm_align.rundir import new_run_dir
+from slurm_align.slurm.render import Entry
+from slurm_align.slurm.sweep import parse_nodes, start_sweep
 
 console = Console(stderr=True)
 
@@ -22,20 +33,40 @@ def _stdout() -> Console:
 
 
 def _breakdown_table(b: Breakdown) -> Table:
-    t = Table(title=f"{b.name}: step time {b.mean_step_s:.3f} s (mean of {len(b.steps)} step(s), max over ranks)")
-    t.add_column("phase")
-    for s in b.steps:
-        t.add_column(f"step {s}", justify="right")
-    t.add_column("mean s", justify="right")
-    t.add_column("share", justify="right")
+    """Summary over the steps, one row per phase: fits a 100-column terminal whatever the steps."""
+    t = Table(title=f"{b.name}: {b.mean_step_s:.3f} s per step ({len(b.steps)} steps)",
+              caption="seconds, max over ranks")
+    t.add_column("phase", no_wrap=True)
+    for col in ("mean s", "p50 s", "max s", "share"):
+        t.add_column(col, justify="right", no_wrap=True)
+    p50, top = b.percentile_phase_s(50), b.phase_s.max(axis=0)
     for j, p in enumerate(b.phases):
-        t.add_row(p, *[f"{v:.3f}" for v in b.phase_s[:, j]], f"{b.mean_phase_s[j]:.3f}", f"{100 * b.share[j]:.1f}%")
-    t.add_row("[bold]step", *[f"{v:.3f}" for v in b.step_s], f"[bold]{b.mean_step_s:.3f}", "100%")
+        t.add_row(p, f"{b.mean_phase_s[j]:.3f}", f"{p50[j]:.3f}", f"{top[j]:.3f}", f"{100 * b.share[j]:.1f}%")
+    t.add_row("[bold]step", f"[bold]{b.mean_step_s:.3f}", f"{np.median(b.step_s):.3f}", f"{b.step_s.max():.3f}",
+              "100%")
     return t
 
 
+def _per_step_tables(b: Breakdown, width: int) -> list[Table]:
+    """Every step as a column (--per-step), in as many tables as the console's width needs."""
+    name_w = max(len(p) for p in [*b.phases, "phase"]) + 3
+    per_table = max(1, (width - name_w - 1) // (len(f"step {int(b.steps[-1])}") + 3))
+    tables = []
+    for lo in range(0, len(b.steps), per_table):
+        cols = slice(lo, lo + per_table)
+        t = Table(title=f"{b.name}: seconds per step (max over ranks)" if lo == 0 else None)
+        t.add_column("phase", no_wrap=True)
+        for s in b.steps[cols]:
+            t.add_column(f"step {s}", justify="right", no_wrap=True)
+        for j, p in enumerate(b.phases):
+            t.add_row(p, *[f"{v:.3f}" for v in b.phase_s[cols, j]])
+        t.add_row("[bold]step", *[f"{v:.3f}" for v in b.step_s[cols]])
+        tables.append(t)
+    return tables
+
+
 def _idle_table(b: Breakdown) -> Table:
-    t = Table(title=f"{b.name}: idle per rank (step time minus busy spans)")
+    t = Table(title=f"{b.name}: idle per rank (step time - busy)")
     t.add_column("rank")
     t.add_column("mean idle s", justify="right")
     t.add_column("share", justify="right")
@@ -45,7 +76,6 @@ def _idle_table(b: Breakdown) -> Table:
 
 
 def _compare_table(bs: list[Breakdown]) -> Table:
-    from slurm_align.profiling.phases import phase_order
     phases = phase_order({p for b in bs for p in b.phases})
     t = Table(title="mean seconds per step (max over ranks); share of step in brackets")
     t.add_column("phase")
@@ -75,8 +105,6 @@ def _csv(rows: list[dict]) -> str:
 
 
 def cmd_breakdown(args) -> int:
-    from slurm_align.analysis.plots import plot_breakdown
-    from slurm_align.analysis.runs import load_run
     dirs = [Path(args.run_dir), *[Path(p) for p in (args.compare or [])]]
     runs = [load_run(d, allow_incomplete=args.allow_incomplete, console=console) for d in dirs]
     names = [r.name for r in runs]
@@ -84,8 +112,11 @@ def cmd_breakdown(args) -> int:
         names = [str(r.run_dir) for r in runs]
     bs = [compute_breakdown(r.spans, name=n, skip_steps=args.skip_steps) for r, n in zip(runs, names)]
     if any(not len(b.steps) for b in bs):
-        from slurm_align.config.errors import ConfigError
         raise ConfigError.at("--skip-steps", args.skip_steps, "leaves no step to analyse")
+    step = int(bs[0].steps[-1]) if args.timeline_step is None else args.timeline_step
+    if step not in bs[0].steps:
+        raise ConfigError.at("--timeline-step", step, f"not an analysed step "
+                             f"({int(bs[0].steps[0])}..{int(bs[0].steps[-1])})")
     if args.format == "json":
         print(json.dumps([b.to_dict() for b in bs] if len(bs) > 1 else bs[0].to_dict(), indent=1))
     elif args.format == "csv":
@@ -97,6 +128,9 @@ def cmd_breakdown(args) -> int:
         out = _stdout()
         if len(bs) == 1:
             out.print(_breakdown_table(bs[0]))
+            if args.per_step:
+                for table in _per_step_tables(bs[0], out.width):
+                    out.print(table)
             out.print(_idle_table(bs[0]))
         else:
             out.print(_compare_table(bs))
@@ -105,12 +139,14 @@ def cmd_breakdown(args) -> int:
     if not args.no_plot:
         plot_breakdown(bs, png)
         console.print(f"chart: {png}", highlight=False)
+        if len(bs) == 1:
+            timeline = png.with_name(f"timeline_step{step}.png")
+            plot_timeline(runs[0].spans, step, timeline, f"{bs[0].name}, step {step}: spans per component and rank")
+            console.print(f"timeline: {timeline}", highlight=False)
     return 0
 
 
 def cmd_trace(args) -> int:
-    from slurm_align.analysis.runs import load_run
-    from slurm_align.analysis.trace_export import write_chrome_trace
     run = load_run(args.run_dir, allow_incomplete=args.allow_incomplete, console=console)
     spans = run.spans if args.allow_incomplete else run.table.spans
     n = write_chrome_trace(spans, Path(args.output), run.name)
@@ -135,8 +171,6 @@ def _scaling_table(report) -> Table:
 
 
 def cmd_scaling(args) -> int:
-    from slurm_align.analysis.plots import plot_scaling
-    from slurm_align.analysis.scaling import compute_scaling
     report = compute_scaling(args.sweep_dir, allow_incomplete=args.allow_incomplete,
                              skip_steps=args.skip_steps, console=console)
     if args.format == "json":
@@ -153,10 +187,6 @@ def cmd_scaling(args) -> int:
 
 
 def cmd_sweep(args) -> int:
-    from slurm_align.config import load_profile, load_run_config
-    from slurm_align.rundir import new_run_dir
-    from slurm_align.slurm.render import Entry
-    from slurm_align.slurm.sweep import parse_nodes, start_sweep
     run = load_run_config(args.config, args.overrides)
     profile = load_profile(args.profile)
     nodes = parse_nodes(args.nodes)
@@ -188,6 +218,9 @@ def register(sub) -> None:
     p = asub.add_parser("breakdown", help="step time per phase (max over ranks), idle per rank, chart")
     p.add_argument("run_dir", metavar="RUN_DIR")
     p.add_argument("--compare", nargs="+", metavar="RUN", help="more runs side by side (ablation view)")
+    p.add_argument("--per-step", action="store_true", help="also a table with every step as a column")
+    p.add_argument("--timeline-step", type=int, default=None,
+                   help="step drawn as a swimlane timeline (default: the last one analysed)")
     common(p)
     p.set_defaults(func=cmd_breakdown)
 

@@ -1,4 +1,5 @@
-"""PNG charts: stacked per-phase bars (per step or per run) and the scaling curve against ideal."""
+"""PNG charts: per-component phase bars (per step or per run), a swimlane timeline of one step, and
+the scaling curve against ideal."""
 
 from __future__ import annotations
 
@@ -29,40 +30,112 @@ def phase_colors(names: Sequence[str]) -> dict[str, tuple]:
     return colors
 
 
-def _stacked(ax, labels: list[str], phases: list[str], values: np.ndarray, totals: np.ndarray) -> None:
+def _mean_component(b: "Breakdown", comp: str, phases: list[str]) -> np.ndarray:
+    """[phases] mean seconds per step of one component, in the given phase order."""
+    values = b.component_phase_s.get(comp)
+    if values is None or not len(values):
+        return np.zeros(len(phases))
+    mean = values.mean(axis=0)
+    return np.array([mean[b.phases.index(p)] if p in b.phases else 0.0 for p in phases])
+
+
+def _component_bars(ax, labels: list[str], phases: list[str], per_comp: dict[str, np.ndarray],
+                    totals: np.ndarray) -> None:
+    """One stacked bar per component per label, side by side: each stacks its own component's
+    phases (concurrent components overlap in time, so their phases are never stacked together);
+    the black line across a group is the step time."""
     colors = phase_colors(phases)
+    comps = list(per_comp)
+    width = 0.8 / len(comps)
     x = np.arange(len(labels))
-    bottom = np.zeros(len(labels))
-    for j, phase in enumerate(phases):
-        if not np.any(values[:, j]):
-            continue
-        ax.bar(x, values[:, j], bottom=bottom, color=colors[phase], label=phase, width=0.7)
-        bottom += values[:, j]
-    ax.scatter(x, totals, marker="_", s=600, color="black", zorder=3, label="step time")
-    ax.set_xticks(x, labels, rotation=30 if len(labels) > 8 else 0, ha="right" if len(labels) > 8 else "center")
-    ax.set_ylabel("seconds (max over ranks)")
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    drawn: set[str] = set()
+    for k, comp in enumerate(comps):
+        pos = x - 0.4 + width * (k + 0.5)
+        bottom = np.zeros(len(labels))
+        values = per_comp[comp]
+        for j, phase in enumerate(phases):
+            if phase == IDLE or not np.any(values[:, j]):
+                continue
+            ax.bar(pos, values[:, j], bottom=bottom, width=width * 0.92, color=colors[phase],
+                   label=None if phase in drawn else phase, edgecolor="white", linewidth=0.3)
+            drawn.add(phase)
+            bottom += values[:, j]
+        if len(labels) <= 12:   # name the bars while there is room; the legend says the order
+            for p_, top in zip(pos, bottom):
+                ax.text(p_, top, comp[0].upper(), ha="center", va="bottom", fontsize=7, color="0.3")
+    ax.hlines(totals, x - 0.45, x + 0.45, colors="black", linewidth=1.5, label="step time", zorder=3)
+    step = max(1, len(labels) // 25)   # at most ~25 tick labels
+    ax.set_xticks(x[::step], [labels[i] for i in range(0, len(labels), step)])
+    ax.set_ylabel("seconds (max over a component's ranks)")
+    handles, names = ax.get_legend_handles_labels()
+    order = [names.index(p) for p in phases if p in names] + [names.index("step time")]
+    ax.legend([handles[i] for i in order], [names[i] for i in order], fontsize=8, loc="upper left",
+              bbox_to_anchor=(1.0, 1.0), title=" / ".join(f"{c[0].upper()}: {c}" for c in comps),
+              title_fontsize=8)
 
 
 def plot_breakdown(breakdowns: Sequence["Breakdown"], out: Path, per: str = "auto") -> Path:
-    """One bar per step (a single run) or one bar per run (several: the ablation view)."""
+    """Per step (one run) or per run (several: the ablation view): a bar for each component."""
     if per == "auto":
         per = "step" if len(breakdowns) == 1 else "run"
     phases = phase_order({p for b in breakdowns for p in b.phases})
+    comps = sorted({c for b in breakdowns for c in b.component_phase_s})
+
+    def column(b: "Breakdown", comp: str) -> np.ndarray:   # [steps, phases] in the common order
+        values = b.component_phase_s.get(comp, np.zeros((len(b.steps), len(b.phases))))
+        return np.stack([values[:, b.phases.index(p)] if p in b.phases else np.zeros(len(b.steps))
+                         for p in phases], axis=1)
+
     if per == "step":
         b = breakdowns[0]
-        values = np.stack([b.phase_s[:, b.phases.index(p)] for p in phases], axis=1)
+        per_comp = {c: column(b, c) for c in comps}
         labels, totals, title = [str(s) for s in b.steps], b.step_s, f"{b.name}: time per step"
     else:
-        values = np.array([[b.mean_phase_s[b.phases.index(p)] if p in b.phases else 0.0 for p in phases]
-                           for b in breakdowns])
+        per_comp = {c: np.stack([_mean_component(b, c, phases) for b in breakdowns]) for c in comps}
         labels = [b.name for b in breakdowns]
         totals = np.array([b.mean_step_s for b in breakdowns])
         title = "mean step time per run"
-    fig, ax = plt.subplots(figsize=(max(5.0, 0.5 * len(labels) + 4), 4))
-    _stacked(ax, labels, phases, values, totals)
+    fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 0.45 * len(labels) * len(comps) + 3)), 4.2))
+    _component_bars(ax, labels, phases, per_comp, totals)
     ax.set_title(title)
     ax.set_xlabel("step" if per == "step" else "run")
+    return _save(fig, out)
+
+
+def plot_timeline(spans: np.ndarray, step: int, out: Path, title: str = "") -> Path:
+    """Swimlanes of one step: a lane per component and rank, each span a box coloured by phase,
+    seconds from the step's first span. Overlap between the actor and the critic shows at a glance."""
+    sel = spans[spans["step"] == step]
+    if not len(sel):
+        raise ValueError(f"step {step} has no spans")
+    t0 = sel["start_ns"].min()
+    lanes = sorted({(str(c), int(r)) for c, r in zip(sel["component"], sel["rank"])})
+    phases = phase_order(np.unique(sel["phase"]).tolist())
+    colors = phase_colors(phases)
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(lanes) + 1.6))
+    for y, (comp, rank) in enumerate(lanes):
+        mine = sel[(sel["component"] == comp) & (sel["rank"] == rank)]
+        # Longer spans first, so a span nested in another is drawn on top of it.
+        for sp in mine[np.argsort(-(mine["end_ns"] - mine["start_ns"]), kind="stable")]:
+            a, b = (sp["start_ns"] - t0) / 1e9, (sp["end_ns"] - t0) / 1e9
+            nested = np.any((mine["start_ns"] <= sp["start_ns"]) & (mine["end_ns"] >= sp["end_ns"])
+                            & ((mine["end_ns"] - mine["start_ns"]) > (sp["end_ns"] - sp["start_ns"])))
+            h = 0.5 if nested else 0.8
+            ax.broken_barh([(a, b - a)], (y - h / 2, h), facecolors=colors[str(sp["phase"])],
+                           edgecolors="black", linewidth=0.4)
+    ax.set_yticks(range(len(lanes)), [f"{c} {r}" for c, r in lanes])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"seconds since the step's first span (step {step})")
+    ax.set_xlim(0, (sel["end_ns"].max() - t0) / 1e9 * 1.01)
+    ax.grid(axis="x", color="0.9")
+    ax.set_axisbelow(True)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[p]) for p in phases]
+    ax.legend(handles, phases, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    ax.set_title(title or f"step {step}: spans per component and rank")
+    return _save(fig, out)
+
+
+def _save(fig, out: Path) -> Path:
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")
@@ -85,17 +158,13 @@ def plot_scaling(report: "ScalingReport", out: Path) -> Path:
         left.set_xscale("log", base=2)
         left.set_xticks(nodes, [str(int(n)) for n in nodes])
         phases = phase_order({ph for p in pts for ph in p.breakdown.phases})
-        values = np.array([[p.breakdown.mean_phase_s[p.breakdown.phases.index(ph)]
-                            if ph in p.breakdown.phases else 0.0 for ph in phases] for p in pts])
-        _stacked(right, [f"{p.nodes} node(s)" for p in pts], phases, values,
-                 np.array([p.step_s for p in pts]))
+        comps = sorted({c for p in pts for c in p.breakdown.component_phase_s})
+        per_comp = {c: np.array([_mean_component(p.breakdown, c, phases) for p in pts]) for c in comps}
+        _component_bars(right, [f"{p.nodes} node(s)" for p in pts], phases, per_comp,
+                        np.array([p.step_s for p in pts]))
     left.set_xlabel("actor nodes")
     left.set_ylabel("samples / s")
     left.set_title(f"{report.mode} scaling")
     left.legend(fontsize=8)
-    right.set_title("mean step time split by phase")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return out
+    right.set_title("mean step time by component and phase")
+    return _save(fig, out)
