@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,8 @@ import pytest
 from slurm_align.models import te_names
 
 REPO = Path(__file__).resolve().parents[1]
-FIXTURE = json.loads((REPO / "tests/fixtures/gpu_api.json").read_text())
+# GPU_API_FIXTURE: signatures extracted from installed packages instead (run_gpu_checks.sh).
+FIXTURE = json.loads(Path(os.environ.get("GPU_API_FIXTURE", REPO / "tests/fixtures/gpu_api.json")).read_text())
 OBJECTS = {k: v for pkg in FIXTURE.values() for k, v in pkg["objects"].items()}
 ALIASES = {k: v for pkg in FIXTURE.values() for k, v in pkg["aliases"].items()}
 CHECKED_PACKAGES = ("tensorrt_llm", "transformer_engine")  # every call into these must be in the fixture
@@ -189,3 +191,41 @@ def test_te_names_match_transformer_engine_and_megatron():
     assert provider["returns"] == ["TELayerNormColumnParallelLinear"]
     assert OBJECTS["megatron.core.extensions.transformer_engine.TELayerNormColumnParallelLinear"]["bases"] == \
         ["te.pytorch.LayerNormLinear"]
+
+
+def test_megatron_part_of_the_fixture_is_what_extract_api_reads_now():
+    """The committed megatron-core signatures are the installed 0.16.1's, read with ast."""
+    from tests.gpu import extract_api
+
+    assert extract_api.main(["--package", "megatron=installed", "--check"]) == 0
+
+
+def test_extract_api_reads_signatures_fields_and_flags_a_change(tmp_path):
+    from tests.gpu import extract_api
+
+    pkg = tmp_path / "tree" / "tensorrt_llm"
+    (pkg / "llmapi").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .llmapi.llm import LLM\n")
+    (pkg / "llmapi" / "__init__.py").write_text("")
+    (pkg / "llmapi" / "llm.py").write_text(
+        "class Base:\n    def generate(self, inputs, sampling_params=None, *, use_tqdm: bool = True): ...\n"
+        "class LLM(Base):\n    def __init__(self, model, dtype='auto', **kwargs): ...\n")
+    (pkg / "llmapi" / "llm_args.py").write_text(
+        "class Base(StrictBaseModel):\n    model: str = Field(description='x')\n    max_seq_len: int = Field(default=None)\n"
+        "class TorchLlmArgs(Base):\n    enable_sleep: bool = False\n    _private: int = 0\n    kind: ClassVar[str] = 'x'\n")
+    src = extract_api.Source("tensorrt_llm", str(tmp_path / "tree"))
+    assert extract_api.extract(src, "tensorrt_llm.llmapi.llm.LLM.generate", ("callable",)) == {
+        "params": [{"name": "inputs", "kind": "positional", "required": True},
+                   {"name": "sampling_params", "kind": "positional", "required": False},
+                   {"name": "use_tqdm", "kind": "keyword_only", "required": False}],
+        "var_positional": False, "var_keyword": False}
+    fields = extract_api.extract(src, "tensorrt_llm.llmapi.llm_args.TorchLlmArgs", ("fields",))["fields"]
+    assert fields == [{"name": "model", "required": True}, {"name": "max_seq_len", "required": False},
+                      {"name": "enable_sleep", "required": False}]
+    assert extract_api.reexported(src, "tensorrt_llm.LLM") and not extract_api.reexported(src, "tensorrt_llm.Other")
+    # --check fails when the package no longer matches the fixture
+    changed = json.loads(json.dumps(FIXTURE))
+    key = "megatron.core.tensor_parallel.random.model_parallel_cuda_manual_seed"
+    changed["megatron"]["objects"][key]["params"][0]["name"] = "random_seed"
+    (tmp_path / "fixture.json").write_text(json.dumps(changed))
+    assert extract_api.main(["--package", "megatron=installed", "--check", "--out", str(tmp_path / "fixture.json")]) == 1

@@ -68,14 +68,20 @@ if ! "$PY" -c 'import importlib.util as u, sys; sys.exit(not u.find_spec("tensor
     run 240 "${PIP[@]}" "tensorrt-llm==1.2.1" "ray[default]" || say "tensorrt-llm not installable from here"
 fi
 
-# --- 2. API fixture against the installed packages --------------------------------------
+# --- 2. our GPU-only calls against the installed packages' signatures ---------------------
+# Differences from the committed fixture are reported; what fails is a call of ours that the
+# installed package would reject (the conformance test run on signatures extracted from it).
+installed_api=$(mktemp --suffix=.json)
+cp tests/fixtures/gpu_api.json "$installed_api"
 for pkg in tensorrt_llm transformer_engine megatron; do
     if "$PY" -c "import importlib.util as u, sys; sys.exit(not u.find_spec('$pkg'))"; then
-        say "extract_api --check $pkg"
-        run 60 "$PY" tests/gpu/extract_api.py --package "$pkg=installed" --check || failures+=("api $pkg")
-        tail -n 5 "$LOG"
+        say "extract_api $pkg (installed)"
+        run 60 "$PY" tests/gpu/extract_api.py --package "$pkg=installed" --check || say "$pkg differs from the fixture (see $LOG)"
+        run 60 "$PY" tests/gpu/extract_api.py --package "$pkg=installed" --out "$installed_api" || failures+=("extract $pkg")
     fi
 done
+GPU_API_FIXTURE=$installed_api run 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_api_conformance.py \
+    || failures+=("our calls vs installed packages")
 
 # --- 3. gpu-marked tests -----------------------------------------------------------------
 say "pytest -m gpu"
