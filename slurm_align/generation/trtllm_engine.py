@@ -105,8 +105,6 @@ def model_config_of(shape: GptShape | ModelConfig) -> ModelConfig:
     arch = {f: getattr(shape, f) for f in ("position_embedding", "rotary_base", "rope_scaling", "normalization",
                                           "activation", "num_query_groups", "kv_channels", "add_bias_linear",
                                           "add_qkv_bias", "tie_embeddings") if hasattr(shape, f)}
-    if hasattr(arch.get("rope_scaling"), "__dataclass_fields__"):
-        arch["rope_scaling"] = {f.name: getattr(arch["rope_scaling"], f.name) for f in fields(arch["rope_scaling"])}
     return ModelConfig(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
                        num_attention_heads=shape.num_attention_heads, ffn_hidden_size=shape.ffn_hidden_size,
                        vocab_size=shape.vocab_size, max_seq_len=shape.max_seq_len,
@@ -188,10 +186,9 @@ class TrtllmEngine:
 
         weights = hf_weights(full_state_dict, self.model_cfg)  # CPU or device views, full precision
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        uuid = get_device_uuid(index)
-        visible = f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+        uuid = get_device_uuid(index)  # "GPU-<uuid>": the workers' key, and a CUDA_VISIBLE_DEVICES entry
         if not self._loaded:  # first refit, or after free(): the requester creates the LLM
-            uuids = self.comm.allgather(visible) if self.comm is not None else [visible]
+            uuids = self.comm.allgather(uuid) if self.comm is not None else [uuid]
             if self.is_requester:
                 self._llm = self._create_llm(uuids)
         budget = self.options.bucket_mib << 20
