@@ -1,11 +1,14 @@
 """Rank program for tests/test_generation_hf.py (one process, TP=PP=1; not a test).
 
     python tests/arch_generation_worker.py OUT_DIR NAME...
+    python tests/arch_generation_worker.py OUT_DIR --hf FOLDER...
 
 For each architecture NAME of ARCHS: build the megatron-core model with build_gpt, set every
 weight from a function of its name, refit the KV-cache and naive engines from the training
 model (refit_from_training), generate greedily and with seeded sampling, and score the greedy
 responses with the training forward. Saves OUT_DIR/NAME.pt.
+With --hf: each Hugging Face FOLDER is imported (build_gpt with model.hf_path), the engines are
+refitted from it and generate greedily from OUT_DIR/prompts.pt; saves OUT_DIR/<folder name>.pt.
 """
 
 from __future__ import annotations
@@ -70,10 +73,29 @@ def scored(chunks, pctx, cfg: ModelConfig, prm, out) -> tuple[torch.Tensor, torc
     return ref_lp, ref_arg
 
 
+def imported(pctx, out_dir: Path, folders: list[str]) -> None:
+    from slurm_align.models.gpt import build_gpt
+
+    prm = torch.load(out_dir / "prompts.pt")
+    for folder in map(Path, folders):
+        cfg = ModelConfig(hf_path=folder, max_seq_len=64)
+        chunks = build_gpt(cfg, pctx, seed=11)
+        shape = GptShape.from_model_config(cfg)
+        engine, naive = KVCacheEngine(shape), NaiveEngine(shape)
+        refit_from_training(engine, chunks, pctx, refold=True)
+        refit_from_training(naive, chunks, pctx, refold=True)
+        greedy = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0)
+        torch.save({"greedy": engine.generate(prm, greedy).response_tokens,
+                    "naive": naive.generate(prm, greedy).response_tokens}, out_dir / f"{folder.name}.pt")
+
+
 def main(out_dir: Path, names: list[str]) -> None:
     from slurm_align.models.gpt import build_gpt
 
     pctx = initialize_model_parallel(init_distributed(), 1, 1)
+    if names[0] == "--hf":
+        imported(pctx, out_dir, names[1:])
+        names = []
     for name in names:
         cfg = ARCHS[name]
         chunks = build_gpt(cfg, pctx, seed=11)

@@ -76,3 +76,59 @@ def test_state_dict_names_follow_the_architecture():
     sd.pop("decoder.layers.0.self_attention.linear_qkv.bias")
     with pytest.raises(GenerationError, match="missing.*linear_qkv.bias"):
         make_engine("naive", llama).refit(sd)
+
+
+# --- 2. imported Hugging Face models against transformers' generate -------------------------
+HF_SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=250,
+                max_position_embeddings=128, bos_token_id=None, eos_token_id=None, initializer_range=0.3)
+
+
+def make_hf_models(root: Path) -> dict[str, Path]:
+    """Tiny random models (large init: peaked logits, greedy far from ties), saved as a Hub
+    folder is: config.json + safetensors."""
+    t = pytest.importorskip("transformers")
+    llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+    models = {
+        "llama": t.LlamaForCausalLM(t.LlamaConfig(**HF_SHAPE, num_attention_heads=8, num_key_value_heads=2,
+                                                  rope_parameters=llama3)),
+        "qwen2": t.Qwen2ForCausalLM(t.Qwen2Config(**HF_SHAPE, num_attention_heads=4, num_key_value_heads=2,
+                                                  tie_word_embeddings=True)),
+        "mistral": t.MistralForCausalLM(t.MistralConfig(**HF_SHAPE, num_attention_heads=4, num_key_value_heads=1,
+                                                        head_dim=24, sliding_window=None)),
+        "gpt2": t.GPT2LMHeadModel(t.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=250, n_positions=128,
+                                               bos_token_id=None, eos_token_id=None, initializer_range=0.3)),
+    }
+    out = {}
+    g = torch.Generator().manual_seed(7)
+    for name, model in models.items():
+        with torch.no_grad():   # norms and biases away from 1 and 0, as a trained model's
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+        out[name] = root / name
+        model.save_pretrained(out[name])
+    return out
+
+
+def test_imported_models_generate_as_transformers(tmp_path: Path):
+    t = pytest.importorskip("transformers")
+    folders = make_hf_models(tmp_path / "models")
+    g = torch.Generator().manual_seed(5)
+    prm = [torch.randint(0, 250, (n,), generator=g) for n in (6, 1, 11, 3)]
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save(prm, out / "prompts.pt")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(WORKER), str(out), "--hf", *map(str, folders.values())], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name, folder in folders.items():
+        ours = torch.load(out / f"{name}.pt")
+        model = t.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        for i, p in enumerate(prm):
+            with torch.no_grad():
+                want = model.generate(p[None], attention_mask=torch.ones(1, p.numel(), dtype=torch.long),
+                                      do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
+            want = want[0, p.numel():]
+            assert torch.equal(ours["greedy"][i], want), f"{name} prompt {i}: {ours['greedy'][i]} != {want}"
+            assert torch.equal(ours["naive"][i], want), f"{name} prompt {i} (naive)"
