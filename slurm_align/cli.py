@@ -7,7 +7,11 @@ import sys
 
 from rich.console import Console
 
+from slurm_align.algorithms import commands as algorithm_commands
+from slurm_align.analysis import commands as analysis_commands
 from slurm_align.config.errors import ConfigError
+from slurm_align.models.hf import commands as hf_commands
+from slurm_align.slurm import commands as slurm_commands
 
 console = Console(stderr=True)
 
@@ -18,18 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Slurm-native RLHF: PPO as one actor+critic heterogeneous job, SFT/RM/DPO jobs, "
                     "step-time breakdowns and scaling sweeps.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    # Imported here so `slurm-align --help` stays fast and each area owns its commands.
-    from slurm_align.slurm import commands as slurm_commands
-    slurm_commands.register(sub)
-    for module in ("slurm_align.algorithms.commands", "slurm_align.analysis.commands",
-                   "slurm_align.models.hf.commands"):
-        try:
-            mod = __import__(module, fromlist=["register"])
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
-        mod.register(sub)
+    for area in (slurm_commands, algorithm_commands, analysis_commands, hf_commands):
+        area.register(sub)   # each area owns its subcommands
     return parser
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 from rich.console import Console
 
+from slurm_align.config import load_run_config
 from slurm_align.config.errors import ConfigError
 from slurm_align.rundir import RunDir
 from slurm_align.store.traces import TraceTable, drop_incomplete_steps, read_traces
@@ -52,7 +53,6 @@ def load_run(path: str | Path, *, allow_incomplete: bool = False, console: Conso
                                "start? see logs/)"], rd.root)
     config = None
     if rd.is_run_dir():
-        from slurm_align.config import load_run_config
         try:
             config = load_run_config(rd.config)
         except ConfigError as e:

@@ -31,6 +31,7 @@ from slurm_align.config.run import RunConfig
 from slurm_align.rundir import RunDir, write_atomic
 from slurm_align.slurm import state as job_state
 from slurm_align.slurm.capacity import check_fits_cluster
+from slurm_align.slurm.executor import HetjobExecutor
 from slurm_align.slurm.render import Entry, render_script
 
 
@@ -249,7 +250,6 @@ def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow
         record = JobRecord("local", f"local-{popen.pid}", str(rd.root), list(run.components), profile.name,
                            pid=popen.pid)
     else:
-        from slurm_align.slurm.executor import HetjobExecutor
         job = HetjobExecutor(rd.root / "submitit", script).submit_script()
         record = JobRecord("slurm", str(job.job_id), str(rd.root), list(run.components), profile.name)
     record.save()

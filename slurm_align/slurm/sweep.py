@@ -29,6 +29,9 @@ from slurm_align.config.run import RunConfig
 from slurm_align.rundir import write_atomic
 from slurm_align.slurm import state as job_state
 from slurm_align.slurm.capacity import check_fits_cluster
+from slurm_align.slurm.launch import launch_run
+from slurm_align.slurm.render import Entry
+from slurm_align.slurm.status import failing_rank
 
 MANIFEST = "sweep.json"
 FORMAT = "slurm-align-sweep/1"
@@ -183,8 +186,6 @@ def run_sweep(points: list[SweepPoint], manifest: Manifest, *, entry=None, max_c
               console: Console | None = None, poll_s: float = 1.0) -> Manifest:
     """Launch every point (at most max_concurrent at once), follow them to the end, keep the
     manifest current. Returns the manifest; failed points carry their error."""
-    from slurm_align.slurm.launch import launch_run
-    from slurm_align.slurm.render import Entry
     console = console or Console(stderr=True)
     limit = max_concurrent or len(points)
     jobs: dict[int, object] = {}
@@ -231,7 +232,6 @@ def run_sweep(points: list[SweepPoint], manifest: Manifest, *, entry=None, max_c
 def _failure_note(job, state: str, run_dir: Path) -> str:
     """What the manifest keeps about a point that did not complete: its state, the component
     and rank that failed first with the last line of its log, and where the logs are."""
-    from slurm_align.slurm.status import failing_rank   # deferred: only for failed points
     note = state
     if state == job_state.UNKNOWN:
         note += " (Slurm no longer knows the job)"
