@@ -1,8 +1,8 @@
 """Rollout store: RUN_DIR/rollouts.zarr, written by one rank, one row per PPO step.
 
 Each committed step is one row of two arrays (rows are padded; the index says how much of each
-row is valid), so appending a step is two concurrent array writes (usually one chunk file
-each) and then the commit, one row of the index:
+row is valid), so appending a step is two row writes (usually one chunk file each) and then
+the commit, one row of the index:
 
     tokens   int32   (steps, width)   prompt tokens (all samples, concatenated) | response tokens |
                                       per-sample prompt_length | length | rank | is_end
@@ -58,7 +58,8 @@ class RolloutStore:
                                     f"{fmt!r}, expected {FORMAT!r})")
         self._open_arrays: dict[str, zarr.Array] = {}
         index = group["index"][:]
-        n = int(np.argmin(index[:, -1])) if not index[:, -1].all() else len(index)   # leading committed rows
+        committed = index[:, -1] == 1
+        n = len(index) if committed.all() else int(np.argmin(committed))   # the leading committed rows
         self._index = index[:n]
 
     @classmethod
@@ -69,7 +70,7 @@ class RolloutStore:
         if "format" not in group.attrs:
             create(group, "index", (_INDEX_CHUNK, len(INDEX)), (_INDEX_CHUNK, len(INDEX)), np.int64)
             group.update_attributes({"format": FORMAT, "token_fields": list(TOKEN_FIELDS),
-                                "sample_ints": list(SAMPLE_INTS), "index_columns": list(INDEX)})
+                                     "sample_ints": list(SAMPLE_INTS), "index_columns": list(INDEX)})
         return cls(group, path)
 
     @classmethod
