@@ -15,7 +15,8 @@ import torch
 
 from slurm_align.config.run import ModelConfig
 from slurm_align.generation import GenerationError, GptShape, SamplingParams, make_engine
-from slurm_align.generation.trtllm_engine import TrtllmEngine, layer_buckets, model_config_of
+from slurm_align.generation.trtllm_engine import (TrtllmEngine, layer_buckets, model_config_of, physical_gpu,
+                                                  worker_environ)
 from slurm_align.generation.trtllm_mapping import hf_config, hf_model_type, hf_weights, trtllm_tp_slice
 from slurm_align.models.hf.mapping import read_shard, sources
 from slurm_align.models.weights import tp_shard
@@ -174,6 +175,22 @@ def test_refit_buckets_hold_whole_layers():
         for i in layers:  # a layer is never split across buckets
             assert all(n in b for n in hf if n.startswith(f"model.layers.{i}."))
     assert len(layer_buckets(list(hf), nbytes, budget=1 << 40)) == 1
+
+
+def test_ray_workers_get_the_replicas_gpus_and_no_launcher_variables(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")  # e.g. Slurm's binding for this task
+    monkeypatch.setenv("PMIX_RANK", "3")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("KEEP_ME", "1")
+    assert [physical_gpu(0), physical_gpu(1)] == ["4", "6"]
+    with worker_environ(["6", "7"]):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7" and os.environ["KEEP_ME"] == "1"
+        assert "PMIX_RANK" not in os.environ and "SLURM_PROCID" not in os.environ
+        os.environ["TLLM_DISABLE_MPI"] = "1"  # set by TensorRT-LLM while the LLM is made
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6" and os.environ["PMIX_RANK"] == "3"
+    assert os.environ.pop("TLLM_DISABLE_MPI") == "1"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert physical_gpu(1) == "1"
 
 
 def _result(ids, reason, logprobs=None):

@@ -22,9 +22,10 @@ load_format="dummy" (nothing read from disk); step 3 then puts the real weights 
 
 Why Ray: in 1.2 `_collective_rpc` (hence update_weights) is served only by the Ray
 orchestrator; the default MPI orchestrator has no path to push weights into its workers. Each
-requester starts a private local Ray instance that sees exactly its replica's GPUs
-(CUDA_VISIBLE_DEVICES by GPU UUID) and none of the job's MPI/PMIx/Slurm variables (a Ray worker
-importing tensorrt_llm would otherwise try to join the job's PMIx world). TP must fit in a node.
+requester starts a private local Ray instance, and creates the LLM (whose workers copy this
+process's environment), in an environment that shows exactly its replica's GPUs and none of
+the job's MPI/PMIx/Slurm variables (a worker importing tensorrt_llm would otherwise try to join
+the job's PMIx world): worker_environ. TP must fit in a node.
 
 generate: one SamplingParams per prompt (its per-sample seed), token ids in, no tokenizer; EOS
 is a stop token kept in the output and end_id is -1 (nothing else ends a sample), is_end =
@@ -111,17 +112,31 @@ def model_config_of(shape: GptShape | ModelConfig) -> ModelConfig:
                        norm_epsilon=getattr(shape, "norm_epsilon", shape.layernorm_epsilon), **arch)
 
 
+def physical_gpu(index: int) -> str:
+    """This process's cuda:<index> as its parent's ordinal (what CUDA_VISIBLE_DEVICES lists),
+    so that processes started with another environment find the same GPU."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return visible.split(",")[index].strip() if visible else str(index)
+
+
 @contextmanager
-def _environ(env: dict[str, str]) -> Iterator[None]:
-    """os.environ replaced by `env` for the block (child processes started in it inherit it)."""
+def worker_environ(gpus: list[str]) -> Iterator[None]:
+    """os.environ as Ray's daemons and TensorRT-LLM's Ray workers must get it (both copy this
+    process's environment): only the replica's GPUs visible, no launcher variables (a worker
+    importing tensorrt_llm would otherwise try to join the job's PMIx world). Variables that
+    TensorRT-LLM sets for itself inside the block (TLLM_DISABLE_MPI...) are kept after it."""
     saved = dict(os.environ)
+    inside = {k: v for k, v in saved.items() if not k.startswith(_LAUNCHER_ENV)}
+    inside["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     os.environ.clear()
-    os.environ.update(env)
+    os.environ.update(inside)
     try:
         yield
     finally:
+        added = {k: v for k, v in os.environ.items() if k not in inside and k != "CUDA_VISIBLE_DEVICES"}
         os.environ.clear()
         os.environ.update(saved)
+        os.environ.update(added)
 
 
 def layer_buckets(names: Sequence[str], nbytes: dict[str, int], budget: int) -> list[list[str]]:
@@ -186,11 +201,11 @@ class TrtllmEngine:
 
         weights = hf_weights(full_state_dict, self.model_cfg)  # CPU or device views, full precision
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-        uuid = get_device_uuid(index)  # "GPU-<uuid>": the workers' key, and a CUDA_VISIBLE_DEVICES entry
+        uuid = get_device_uuid(index)  # the key a worker looks its handles up by (its GPU's UUID)
         if not self._loaded:  # first refit, or after free(): the requester creates the LLM
-            uuids = self.comm.allgather(uuid) if self.comm is not None else [uuid]
+            gpus = self.comm.allgather(physical_gpu(index)) if self.comm is not None else [physical_gpu(index)]
             if self.is_requester:
-                self._llm = self._create_llm(uuids)
+                self._llm = self._create_llm(gpus)
         budget = self.options.bucket_mib << 20
         nbytes = {k: v.numel() * self.torch_dtype.itemsize for k, v in weights.items()}
         for names in layer_buckets(list(weights), nbytes, budget):
@@ -210,34 +225,25 @@ class TrtllmEngine:
         self._loaded = True
         return time.perf_counter() - t0
 
-    def _create_llm(self, uuids: list[str]) -> Any:
-        # Deferred: tensorrt_llm is an optional GPU-only package (see import_tensorrt_llm).
+    def _create_llm(self, gpus: list[str]) -> Any:
+        # Deferred: tensorrt_llm and ray are optional GPU-only packages (see import_tensorrt_llm).
+        import ray
         from tensorrt_llm import LLM
         from tensorrt_llm.llmapi import KvCacheConfig
 
-        self._start_ray(uuids)
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "config.json").write_text(json.dumps(hf_config(self.model_cfg), indent=1))
         kv = KvCacheConfig(free_gpu_memory_fraction=self.options.kv_cache_fraction, enable_block_reuse=False)
-        return LLM(model=str(self.workdir), skip_tokenizer_init=True, tensor_parallel_size=self.tp_size,
-                   dtype=self.options.dtype, orchestrator_type="ray", ray_worker_extension_cls=WORKER_EXTENSION,
-                   load_format="dummy", max_batch_size=self.options.max_batch_size,
-                   max_seq_len=self.shape.max_seq_len, kv_cache_config=kv,
-                   # veRL's finding: TensorRT-LLM's own all-reduce hurt convergence with several
-                   # rollout instances; NCCL's is the safe choice.
-                   allreduce_strategy="NCCL")
-
-    @staticmethod
-    def _start_ray(uuids: list[str]) -> None:
-        # Deferred: ray comes with the `trtllm` extra and is needed only here.
-        import ray
-
-        if ray.is_initialized():
-            return
-        env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_ENV)}
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)
-        with _environ(env):  # the Ray daemons (and so the workers) start with this environment
-            ray.init(address="local", num_gpus=len(uuids), include_dashboard=False, log_to_driver=False)
+        with worker_environ(gpus):
+            if not ray.is_initialized():  # a private instance (the LLM attaches to it, leaves it running)
+                ray.init(address="local", num_gpus=len(gpus), include_dashboard=False, log_to_driver=False)
+            return LLM(model=str(self.workdir), skip_tokenizer_init=True, tensor_parallel_size=self.tp_size,
+                       dtype=self.options.dtype, orchestrator_type="ray", ray_worker_extension_cls=WORKER_EXTENSION,
+                       load_format="dummy", max_batch_size=self.options.max_batch_size,
+                       max_seq_len=self.shape.max_seq_len, kv_cache_config=kv,
+                       # TensorRT-LLM's own all-reduce hurt convergence with several rollout
+                       # instances (its AsyncLLM forces NCCL for RL for that reason).
+                       allreduce_strategy="NCCL")
 
     def free(self) -> None:
         """Shut the LLM down (weights and KV cache); the next refit creates it again."""
