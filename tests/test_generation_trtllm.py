@@ -181,11 +181,12 @@ def test_ray_workers_get_the_replicas_gpus_and_no_launcher_variables(monkeypatch
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")  # e.g. Slurm's binding for this task
     monkeypatch.setenv("PMIX_RANK", "3")
     monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("MASTER_PORT", "29500")
     monkeypatch.setenv("KEEP_ME", "1")
     assert [physical_gpu(0), physical_gpu(1)] == ["4", "6"]
     with worker_environ(["6", "7"]):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "6,7" and os.environ["KEEP_ME"] == "1"
-        assert "PMIX_RANK" not in os.environ and "SLURM_PROCID" not in os.environ
+        assert not {"PMIX_RANK", "SLURM_PROCID", "MASTER_PORT"} & set(os.environ)
         os.environ["TLLM_DISABLE_MPI"] = "1"  # set by TensorRT-LLM while the LLM is made
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6" and os.environ["PMIX_RANK"] == "3"
     assert os.environ.pop("TLLM_DISABLE_MPI") == "1"

@@ -57,7 +57,9 @@ from slurm_align.generation.trtllm_mapping import hf_config, hf_model_type, hf_w
 
 PINNED_VERSION = "1.2.1"
 WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
-_LAUNCHER_ENV = ("PMI", "PMIX", "MPI", "OMPI", "SLURM")  # prefixes a Ray worker must not inherit
+# Prefixes a Ray worker must not inherit: the job's MPI/PMIx/Slurm world, and our rendezvous
+# (MASTER_ADDR/PORT), which TensorRT-LLM's workers set for their own process group.
+_LAUNCHER_ENV = ("PMI", "PMIX", "MPI", "OMPI", "SLURM", "MASTER_")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _LAYER_PREFIX_PARTS = 3  # "model.layers.N." groups a layer's tensors into one bucket
 
