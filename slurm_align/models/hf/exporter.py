@@ -31,7 +31,7 @@ from slurm_align.config.run import ModelConfig
 from slurm_align.models.checkpoint import MANIFEST, find_latest, iter_dir, load_weights, save_checkpoint, \
     verify_checkpoint
 from slurm_align.models.hf.config import SUPPORTED, export_model_type, hf_config_dict, read_hf_config
-from slurm_align.models.hf.loader import INDEX
+from slurm_align.models.hf.loader import INDEX, check_hf_folder
 from slurm_align.models.hf.mapping import sources, to_hf
 
 MAX_SHARD_BYTES = 5 * 1024**3
@@ -237,9 +237,13 @@ def import_hf(hf_dir: Path, out_dir: Path) -> Path:
     try:
         cfg = ModelConfig.model_validate({"hf_path": str(hf_dir)})
     except pydantic.ValidationError as e:
+        inner = (e.errors()[0].get("ctx") or {}).get("error")
+        if isinstance(inner, ConfigError):  # the folder's own error names its file already
+            raise inner from None
         raise ConfigError.from_validation(e, Path(hf_dir) / "config.json", prefix="model") from None
     arch = (read_hf_config(hf_dir).get("architectures") or [""])[0]
     value_head = arch.endswith("ForSequenceClassification")
+    check_hf_folder(cfg, value_head=value_head)  # bad input fails here, before anything is written
     pctx = _single_rank_context()
     tmp = _temp_beside(out_dir)
     try:

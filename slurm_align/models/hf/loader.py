@@ -10,6 +10,7 @@ complete, every tensor there with the shape the config implies), so all ranks fa
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -130,30 +131,47 @@ def check_folder(files: SafetensorsFolder, srcs: dict[str, Source], cfg: ModelCo
         raise ConfigError(problems[:10] + ([more] if more else []), files.folder)
 
 
+@dataclass
+class CheckedFolder:
+    """An HF folder that passed check_hf_folder: its files, model type and tensor sources."""
+
+    files: SafetensorsFolder
+    model_type: str
+    sources: dict[str, Source]
+
+
+def check_hf_folder(cfg: ModelConfig, folder: str | Path | None = None, *, value_head: bool = False) -> CheckedFolder:
+    """Everything about the folder (default cfg.hf_path) that can be wrong, found before any
+    weight is read: config.json, architecture, index, shards present and complete, tensors
+    there with the shapes the config implies. Raises ConfigError naming the file."""
+    folder = Path(folder or cfg.hf_path)
+    hf = read_hf_config(folder)
+    arch, model_type = architecture(hf, folder / "config.json")
+    score_head = value_head and arch.endswith("ForSequenceClassification")
+    if score_head and len(hf.get("id2label") or {0: 0}) != 1:
+        raise ConfigError([f"a reward model needs one label; {arch} has {len(hf['id2label'])}"],
+                          folder / "config.json")
+    srcs = sources(cfg, model_type, value_head=value_head, score_head=score_head)
+    files = SafetensorsFolder(folder)
+    check_folder(files, srcs, cfg, model_type, value_head)
+    return CheckedFolder(files, model_type, srcs)
+
+
 @torch.no_grad()
 def load_hf_weights(chunks: list, pctx: Any, cfg: ModelConfig, folder: str | Path | None = None,
                     *, value_head: bool = False) -> set[str]:
     """Copy the HF weights of `folder` (default cfg.hf_path) into this rank's chunks. Returns the
     names of local tensors that have no HF source (a fresh value head) for the caller to init.
     No communication."""
-    folder = Path(folder or cfg.hf_path)
-    hf = read_hf_config(folder)
-    arch, model_type = architecture(hf, folder / "config.json")
-    score_head = value_head and arch.endswith("ForSequenceClassification")
-    if value_head and score_head and hf.get("num_labels", len(hf.get("id2label") or {0: 0})) != 1:
-        raise ConfigError([f"a reward model needs one label; {arch} has "
-                           f"{len(hf.get('id2label') or {})}"], folder / "config.json")
-    srcs = sources(cfg, model_type, value_head=value_head, score_head=score_head)
-    files = SafetensorsFolder(folder)
-    check_folder(files, srcs, cfg, model_type, value_head)
+    checked = check_hf_folder(cfg, folder, value_head=value_head)
     fresh = set()
     for chunk in chunks:
         for name, t in local_tensors([chunk], pctx):
-            src = srcs.get(EMBEDDING if tied_copy(name, chunk) else name)
+            src = checked.sources.get(EMBEDDING if tied_copy(name, chunk) else name)
             if src is None:
                 fresh.add(name)
                 continue
-            shard = read_shard(src, cfg, model_type, files.read, tuple(t.shape), _tp_partition_dim(t),
-                               pctx.tp_size, pctx.tp_rank)
+            shard = read_shard(src, cfg, checked.model_type, checked.files.read, tuple(t.shape),
+                               _tp_partition_dim(t), pctx.tp_size, pctx.tp_rank)
             t.copy_(shard.to(t.dtype))
     return fresh

@@ -1,0 +1,79 @@
+"""Rank program for tests/test_hf_models.py (run under mpirun; not a test).
+
+    python tests/hf_worker.py ACTION TP PP DIR
+
+- logits:  every HF folder under DIR/models imported at TP x PP (build_gpt with model.hf_path);
+           rank 0 saves its logits (values for *_rm folders) to DIR/out/<name>_tp<TP>_pp<PP>.pt;
+- dump:    the trained checkpoint named in DIR/ckpt.txt, loaded at its own layout: rank 0 saves
+           the full weights and the logits on DIR/tokens.pt to DIR/dump.pt;
+- resave:  DIR/dump.pt loaded into a fresh model at TP x PP and saved as a training checkpoint
+           under DIR/resaved/checkpoints/sft (beside a copy of the run config).
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+torch.set_num_threads(1)
+
+from models_worker import init_parallel  # noqa: E402  (same folder; mpirun runs this file directly)
+from slurm_align.config.run import ModelConfig  # noqa: E402
+from slurm_align.models.checkpoint import load_weights, save_checkpoint  # noqa: E402
+from slurm_align.models.forward import forward_logits, forward_values  # noqa: E402
+from slurm_align.models.gpt import build_gpt  # noqa: E402
+from slurm_align.models.weights import full_state_dict, load_full_state_dict  # noqa: E402
+
+
+def logits(pctx, root: Path) -> None:
+    tokens = torch.load(root / "tokens.pt")
+    (root / "out").mkdir(exist_ok=True)
+    for folder in sorted((root / "models").iterdir()):
+        cfg = ModelConfig(hf_path=folder)
+        value = folder.name.endswith("_rm")
+        chunks = build_gpt(cfg, pctx, value_head=value, seed=5)
+        y = (forward_values(chunks, pctx, tokens, broadcast=True) if value
+             else forward_logits(chunks, pctx, tokens, cfg.vocab_size, broadcast=True))
+        if dist.get_rank() == 0:
+            torch.save(y, root / "out" / f"{folder.name}_tp{pctx.tp_size}_pp{pctx.pp_size}.pt")
+
+
+def _trained_model(root: Path) -> ModelConfig:
+    return ModelConfig(hf_path=(root / "hf_dir.txt").read_text().strip())
+
+
+def dump(pctx, root: Path) -> None:
+    cfg = _trained_model(root)
+    chunks = build_gpt(cfg, pctx)
+    load_weights((root / "ckpt.txt").read_text().strip(), chunks)
+    full = full_state_dict(chunks, pctx)
+    y = forward_logits(chunks, pctx, torch.load(root / "tokens.pt"), cfg.vocab_size, broadcast=True)
+    if dist.get_rank() == 0:
+        torch.save({"full": full, "logits": y}, root / "dump.pt")
+
+
+def resave(pctx, root: Path) -> None:
+    cfg = _trained_model(root)
+    chunks = build_gpt(cfg, pctx, seed=99)
+    load_full_state_dict(chunks, pctx, torch.load(root / "dump.pt")["full"])
+    run_dir = root / "resaved"
+    save_checkpoint(run_dir / "checkpoints" / "sft", 10, chunks, None, {"algorithm": "sft"})
+    if dist.get_rank() == 0:
+        shutil.copy(Path((root / "ckpt.txt").read_text().strip()).parent.parent.parent / "config.yaml", run_dir)
+
+
+def main(argv: list[str]) -> int:
+    action, tp, pp, root = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
+    pctx = init_parallel(tp, pp)
+    {"logits": logits, "dump": dump, "resave": resave}[action](pctx, root)
+    dist.barrier()
+    pctx.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
