@@ -85,3 +85,15 @@ def test_tiny_sft_run_logs_to_tensorboard_and_wandb(tmp_path):
     for r in records:
         assert logged[r["step"]] == pytest.approx(r["loss"], rel=1e-6)   # TensorBoard stores float32
     assert wandb_run_files(run_dir)
+
+
+def test_mlflow_run_store_in_the_run_dir(tmp_path):
+    mlflow = pytest.importorskip("mlflow", reason="the mlflow extra is not installed")
+    logger = MetricsLogger(RunConfig(logging={"mlflow": {"experiment": "tests"}}), tmp_path)
+    for step in range(3):
+        logger.log({"step": step, "loss": 1.0 / (step + 1)})
+    logger.close()
+    client = mlflow.tracking.MlflowClient((tmp_path / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("tests").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert [(h.step, h.value) for h in history] == [(0, 1.0), (1, 0.5), (2, pytest.approx(1 / 3))]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Protocol
@@ -84,6 +85,9 @@ class MlflowBackend:
 
     def __init__(self, cfg, run: RunConfig, run_dir: Path):
         self.mlflow = _require("mlflow", "logging.mlflow", "mlflow")
+        if cfg.tracking_uri is None:
+            # MLflow 3 refuses its file store unless this is set; the run's own store needs no server.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.mlflow.set_tracking_uri(cfg.tracking_uri or (run_dir / "mlruns").resolve().as_uri())
         self.mlflow.set_experiment(cfg.experiment)
         self.mlflow.start_run(run_name=cfg.run_name or run_dir.name)
