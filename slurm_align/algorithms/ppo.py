@@ -31,6 +31,7 @@ from rich.progress import Progress
 
 from slurm_align.algorithms import ppo_math
 from slurm_align.algorithms.losses import next_token_logprobs, token_logprobs
+from slurm_align.algorithms.preemption import StopPoint
 from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, gather_response, response_positions
 from slurm_align.algorithms.trainer import optimizer_step
 from slurm_align.balance.replica import open_prompt_source, replica_batches
@@ -257,11 +258,13 @@ class PPOActor:
                 **{f"timers/{k}": v for k, v in self.tracer.durations(step).items()}}
 
     def save_checkpoint(self, step: int) -> None:
-        save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer, {"algorithm": "ppo"})
+        # The critic first: the actor's manifest, written last, commits the step for both roles.
         if self.rank == 0:
             self.critic.save(str(self.rd.checkpoints("critic") / f"iter_{step:07d}.pt"))
+        save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer, {"algorithm": "ppo"})
 
-    def run_loop(self) -> None:
+    def run_loop(self, stop: StopPoint | None = None) -> bool:
+        """Run the remaining steps; True when `stop` ended the run early (after saving)."""
         run = self.run
         with Progress(disable=self.rank != 0, transient=False) as progress:
             task = progress.add_task("PPO", total=run.ppo.num_steps, completed=self.start_step)
@@ -271,7 +274,8 @@ class PPOActor:
                 metrics["timers/step"] = time.perf_counter() - t0
                 self.tracer.step_done(step)
                 last = step == run.ppo.num_steps - 1
-                if (run.ppo.save_interval and (step + 1) % run.ppo.save_interval == 0) or last:
+                saved = bool((run.ppo.save_interval and (step + 1) % run.ppo.save_interval == 0) or last)
+                if saved:
                     self.save_checkpoint(step)
                 if self.rank == 0:
                     with open(self.metrics_path, "a") as f:
@@ -284,6 +288,9 @@ class PPOActor:
                         f"loss {m('train_optim/loss'):+.4f}  critic {m('train_optim/critic_loss'):.4f}  "
                         f"{m('timers/step'):.2f}s", highlight=False)
                 progress.update(task, completed=step + 1)
+                if stop is not None and stop.after_step(step, last=last, saved=saved, save=self.save_checkpoint):
+                    return True
+        return False
 
     def close(self) -> None:
         self.tracer.close()
@@ -354,15 +361,17 @@ def main(run_dir: str | Path) -> int:
     rd = RunDir(Path(run_dir))
     run = load_run_config(rd.config)
     env = init_distributed()
-    pctx = initialize_model_parallel(env, run.actor.tensor_parallel, run.actor.pipeline_parallel)
-    actor = build_actor(run, rd, env, pctx)
+    stop = StopPoint(env.comm, rd)   # preemption: the ranks agree on a stop point after a step
     try:
-        actor.run_loop()
+        pctx = initialize_model_parallel(env, run.actor.tensor_parallel, run.actor.pipeline_parallel)
+        actor = build_actor(run, rd, env, pctx)
+        stop.resumed(actor.start_step, find_latest(rd.checkpoints("actor")))
+        actor.run_loop(stop)
     except BaseException:
         # The other ranks would wait forever in their next collective: print why, then take
         # the whole component down so the job fails at once.
         traceback.print_exc()
         sys.stderr.flush()
-        actor.env.comm.Abort(1)
+        env.comm.Abort(1)
     actor.close()
     return 0

@@ -4,8 +4,9 @@ The batch script turns Slurm's warning (`--signal=B:USR2@grace`, or TERM) into U
 component plus the file RUN_DIR/stop_requested (for ranks that were not yet listening). After
 each step the actor ranks run one allreduce of "this rank saw a request": all of them stop after
 the same step, none decides alone. The loop saves that step (unless it was just saved), rank 0
-records it in RUN_DIR/stopped_step, and the actor exits with STOPPED_EXIT_CODE, which the script
-reads as "requeue, or end as stopped for preemption at step N".
+records it in RUN_DIR/stopped_step, and the ranks exit 0 (srun --kill-on-bad-exit would kill the
+slower ranks at a non-zero exit). The script reads stopped_step as "requeue, or end as stopped
+for preemption at step N", and records STOPPED_EXIT_CODE for every component.
 
 Times of the stages go to RUN_DIR/preemption.jsonl (the script adds stop_requested and
 requeued), for `slurm-align status` and benchmarks/bench_preempt.py.
@@ -14,15 +15,16 @@ requeued), for `slurm-align status` and benchmarks/bench_preempt.py.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from slurm_align.rundir import RunDir, write_atomic
 
 STOPPED_EXIT_CODE = 75
-"""Exit code of an actor that stopped at a checkpoint (EX_TEMPFAIL: try again later)."""
+"""Exit code the job script records for the components of a job that stopped at a checkpoint,
+and its own exit code when it does not requeue (EX_TEMPFAIL: try again later)."""
 
 
 def record_event(rd: RunDir, event: str, **fields: Any) -> None:
@@ -53,11 +55,11 @@ def listen_for_stop(comm, rd: RunDir, component: str, handler) -> None:
 
 
 def ignore_stop_signal(comm, rd: RunDir, component: str) -> None:
-    """For components the actor drives (the critic): USR2 is noted, not acted on; the actor
-    asks them to save and shuts them down."""
-    def note(signum, frame):
-        print(f"{component}: stop requested; waiting for the actor to save and shut it down", flush=True)
-    listen_for_stop(comm, rd, component, note)
+    """For components the actor drives (the critic): USR2 is ignored; the actor asks them to save
+    and shuts them down. Ignored, not handled: the child processes started after this (PyTriton's
+    tritonserver and its Python backends) inherit the ignore, where a handler would be reset to
+    the default action that kills them (Slurm signals the task's whole process group)."""
+    listen_for_stop(comm, rd, component, signal.SIG_IGN)
 
 
 class StopPoint:
@@ -73,8 +75,8 @@ class StopPoint:
     def _on_signal(self, signum, frame) -> None:
         self._signalled = True   # only a flag: the decision is taken at the step boundary
 
-    def resumed(self, start_step: int, checkpoint: str | os.PathLike | None) -> None:
-        """Rank 0 says where the run goes on from (the log line the tests and users look for)."""
+    def resumed(self, start_step: int, checkpoint: Path | None) -> None:
+        """Rank 0 says where a resumed run goes on from (the log line users look for)."""
         if self.rank == 0 and checkpoint is not None:
             print(f"resuming from step {start_step} (checkpoint {checkpoint})", flush=True)
             record_event(self.rd, "resumed", step=start_step)
