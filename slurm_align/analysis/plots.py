@@ -10,6 +10,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on login or compute nodes
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.patches import Patch  # noqa: E402
 import numpy as np  # noqa: E402
 
 from slurm_align.profiling.phases import IDLE, PHASES, phase_order  # noqa: E402
@@ -39,11 +40,14 @@ def _mean_component(b: "Breakdown", comp: str, phases: list[str]) -> np.ndarray:
     return np.array([mean[b.phases.index(p)] if p in b.phases else 0.0 for p in phases])
 
 
+_HATCHES = ("", "////", "....", "xxxx")
+
+
 def _component_bars(ax, labels: list[str], phases: list[str], per_comp: dict[str, np.ndarray],
                     totals: np.ndarray) -> None:
-    """One stacked bar per component per label, side by side: each stacks its own component's
-    phases (concurrent components overlap in time, so their phases are never stacked together);
-    the black line across a group is the step time."""
+    """One stacked bar per component per label, side by side (the first component plain, the next
+    hatched): each stacks its own component's phases (concurrent components overlap in time, so
+    their phases are never stacked together); the black line across a group is the step time."""
     colors = phase_colors(phases)
     comps = list(per_comp)
     width = 0.8 / len(comps)
@@ -57,21 +61,21 @@ def _component_bars(ax, labels: list[str], phases: list[str], per_comp: dict[str
             if phase == IDLE or not np.any(values[:, j]):
                 continue
             ax.bar(pos, values[:, j], bottom=bottom, width=width * 0.92, color=colors[phase],
-                   label=None if phase in drawn else phase, edgecolor="white", linewidth=0.3)
+                   hatch=_HATCHES[k % len(_HATCHES)], edgecolor="white", linewidth=0.3,
+                   label=None if phase in drawn else phase)
             drawn.add(phase)
             bottom += values[:, j]
-        if len(labels) <= 12:   # name the bars while there is room; the legend says the order
-            for p_, top in zip(pos, bottom):
-                ax.text(p_, top, comp[0].upper(), ha="center", va="bottom", fontsize=7, color="0.3")
     ax.hlines(totals, x - 0.45, x + 0.45, colors="black", linewidth=1.5, label="step time", zorder=3)
     step = max(1, len(labels) // 25)   # at most ~25 tick labels
     ax.set_xticks(x[::step], [labels[i] for i in range(0, len(labels), step)])
     ax.set_ylabel("seconds (max over a component's ranks)")
     handles, names = ax.get_legend_handles_labels()
     order = [names.index(p) for p in phases if p in names] + [names.index("step time")]
-    ax.legend([handles[i] for i in order], [names[i] for i in order], fontsize=8, loc="upper left",
-              bbox_to_anchor=(1.0, 1.0), title=" / ".join(f"{c[0].upper()}: {c}" for c in comps),
-              title_fontsize=8)
+    handles, names = [handles[i] for i in order], [names[i] for i in order]
+    for k, comp in enumerate(comps):   # which bar is which component
+        handles.append(Patch(facecolor="white", edgecolor="0.35", hatch=_HATCHES[k % len(_HATCHES)]))
+        names.append(f"{comp} bar")
+    ax.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def plot_breakdown(breakdowns: Sequence["Breakdown"], out: Path, per: str = "auto") -> Path:
