@@ -6,7 +6,8 @@ A Qwen2-style megatron model (GQA, SwiGLU, RMSNorm, rope, QKV bias, tied) built 
 tensor parallel TP, its TensorRT-LLM engine refitted in place from the training shards
 (refit_from_training, refolded layout), and checked:
 - bfloat16 by default; greedy tokens equal to transformers' Qwen2 on the same weights (the
-  numerical reference; the embedding is scaled up so the argmax has real margins, not ties);
+  numerical reference) and to the torch engine's (the embedding is scaled up so the argmax has
+  real margins, not ties);
 - EOS: a token the model does emit is made the EOS: that sample stops on it, is_end, length
   counts it; samples that never emit it run to max_new_tokens with is_end False;
 - per-sample seeds: a sample draws the same tokens alone or in a batch;
@@ -44,7 +45,7 @@ def reference_greedy(cfg, full: dict, prompts: list[torch.Tensor], n_new: int) -
 def main() -> None:
     tp = int(sys.argv[1])
     from slurm_align.config.run import ModelConfig
-    from slurm_align.generation import SamplingParams
+    from slurm_align.generation import GptShape, SamplingParams, make_engine
     from slurm_align.generation.trtllm_engine import TrtllmEngine
     from slurm_align.generation.refit import refit_from_training
     from slurm_align.models.gpt import build_gpt
@@ -80,6 +81,10 @@ def main() -> None:
     out = engine.generate(prompts, greedy)
     want = reference_greedy(cfg, full, prompts, 16)
     assert [r.tolist() for r in out.responses()] == want, ([r.tolist() for r in out.responses()], want)
+    torch_engine = make_engine("torch", GptShape.from_model_config(cfg), env.device)
+    refit_from_training(torch_engine, chunks, pctx)
+    assert [r.tolist() for r in torch_engine.generate(prompts, greedy).responses()] == want  # the torch engine's too
+    torch_engine.free()
     assert out.logprobs is None and out.response_lengths.tolist() == [16] * len(prompts)
 
     eos = int(out.response_tokens[0, 2])
