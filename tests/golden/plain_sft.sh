@@ -67,7 +67,6 @@ names+=(actor)
 # early for a trapped signal); `-p` names it where bash has it (5.1+), else the one that no
 # longer exists is the one that ended (zombies still answer kill -0).
 failed=0
-stopped=0
 declare -A ended=()
 n_ended=0
 while (( n_ended < 1 )); do
@@ -75,6 +74,7 @@ while (( n_ended < 1 )); do
   done_pid=""
   if (( BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] >= 501 )); then
     wait -n -p done_pid || code=$?
+    done_pid="${done_pid:-}"   # unset when a trapped signal ended the wait
   else
     wait -n || code=$?
   fi
@@ -83,9 +83,7 @@ while (( n_ended < 1 )); do
       ended[$i]=1
       n_ended=$((n_ended + 1))
       echo "$code" >"$SLURM_ALIGN_RUN_DIR/logs/${names[$i]}/exit_code"
-      if [[ "$code" -eq 75 ]]; then
-        stopped=1   # stopped at a checkpoint for preemption (slurm_align.algorithms.preemption)
-      elif [[ "$code" -ne 0 && "$failed" -eq 0 ]]; then
+      if [[ "$code" -ne 0 && "$failed" -eq 0 ]]; then
         echo "slurm-align: component ${names[$i]} failed with exit code $code; stopping the others" >&2
         echo "${names[$i]}" >"$SLURM_ALIGN_RUN_DIR/logs/first_failure"
         failed=1
@@ -98,8 +96,13 @@ done
 if [[ "$failed" -ne 0 ]]; then
   exit 1
 fi
-if [[ "$stopped" -ne 0 ]]; then
-  step="$(cat "$SLURM_ALIGN_RUN_DIR/stopped_step" 2>/dev/null || echo null)"
+# The actor stopped at a checkpoint for preemption (slurm_align.algorithms.preemption): its ranks
+# exit 0 (srun would kill the slower ones at a non-zero exit) and rank 0 wrote stopped_step.
+if [[ -e "$SLURM_ALIGN_RUN_DIR/stopped_step" ]]; then
+  for name in "${names[@]}"; do
+    echo 75 >"$SLURM_ALIGN_RUN_DIR/logs/$name/exit_code"   # read as STOPPED, not COMPLETED
+  done
+  step="$(cat "$SLURM_ALIGN_RUN_DIR/stopped_step")"
   echo "slurm-align: stopped for preemption at step $step (resume: slurm-align submit --resume $SLURM_ALIGN_RUN_DIR)" >&2
   exit 75
 fi
