@@ -12,7 +12,10 @@ the store phase against a real tiny PPO step.
 3. store_over_step: the `store` phase over the step time (breakdown definitions: max over ranks),
    means over the steps after the first, read from the traces of a real tiny PPO run: by default
    this script runs examples/ppo_tiny.yaml for --ppo-steps steps on the local profile (from random
-   init, a few seconds per step); --run-dir reads an existing run's traces instead.
+   init, a few seconds per step); --run-dir reads an existing run's traces instead (e.g. the
+   20 steps of examples/ppo_tiny.sh). store_over_step_p50 is the median over steps of the ratio.
+   An append is three fsynced files, so the disk's fsync latency (fsync_ms, measured here too)
+   sets the store phase on a shared machine.
 The last line holds the figures as key=value.
 """
 
@@ -135,12 +138,28 @@ def tiny_ppo_run(workdir: Path, steps: int) -> Path:
     return workdir / "ppo"
 
 
-def store_over_step(run_dir: Path) -> tuple[float, float]:
+def store_over_step(run_dir: Path) -> tuple[float, float, float]:
+    """Mean store phase, mean step time, and the median over steps of store / step."""
     b = compute_breakdown(read_traces(run_dir / "traces.zarr").spans, skip_steps=1)
-    store_s = float(b.mean_phase_s[b.phases.index(P.STORE)]) if P.STORE in b.phases else 0.0
+    per_step = b.phase_s[:, b.phases.index(P.STORE)] if P.STORE in b.phases else np.zeros(len(b.steps))
+    store_s = float(per_step.mean())
+    p50 = float(np.median(per_step / b.step_s))
     print(f"tiny PPO run {run_dir}: {len(b.steps)} step(s) after the first, step {b.mean_step_s:.3f} s, "
-          f"store {1e3 * store_s:.2f} ms")
-    return store_s, b.mean_step_s
+          f"store {1e3 * store_s:.2f} ms (median {1e3 * np.median(per_step):.2f} ms, max {1e3 * per_step.max():.2f} ms)")
+    return store_s, b.mean_step_s, p50
+
+
+def fsync_ms(folder: Path, n: int = 20) -> float:
+    """Median time of writing 4 kB and fsyncing it here: what one committed file costs on this disk."""
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        with open(folder / f"probe{i}", "wb") as f:
+            f.write(b"x" * 4096)
+            f.flush()
+            os.fsync(f.fileno())
+        times.append(time.perf_counter() - t0)
+    return 1e3 * float(np.median(times))
 
 
 def main() -> None:
@@ -150,11 +169,13 @@ def main() -> None:
         w1 = bench_appends("w1", args.steps, work)
         bench_appends("tiny", args.steps, work)
         flush_s = bench_trace_flush(args.steps, work)
+        fsync = fsync_ms(work)
         run_dir = Path(args.run_dir) if args.run_dir else tiny_ppo_run(work, args.ppo_steps)
-        store_s, step_s = store_over_step(run_dir)
-    print(f"w1_zarr_ms={1e3 * w1['zarr_s']:.2f} w1_npy_ms={1e3 * w1['npy_s']:.2f} "
+        store_s, step_s, p50 = store_over_step(run_dir)
+    print(f"fsync_ms={fsync:.2f} w1_zarr_ms={1e3 * w1['zarr_s']:.2f} w1_npy_ms={1e3 * w1['npy_s']:.2f} "
           f"trace_flush_ms={1e3 * flush_s:.2f} store_ms={1e3 * store_s:.2f} step_s={step_s:.3f} "
-          f"zarr_over_npy={w1['npy_s'] / w1['zarr_s']:.2f} store_over_step={store_s / step_s:.4f}")
+          f"store_over_step_p50={p50:.4f} zarr_over_npy={w1['npy_s'] / w1['zarr_s']:.2f} "
+          f"store_over_step={store_s / step_s:.4f}")
 
 
 if __name__ == "__main__":
