@@ -4,10 +4,8 @@
 
 - logits:  every HF folder under DIR/models imported at TP x PP (build_gpt with model.hf_path);
            rank 0 saves its logits (values for *_rm folders) to DIR/out/<name>_tp<TP>_pp<PP>.pt;
-- dump:    the trained checkpoint named in DIR/ckpt.txt, loaded at its own layout: rank 0 saves
-           the full weights and the logits on DIR/tokens.pt to DIR/dump.pt;
-- resave:  DIR/dump.pt loaded into a fresh model at TP x PP and saved as a training checkpoint
-           under DIR/resaved/checkpoints/sft (beside a copy of the run config).
+- resave:  the trained checkpoint named in DIR/ckpt.txt loaded at TP x PP: its logits, and the
+           same weights saved again at this layout (see resave).
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ from slurm_align.config.run import ModelConfig  # noqa: E402
 from slurm_align.models.checkpoint import load_weights, save_checkpoint  # noqa: E402
 from slurm_align.models.forward import forward_logits, forward_values  # noqa: E402
 from slurm_align.models.gpt import build_gpt  # noqa: E402
-from slurm_align.models.weights import full_state_dict, load_full_state_dict  # noqa: E402
 
 
 def logits(pctx, root: Path) -> None:
@@ -42,34 +39,26 @@ def logits(pctx, root: Path) -> None:
             torch.save(y, root / "out" / f"{folder.name}_tp{pctx.tp_size}_pp{pctx.pp_size}.pt")
 
 
-def _trained_model(root: Path) -> ModelConfig:
-    return ModelConfig(hf_path=(root / "hf_dir.txt").read_text().strip())
-
-
-def dump(pctx, root: Path) -> None:
-    cfg = _trained_model(root)
-    chunks = build_gpt(cfg, pctx)
-    load_weights((root / "ckpt.txt").read_text().strip(), chunks)
-    full = full_state_dict(chunks, pctx)
-    y = forward_logits(chunks, pctx, torch.load(root / "tokens.pt"), cfg.vocab_size, broadcast=True)
-    if dist.get_rank() == 0:
-        torch.save({"full": full, "logits": y}, root / "dump.pt")
-
-
 def resave(pctx, root: Path) -> None:
-    cfg = _trained_model(root)
+    """The trained checkpoint (DIR/ckpt.txt, any layout) loaded at TP x PP: rank 0 saves its
+    logits on DIR/tokens.pt to DIR/trained_logits.pt; the model is saved again, at this layout,
+    as a training checkpoint under DIR/resaved/checkpoints/sft beside a copy of the run config."""
+    trained = Path((root / "ckpt.txt").read_text().strip())
+    cfg = ModelConfig(hf_path=(root / "hf_dir.txt").read_text().strip(), init_checkpoint=trained)
     chunks = build_gpt(cfg, pctx, seed=99)
-    load_full_state_dict(chunks, pctx, torch.load(root / "dump.pt")["full"])
+    load_weights(trained, chunks)
+    y = forward_logits(chunks, pctx, torch.load(root / "tokens.pt"), cfg.vocab_size, broadcast=True)
     run_dir = root / "resaved"
     save_checkpoint(run_dir / "checkpoints" / "sft", 10, chunks, None, {"algorithm": "sft"})
     if dist.get_rank() == 0:
-        shutil.copy(Path((root / "ckpt.txt").read_text().strip()).parent.parent.parent / "config.yaml", run_dir)
+        torch.save(y, root / "trained_logits.pt")
+        shutil.copy(trained.parent.parent.parent / "config.yaml", run_dir)
 
 
 def main(argv: list[str]) -> int:
     action, tp, pp, root = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
     pctx = init_parallel(tp, pp)
-    {"logits": logits, "dump": dump, "resave": resave}[action](pctx, root)
+    {"logits": logits, "resave": resave}[action](pctx, root)
     dist.barrier()
     pctx.destroy()
     return 0
