@@ -28,6 +28,7 @@ from slurm_align.critic import protocol as P
 from slurm_align.critic.client import CriticClient, CriticError
 from slurm_align.rundir import RunDir, create_run_secret, read_run_secret
 from slurm_align.slurm.launch import launch_run
+from slurm_align.store.traces import read_traces
 from tests.critic_support import CriticProcess, client_for, critic_address, random_batch, write_run_dir
 
 OTHER = "o" * 43   # a well-formed secret of nobody
@@ -246,12 +247,11 @@ def tiny_ppo(run_dir: Path):
     return launch_run(run, load_profile("local"), run_dir)
 
 
-def flood(rd: RunDir, stop: threading.Event, outcomes: list) -> None:
-    """FLOOD bad requests from 8 threads, as soon as the critic publishes its address: no or
-    wrong secrets on every endpoint, broken JSON, wrong shapes, unknown models, garbage bytes."""
-    deadline = time.monotonic() + 300
-    while not rd.critic_address.exists() and not stop.is_set() and time.monotonic() < deadline:
-        time.sleep(0.05)
+def flood(rd: RunDir, stop: threading.Event, outcomes: list, interval_s: float) -> None:
+    """FLOOD bad requests from 8 threads, each pausing `interval_s` between its requests, from the
+    moment the critic publishes its address: no or wrong secrets on every endpoint, broken JSON,
+    wrong shapes, unknown models, model control. Outcomes: (time_ns, HTTP status or error)."""
+    wait_for_address(rd, [])
     addr = tuple(json.loads(rd.critic_address.read_text())[k] for k in ("host", "port"))
     other = P.auth_headers(OTHER)
     kinds = [lambda: raw_infer(addr, P.INFER, {}),
@@ -272,8 +272,8 @@ def flood(rd: RunDir, stop: threading.Event, outcomes: list) -> None:
                 status, _ = kinds[(i + j) % len(kinds)]()
             except OSError as e:   # the run ended and the critic with it
                 status = type(e).__name__
-            outcomes.append(status)
-            time.sleep(0.01)
+            outcomes.append((time.time_ns(), status))
+            stop.wait(interval_s)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
     for t in threads:
@@ -282,18 +282,39 @@ def flood(rd: RunDir, stop: threading.Event, outcomes: list) -> None:
         t.join()
 
 
-def rewards(run_dir: Path) -> list[float]:
-    return [json.loads(line)["train_rollouts/rewards"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def wait_for_address(rd: RunDir, when: list) -> None:
+    deadline = time.monotonic() + 600
+    while not rd.critic_address.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    when.append(time.time_ns())
+
+
+def critic_spans(rd: RunDir):
+    spans = read_traces(rd.traces, {"actor": 2, "critic": 1}).spans
+    return spans[spans["component"] == "critic"]
+
+
+def learning_curve(run_dir: Path) -> list[float]:
+    """Per step: the mean reward and the critic's loss (a stranger's update would change it)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [v for m in rows for v in (m["train_rollouts/rewards"], m["train_optim/critic_loss"])]
 
 
 def test_flood_of_bad_requests_leaves_the_run_as_it_would_have_been(tmp_path):
     calm = tiny_ppo(tmp_path / "calm")
+    published_at: list[int] = []
+    watcher = threading.Thread(target=wait_for_address, args=(calm.run_dir, published_at))
+    watcher.start()
     assert calm.wait(timeout_s=600) == "COMPLETED", calm.failed_logs()
+    watcher.join()
+    # How long the critic serves, from its address on: the flood is spread over about that.
+    serving_s = (critic_spans(calm.run_dir)["end_ns"].max() - published_at[0]) / 1e9
 
     rd = RunDir(tmp_path / "flooded")
     job = tiny_ppo(rd.root)
     stop, outcomes = threading.Event(), []
-    attacker = threading.Thread(target=flood, args=(rd, stop, outcomes))
+    # Spread over about the calm run's duration, so that the flood covers the critic's work.
+    attacker = threading.Thread(target=flood, args=(rd, stop, outcomes, serving_s * 8 / FLOOD))
     attacker.start()
     try:
         state = job.wait(timeout_s=600)
@@ -301,10 +322,13 @@ def test_flood_of_bad_requests_leaves_the_run_as_it_would_have_been(tmp_path):
         stop.set()
         attacker.join()
     assert state == "COMPLETED", job.failed_logs()
-    answered = [s for s in outcomes if isinstance(s, int)]
-    assert len(answered) >= FLOOD // 2, f"the flood did not reach the critic during the run: {outcomes[:20]}"
-    assert all(s in (400, 403, 404, 500) for s in answered), sorted(set(answered))
-    assert rewards(rd.root) == pytest.approx(rewards(calm.run_dir.root), rel=1e-5, abs=1e-6)
+    assert learning_curve(rd.root) == pytest.approx(learning_curve(calm.run_dir.root), rel=1e-5, abs=1e-6)
+    answered = [(t, s) for t, s in outcomes if isinstance(s, int)]
+    assert all(s in (400, 403, 404, 500) for _, s in answered), sorted({s for _, s in answered})
+    # The flood reached the critic while it served the actor, not only before or after.
+    mine = critic_spans(rd)
+    during = [t for t, _ in answered if mine["start_ns"].min() <= t <= mine["end_ns"].max()]
+    assert len(during) >= 50, (len(answered), len(during))
     # The secret was made at submit, private, and is written nowhere else, nor in any log.
     assert stat.S_IMODE(rd.secret.stat().st_mode) == 0o600
     assert_secret_only_in_its_file(rd, read_run_secret(rd))
