@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from slurm_align.config.errors import ConfigError  # noqa: E402
 from slurm_align.config.run import ModelConfig  # noqa: E402
-from slurm_align.data.datasets import PreferenceDataset, PromptDataset, SFTDataset  # noqa: E402
+from slurm_align.data.datasets import PreferenceDataset, PromptDataset, SFTDataset, encode_prompt  # noqa: E402
 from slurm_align.models.tokenizer import ByteTokenizer, HFTokenizer, build_tokenizer  # noqa: E402
 
 # Llama-3.1 style: bos_token, header tokens, a default system turn with strftime_now, <|eot_id|>.
@@ -108,7 +108,9 @@ LLAMA3_NAMES = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "
 CHATML_NAMES = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 INST_NAMES = ["<unk>", "<s>", "</s>"]
 STYLES = {
-    "llama3": (LLAMA3, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}, LLAMA3_NAMES),
+    # add_bos_token: tokenizer.json's post-processor prepends BOS, as Llama 3's does
+    "llama3": (LLAMA3, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": True},
+               LLAMA3_NAMES),
     "chatml": (CHATML, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, CHATML_NAMES),
     "inst": (INST, {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, INST_NAMES),
 }
@@ -140,9 +142,12 @@ def test_special_tokens_from_tokenizer_config(folders):
         ref = transformers.AutoTokenizer.from_pretrained(folders[style])
         ours = HFTokenizer(folders[style] / "tokenizer.json")   # the file, its folder read beside it
         assert ours.eos_id == ref.eos_token_id
-        assert ours.bos_id == ref.bos_token_id       # None for ChatML: no BOS prepended
         assert ours.pad_id == (ref.pad_token_id if ref.pad_token_id is not None else ref.eos_token_id)
         assert ours.special_tokens == ref.special_tokens_map
+        # plain rows start as transformers tokenizes text: BOS only where the tokenizer adds it
+        for text in CORPUS[:6]:
+            assert encode_prompt(ours, text, 64) == ref(text)["input_ids"]
+        assert (ours.bos_id is not None) == (style == "llama3")
     inst = HFTokenizer(folders["inst"])
     assert "{{ bos_token }}" in inst.chat_template and inst.apply_chat_template(CONVERSATIONS[0]).startswith("<s>\n[INST] ")
 
@@ -264,3 +269,13 @@ def test_bad_tokenizer_folders_are_clear_errors(folders, tmp_path: Path):
     assert tok.pad_id == tok.eos_id and tok.bos_id is None
     with pytest.raises(ConfigError, match=r"model.vocab_size.*has 300 tokens"):
         build_tokenizer(ModelConfig(vocab_size=200, tokenizer={"kind": "hf", "path": str(folders["chatml"])}))
+
+
+def test_model_hf_path_brings_its_tokenizer(folders, tmp_path: Path):
+    folder = tmp_path / "model"
+    shutil.copytree(folders["llama3"], folder)
+    transformers.LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=4).save_pretrained(folder)
+    tok = build_tokenizer(ModelConfig(hf_path=folder))
+    assert isinstance(tok, HFTokenizer) and tok.chat_template == LLAMA3
+    assert tok.apply_chat_template(CONVERSATIONS[0]).startswith("<|begin_of_text|><|start_header_id|>system")

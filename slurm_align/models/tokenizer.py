@@ -1,8 +1,9 @@
 """Tokenizers: the built-in byte-level one (no download) and a local Hugging Face tokenizer.
 
 Both expose: encode(text) -> list[int] (no specials added), decode(ids) -> str (specials
-dropped), bos_id (None when the tokenizer has no BOS, as Qwen2's), eos_id, pad_id, vocab_size,
-and apply_chat_template(messages, add_generation_prompt=...) -> str.
+dropped), bos_id, eos_id, pad_id, vocab_size, and apply_chat_template(messages,
+add_generation_prompt=...) -> str. bos_id is the token that plain text rows start with, or None
+when none is prepended: [BOS] text is then what transformers' `tokenizer(text)` gives.
 
 A Hugging Face tokenizer is a folder (model.hf_path, or model.tokenizer.path) holding
 tokenizer.json, and usually tokenizer_config.json (bos/eos/pad tokens, chat_template) and
@@ -12,8 +13,10 @@ Special tokens:
   - with tokenizer_config.json (or the legacy special_tokens_map.json): its bos_token,
     eos_token, pad_token, ... exactly; eos_token is required (SFT appends it, generation stops
     at it); pad_token falls back to eos_token (what transformers users set; padding is always
-    masked out); no bos_token means no BOS is prepended;
-  - a bare tokenizer.json: found by their usual names (<s>, </s>, <|endoftext|>, ...).
+    masked out); BOS is prepended when tokenizer.json's post-processor adds it (Llama 3: yes;
+    Qwen2, GPT-2: no), as transformers' `tokenizer(text)` does;
+  - a bare tokenizer.json: found by their usual names (<s>, </s>, <|endoftext|>, ...); a BOS
+    found is prepended.
 """
 
 from __future__ import annotations
@@ -131,8 +134,14 @@ class HFTokenizer:
             raise ConfigError([f"no eos_token: a run needs an end-of-sequence token (SFT data ends with it, "
                                f"generation stops at it); set eos_token to one of the tokenizer's tokens"], source)
         self.eos_id = ids["eos_token"]
-        self.bos_id = ids["bos_token"]
+        self.bos_id = ids["bos_token"] if self._post_processor_adds(ids["bos_token"]) else None
         self.pad_id = self.eos_id if ids["pad_token"] is None else ids["pad_token"]
+
+    def _post_processor_adds(self, bos: int | None) -> bool:
+        """Whether encoding with special tokens puts `bos` before the text."""
+        plain = self._tok.encode("a", add_special_tokens=False).ids
+        full = self._tok.encode("a", add_special_tokens=True).ids
+        return bos is not None and full[:1] == [bos] and full[1: 1 + len(plain)] == plain
 
     def _guessed_tokens(self, field: str) -> None:
         """A bare tokenizer.json: special tokens by their usual names."""
