@@ -1,0 +1,72 @@
+"""Task evaluation during a rollout run: greedy responses to held-out prompts, scored by a rule.
+
+The task's own score, beside the reward: a policy that pleases a reward model without solving
+the task shows here. `eval.interval` sets how often; results are `val/score` (the scorer's
+mean) and `val/response_length` in metrics.jsonl.
+
+Runs in the generation layout after a refit: each generation replica takes a strided share of
+the prompts (all its ranks in lock-step, as for rollouts), its requester scores them, and one
+all-reduce over the component gives every rank the means.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from slurm_align.config.run import RunConfig
+from slurm_align.data.jsonl import PROMPT_KEYS, read_jsonl
+from slurm_align.generation.params import SamplingParams
+from slurm_align.rewards.rule import RuleReward
+
+
+@dataclass
+class EvalSet:
+    rows: list[dict[str, Any]]       # held-out prompt rows (prompt + the fields the scorer reads)
+    prompts: list[np.ndarray]        # their token ids, encoded as the rollout prompts are
+    scorer: RuleReward
+
+    @classmethod
+    def from_run(cls, run: RunConfig, encode: Callable[[dict], np.ndarray]) -> "EvalSet | None":
+        """None when evaluation is off. `encode` turns a prompt row into the policy's prompt ids."""
+        ev = run.eval
+        if not ev.interval:
+            return None
+        rows = read_jsonl(ev.val_path, PROMPT_KEYS, "evaluation prompts", keep_extra=True)
+        if ev.num_prompts:
+            rows = rows[: ev.num_prompts]
+        return cls(rows, [encode(r) for r in rows], RuleReward.load(ev.scorer or run.reward.rule))
+
+    def due(self, run: RunConfig, step: int) -> bool:
+        """After step k when k is a multiple of eval.interval, and after the last step (the
+        initial policy is evaluated too, as step 0)."""
+        return step % run.eval.interval == 0 or step == run.ppo.num_steps
+
+
+def greedy_params(run: RunConfig, tokenizer) -> SamplingParams:
+    return SamplingParams(max_new_tokens=run.generation.max_new_tokens, temperature=0.0,
+                          eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, return_logprobs=False)
+
+
+@torch.no_grad()
+def evaluate(engine, layout, comm, evalset: EvalSet, params: SamplingParams, tokenizer,
+             batch_size: int) -> dict[str, float]:
+    """Collective over `comm` (the component's world), inside `generation_layout`, engine refitted."""
+    mine = list(range(layout.dp_rank, len(evalset.rows), layout.dp_size))
+    total = np.zeros(3)          # score sum, response tokens, responses
+    for a in range(0, len(mine), batch_size):
+        idx = mine[a:a + batch_size]
+        out = engine.generate([torch.from_numpy(evalset.prompts[i]) for i in idx], params, seeds=[0] * len(idx))
+        if not layout.is_requester:
+            continue             # the replica's other ranks ran the same batch in lock-step
+        responses = out.responses()
+        texts = [tokenizer.decode(r.tolist()) for r in responses]   # decode drops EOS (a special)
+        lengths = [len(r) for r in responses]
+        scores = evalset.scorer.many(texts, [evalset.rows[i] for i in idx])
+        total += [sum(scores), sum(lengths), len(idx)]
+    score, tokens, count = comm.allreduce(total)
+    count = max(count, 1.0)
+    return {"val/score": score / count, "val/response_length": tokens / count}

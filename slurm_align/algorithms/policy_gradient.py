@@ -1,0 +1,209 @@
+"""What the PPO family does with a DP rank's share of one step's rollouts, between generation
+and the next step: rewards, advantages (GAE for PPO; GRPO, RLOO, REINFORCE++ without a critic),
+and the policy update in optimizer batches and epochs.
+
+The actor loop (algorithms/ppo.py) calls, in order:
+
+    Rewards.score(batch, rows)         rule reward on the generating rank, right after generation
+    combine_rewards(run, batch)        reward model score and rule reward, weighted (RunConfig.reward)
+    estimate_advantages(run, batch, dp_group)
+    PolicyUpdate(...).train(batch, step, tracer)
+
+Groups (a prompt's n_samples_per_prompt samples) arrive whole on one DP rank (the rebalance keeps
+them together), so group baselines need no communication; batch whitening (GAE, REINFORCE++)
+and the loss normalisers are all-reduced over the DP ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from slurm_align.algorithms import advantages as A
+from slurm_align.algorithms import ppo_math
+from slurm_align.algorithms.losses import token_logprobs
+from slurm_align.algorithms.policy_loss import LossTerms, aggregate, clipped_policy_loss, denominator
+from slurm_align.algorithms.rejection_sampling import keep_best
+from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, gather_response, response_positions
+from slurm_align.algorithms.trainer import optimizer_step
+from slurm_align.config.run import RunConfig
+from slurm_align.models.forward import run_schedule
+from slurm_align.profiling import phases as P
+from slurm_align.rewards.rule import RuleReward
+
+
+# -- rewards ---------------------------------------------------------------------------------
+class Rewards:
+    """The rule reward (RunConfig.reward.rule) of freshly generated samples, on the rank that
+    generated them. `rows` are the prompt data rows (the rule gets their other fields)."""
+
+    def __init__(self, run: RunConfig, tokenizer, rows: list[dict[str, Any]]):
+        self.rule = RuleReward.load(run.reward.rule) if run.reward.rule else None
+        self.tokenizer, self.rows = tokenizer, rows
+
+    def score(self, responses: list[torch.Tensor], row_ids: list[int]) -> np.ndarray | None:
+        """Rule rewards [B] float32 for responses (token ids, EOS dropped by decode) to the
+        prompts of data rows `row_ids`; None without a rule."""
+        if self.rule is None:
+            return None
+        texts = [self.tokenizer.decode(r.tolist()) for r in responses]
+        return np.asarray(self.rule.many(texts, [self.rows[i] for i in row_ids]), dtype=np.float32)
+
+
+def combine_rewards(run: RunConfig, model_score: torch.Tensor | None, rule_score: torch.Tensor | None) -> torch.Tensor:
+    """model_weight x reward model score + rule_weight x rule reward (each when in use)."""
+    cfg = run.reward
+    parts = []
+    if cfg.use_model:
+        parts.append(cfg.model_weight * model_score.double())
+    if cfg.rule is not None:
+        parts.append(cfg.rule_weight * rule_score.double())
+    return sum(parts).float()
+
+
+# -- advantages ------------------------------------------------------------------------------
+def estimate_advantages(run: RunConfig, batch: RolloutBatch, dp_group) -> dict[str, float]:
+    """Sets the per-token columns 'advantages' and 'returns' (and 'values' = 0 for the estimators
+    without a critic) and the per-sample 'train' weight (0 for a group dropped by the equal-reward
+    filter; rejection sampling: 1 only for each group's best sample). Needs the columns reward,
+    group, logprobs, ref_logprobs (values for GAE). Returns metrics (summed over DP)."""
+    est, ppo = run.advantage_estimator, run.ppo
+    if run.algorithm == "rejection_sampling":
+        s = all_reduce_sums(keep_best(batch), dp_group)
+        return {"kept_rewards": s["kept_reward_sum"] / max(s["kept"], 1.0)}
+    mask = batch.mask
+    score, logp, ref = batch["reward"].float(), batch["logprobs"], batch["ref_logprobs"]
+    kl_coef = ppo.kl_coef if run.kl_in_reward else 0.0
+    metrics = {}
+    if est == "gae":
+        rewards = ppo_math.kl_penalized_rewards(score, logp, ref, mask, kl_coef)
+        adv, returns = ppo_math.gae(rewards, batch["values"], mask, ppo.gamma, ppo.lam)
+        adv = ppo_math.masked_whiten(adv, mask, dp_group)
+    elif est == "reinforce_pp":
+        adv = A.reinforce_pp(score, logp, ref, mask, kl_coef, group=dp_group)
+        rewards = ppo_math.kl_penalized_rewards(score, logp, ref, mask, kl_coef)
+        returns = rewards.flip(1).cumsum(1).flip(1) * mask
+    elif est in ("grpo", "rloo"):
+        # With the KL in the reward, a sample's return is its score minus its summed KL penalty.
+        seq = score - kl_coef * ((logp - ref) * mask).sum(1)
+        groups = batch["group"]
+        per_sample = A.grpo(seq, groups, normalize_std=run.rl.normalize_group_std) if est == "grpo" \
+            else A.rloo(seq, groups)
+        adv, returns = A.per_token(per_sample, mask), A.per_token(seq, mask)
+    else:
+        raise ValueError(f"no advantage estimator for algorithm {run.algorithm!r}")
+    if est != "gae":
+        batch.set_tokens("values", torch.zeros_like(mask))
+    train = torch.ones(batch.size)
+    if run.rl.filter_equal_reward_groups:
+        drop = A.equal_reward_groups(score, batch["group"])
+        train[drop] = 0.0
+        groups_dropped = len(torch.unique(batch["group"][drop])) if batch.size else 0
+        s = all_reduce_sums({"dropped": groups_dropped, "groups": len(torch.unique(batch["group"]))}, dp_group)
+        metrics = {"dropped_groups": s["dropped"], "dropped_group_fraction": s["dropped"] / max(s["groups"], 1.0)}
+    batch.set_tokens("advantages", adv)
+    batch.set_tokens("returns", returns)
+    batch.set_samples("train", train)
+    return metrics
+
+
+# -- the update ------------------------------------------------------------------------------
+def loss_terms(run: RunConfig) -> LossTerms:
+    eps_low = run.rl.eps_low if run.rl.eps_low is not None else run.ppo.ratio_clip
+    return LossTerms(eps_low=eps_low, eps_high=run.rl.eps_high if run.rl.eps_high is not None else eps_low,
+                     agg=run.rl.loss_agg, kl_loss_coef=run.rl.kl_loss_coef, kl_estimator=run.rl.kl_estimator,
+                     entropy_coef=run.ppo.entropy_coef)
+
+
+def optimizer_batches(size: int, run: RunConfig, step: int, epoch: int) -> list[np.ndarray]:
+    """This rank's rows of each optimizer step of one epoch: the shard split into
+    rollouts_per_step / global_batch_size parts (every DP rank holds the same count, so part j
+    of every rank makes global batch j). Later epochs reshuffle (same on every rank of a
+    model-parallel group: a function of seed, step, epoch)."""
+    gbs = run.ppo.global_batch_size or run.rollouts_per_step
+    parts = max(run.rollouts_per_step // gbs, 1)
+    order = np.arange(size)
+    if epoch > 0:
+        order = np.random.default_rng([run.seed, step, epoch]).permutation(size)
+    return np.array_split(order, parts)
+
+
+class PolicyUpdate:
+    """The actor's update of one step on this DP rank's shard: ppo.epochs passes, each split
+    into optimizer steps of ppo.global_batch_size rollouts (NeMo-Aligner's mini-batches), each a
+    megatron forward/backward over micro-batches, gradients summed over DP, one AdamW step.
+
+    loss 'policy': the clipped surrogate (+ KL loss term, entropy bonus) of policy_loss.py, on
+    the tokens of responses that ended (is_end) and were kept ('train' weight). loss 'sft':
+    negative log-likelihood of the kept responses (rejection sampling)."""
+
+    def __init__(self, run: RunConfig, policy: list, optimizer: torch.optim.Optimizer, pctx, *, loss: str = "policy"):
+        self.run, self.policy, self.optimizer, self.pctx, self.loss = run, policy, optimizer, pctx, loss
+        self.terms = loss_terms(run)
+        self.agg = "token-mean" if loss == "sft" else self.terms.agg
+
+    def train(self, shard: RolloutBatch, step: int, tracer) -> dict[str, float]:
+        run, dp = self.run, self.pctx.dp_group
+        totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl": 0.0, "tokens": 0.0}
+        norms = []
+        with tracer.span(P.TRAIN, step):
+            for c in self.policy:
+                c.train()
+            for epoch in range(run.ppo.epochs):
+                for rows in optimizer_batches(shard.size, run, step, epoch):
+                    norms.append(self._optimizer_step(shard.select(rows), totals))
+        # Only the last stage computed a loss: sum over DP, then hand it to the other stages.
+        total = all_reduce_sums(all_reduce_sums(totals, dp), self.pctx.pp_group)
+        tokens = max(total["tokens"], 1.0)
+        out = {"loss": total["loss"] / len(norms), "grad_norm": float(np.mean(norms)), "lr": run.ppo.actor_lr,
+               "optimizer_steps": float(len(norms))}
+        if self.loss == "policy":
+            out.update(ppo_ratio=total["ratio"] / tokens, ppo_ratio_clamped=total["clipped"] / tokens)
+            if self.terms.kl_loss_coef > 0:
+                out["kl_loss"] = total["kl"] / tokens
+        return out
+
+    def _optimizer_step(self, part: RolloutBatch, totals: dict) -> float:
+        run, vocab, terms = self.run, self.run.model.vocab_size, self.terms
+        weight = part["is_end"].float() * part["train"] if self.loss == "policy" else part["train"]
+        # Global normaliser of this optimizer batch: its loss is a mean over all DP ranks.
+        norm = all_reduce_sums({"n": denominator(part.mask * weight[:, None], self.agg)}, self.pctx.dp_group)["n"]
+        self.optimizer.zero_grad(set_to_none=True)
+        if part.size and norm > 0:
+            part.set_samples("weight", weight)
+            micro = part.micro_batches(run.ppo.train_micro_batch_size, samples=["weight"],
+                                       per_token=["logprobs", "ref_logprobs", "advantages"])
+            T = part.max_response
+
+            def loss_fn(output, mb):
+                dev = output.device
+                mask = (mb["mask"] * mb["weight"][:, None]).to(dev)
+                logp = gather_response(token_logprobs(output, mb["tokens"], vocab), mb["prompt_lengths"],
+                                       mb["response_lengths"], T)
+                if self.loss == "sft":
+                    loss = aggregate(-logp, mask, "token-mean", norm)
+                    totals["loss"] += float(loss)
+                    totals["tokens"] += float(mask.sum())
+                    return loss, {"loss": loss.detach()}
+                entropy = self._entropy(output, mb, T) if terms.entropy_coef > 0 else None
+                loss, st = clipped_policy_loss(logp, mb["logprobs"].to(dev), mb["advantages"].to(dev), mask, terms,
+                                               ref_logp=mb["ref_logprobs"].to(dev), entropy=entropy, norm=norm)
+                for k, v in (("loss", st.loss), ("ratio", st.ratio * st.tokens),
+                             ("clipped", st.clipped_fraction * st.tokens), ("kl", st.kl * st.tokens),
+                             ("tokens", st.tokens)):
+                    totals[k] += v
+                return loss, {"loss": loss.detach()}
+
+            run_schedule(self.policy, micro, loss_fn, forward_only=False)
+        # Every rank joins the gradient all-reduce, also with nothing to train on (zero grads).
+        return optimizer_step(self.optimizer, self.pctx, run.ppo.grad_clip)
+
+    def _entropy(self, output: torch.Tensor, mb: dict, T: int) -> torch.Tensor:
+        vocab = self.run.model.vocab_size
+        logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
+        pos = response_positions(mb["prompt_lengths"], mb["response_lengths"], T)[0].to(output.device)
+        lp_all = torch.log_softmax(logits.float(), -1).gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        return -(lp_all.exp() * lp_all).sum(-1)
