@@ -118,20 +118,22 @@ _LOOPING_WRITER = textwrap.dedent("""
     sys.path.insert(0, {tests!r})
     from test_store_rollouts import make_batch
     from slurm_align.store.rollouts import RolloutStore
-    store = RolloutStore.create({path!r})
+    store = RolloutStore.create({path!r}, background={background})
     step = 0
     while True:
         store.append_step(step, make_batch(step, 16 + step % 5))
-        print(step, flush=True)
+        if step >= 1:   # the previous step is committed once this append returned
+            print(step - 1, flush=True)
         step += 1
 """)
 
 
-def test_sigkill_at_an_arbitrary_point_leaves_only_whole_steps(tmp_path):
+@pytest.mark.parametrize("background", [False, True])
+def test_sigkill_at_an_arbitrary_point_leaves_only_whole_steps(tmp_path, background):
     """A writer appending as fast as it can is SIGKILLed from outside, wherever it is: the store
     opens with whole steps only, each exactly as written, and takes the next step."""
     path = tmp_path / "rollouts.zarr"
-    script = _LOOPING_WRITER.format(tests=os.path.dirname(__file__), path=str(path))
+    script = _LOOPING_WRITER.format(tests=os.path.dirname(__file__), path=str(path), background=background)
     proc = subprocess.Popen([sys.executable, "-c", script], env=ENV, stdout=subprocess.PIPE, text=True)
     for _ in range(4):   # let it commit a few steps, then kill it mid-flight
         assert proc.stdout.readline(), "writer died on its own"
@@ -158,6 +160,28 @@ def test_direct_chunk_writes_equal_zarrs_own(tmp_path):
     key = Path("c") / "2" / "0"
     assert (tmp_path / "s.zarr" / "ours" / key).read_bytes() == (tmp_path / "s.zarr" / "theirs" / key).read_bytes()
     np.testing.assert_array_equal(ours[2:3], block)
+
+
+def test_background_writes_commit_in_order_and_raise_at_flush(tmp_path, monkeypatch):
+    import slurm_align.store.rollouts as R
+    store = RolloutStore.create(tmp_path / "r.zarr", background=True)
+    batches = [(s, make_batch(s, 3 + s)) for s in range(4)]
+    for step, b in batches:
+        store.append_step(step, b)   # returns before the files are written
+    store.flush()
+    assert_same(RolloutStore.open(tmp_path / "r.zarr", read_only=True).read(), batches)
+    assert store.steps.tolist() == [0, 1, 2, 3]
+    with pytest.raises(RolloutStoreError, match="truncate_to"):
+        store.append_step(3, make_batch(9, 1))   # order is still checked at once
+
+    def failing_write_row(*args):
+        raise OSError("disk full")
+    monkeypatch.setattr(R, "write_row", failing_write_row)
+    store.append_step(4, make_batch(4, 2))
+    with pytest.raises(OSError, match="disk full"):
+        store.flush()
+    assert store.steps.tolist() == [0, 1, 2, 3]   # the failed step was never committed
+    store.close()
 
 
 def test_padded_per_token_arrays_are_cut_to_the_response_lengths(tmp_path):

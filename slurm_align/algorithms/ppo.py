@@ -258,6 +258,8 @@ class PPOActor:
                 **{f"timers/{k}": v for k, v in self.tracer.durations(step).items()}}
 
     def save_checkpoint(self, step: int) -> None:
+        if self.store is not None:
+            self.store.flush()   # no checkpoint ahead of the committed rollouts (resume leaves no gap)
         # The critic first: the actor's manifest, written last, commits the step for both roles.
         if self.rank == 0:
             self.critic.save(str(self.rd.checkpoints("critic") / f"iter_{step:07d}.pt"))
@@ -293,6 +295,8 @@ class PPOActor:
         return False
 
     def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
         self.tracer.close()
         self.env.comm.Barrier()
         if self.rank == 0:
@@ -313,7 +317,9 @@ def _resume(rd: RunDir, policy: list, optimizer: torch.optim.Optimizer) -> int:
 
 
 def _open_store(rd: RunDir, start_step: int) -> RolloutStore:
-    store = RolloutStore.open(rd.rollouts) if rd.rollouts.exists() else RolloutStore.create(rd.rollouts)
+    # Written in the background while the step goes on (flushed before each checkpoint).
+    store = (RolloutStore.open(rd.rollouts, background=True) if rd.rollouts.exists()
+             else RolloutStore.create(rd.rollouts, background=True))
     store.truncate_to(start_step)
     return store
 

@@ -21,7 +21,7 @@ same row. Capacity grows by doubling (ragged.ensure_shape), so most appends rewr
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -49,10 +49,18 @@ class RolloutStoreError(ValueError):
 
 
 class RolloutStore:
-    """One run's rollouts. Create once, then `append_step` per PPO step from a single rank."""
+    """One run's rollouts. Create once, then `append_step` per PPO step from a single rank.
 
-    def __init__(self, group: zarr.Group, path: Path):
-        self.group, self.path = group, path
+    With `background=True` an append checks and packs the batch, then returns: the files are
+    written by a writer thread while the caller goes on (the step does not wait on the disk's
+    fsyncs). The next append, a read, `flush()` and `close()` wait for it (and raise its error,
+    if it had one); a caller that checkpoints must flush first, so no checkpoint is ever ahead of
+    the committed rollouts."""
+
+    def __init__(self, group: zarr.Group, path: Path, *, background: bool = False):
+        self.group, self.path, self.background = group, path, background
+        self._pending: Future | None = None
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="rollout-commit") if background else None
         fmt = group.attrs.get("format")
         if fmt != FORMAT:
             raise RolloutStoreError(f"{path}: not a rollout store of this version (format attribute "
@@ -65,7 +73,7 @@ class RolloutStore:
         self._index = index[:n]
 
     @classmethod
-    def create(cls, path: str | Path) -> "RolloutStore":
+    def create(cls, path: str | Path, *, background: bool = False) -> "RolloutStore":
         """A new, empty store (an existing one at `path` is opened, not cleared: resume)."""
         path = Path(path)
         group = zarr.open_group(store=AtomicLocalStore(path, fsync=True), mode="a")
@@ -73,31 +81,47 @@ class RolloutStore:
             create(group, "index", (_INDEX_CHUNK, len(INDEX)), (_INDEX_CHUNK, len(INDEX)), np.int64)
             group.update_attributes({"format": FORMAT, "token_fields": list(TOKEN_FIELDS),
                                      "sample_ints": list(SAMPLE_INTS), "index_columns": list(INDEX)})
-        return cls(group, path)
+        return cls(group, path, background=background)
 
     @classmethod
-    def open(cls, path: str | Path, *, read_only: bool = False) -> "RolloutStore":
+    def open(cls, path: str | Path, *, read_only: bool = False, background: bool = False) -> "RolloutStore":
         path = Path(path)
         if not (path / "zarr.json").is_file():
             raise FileNotFoundError(f"{path}: no rollout store here")
         store = AtomicLocalStore(path, read_only=read_only, fsync=True)
-        return cls(zarr.open_group(store=store, mode="r" if read_only else "r+"), path)
+        return cls(zarr.open_group(store=store, mode="r" if read_only else "r+"), path, background=background)
+
+    def flush(self) -> None:
+        """Wait until the last append is committed (raises its error, if it failed)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        self.flush()
+        for pool in (self._committer, self._writers):
+            if pool is not None:
+                pool.shutdown()
 
     @property
     def num_steps(self) -> int:
+        self.flush()
         return len(self._index)
 
     @property
     def num_samples(self) -> int:
+        self.flush()
         return int(self._index[:, 1].sum())
 
     @property
     def steps(self) -> np.ndarray:
         """Committed step numbers, ascending."""
+        self.flush()
         return self._index[:, 0].copy()
 
     def step_sizes(self) -> dict[str, np.ndarray]:
         """Per committed step: step, num_samples, num_prompt_tokens, num_response_tokens."""
+        self.flush()
         return {name: self._index[:, j].copy() for j, name in enumerate(INDEX)}
 
     def append_step(self, step: int, batch: Mapping[str, Any]) -> None:
@@ -107,16 +131,23 @@ class RolloutStore:
         (lists of float sequences, each as long as its response, or one padded 2-D array whose
         rows are cut to the response lengths), reward, is_end, rank (one per sample). Steps must
         increase: redoing a step needs truncate_to(step) first."""
-        if self.num_steps and step <= self._index[-1, 0]:
+        self.flush()
+        if len(self._index) and step <= self._index[-1, 0]:
             raise RolloutStoreError(
                 f"{self.path}: step {step} is not after the last committed step {int(self._index[-1, 0])}; "
                 f"call truncate_to({step}) first to redo it (resume)")
         cols = _validate(batch)
-        row, n = self.num_steps, len(cols["length"])
+        row, n = len(self._index), len(cols["length"])
         tokens = np.concatenate([cols["prompt_tokens"], cols["response_tokens"],
                                  *(cols[name].astype(np.int32) for name in SAMPLE_INTS)])
         values = np.concatenate([*(cols[name] for name in TOKEN_FIELDS), cols["reward"]])
         entry = np.array([step, n, len(cols["prompt_tokens"]), len(cols["response_tokens"]), 1], dtype=np.int64)
+        if self._committer is not None:
+            self._pending = self._committer.submit(self._write_step, row, entry, tokens, values)
+        else:
+            self._write_step(row, entry, tokens, values)
+
+    def _write_step(self, row: int, entry: np.ndarray, tokens: np.ndarray, values: np.ndarray) -> None:
         arrays = self._arrays(len(tokens), len(values))
         for name, data in (("tokens", tokens), ("values", values)):
             ensure_shape(arrays[name], (row + 1, len(data)))
@@ -150,7 +181,8 @@ class RolloutStore:
 
     def read(self, step: int | None = None) -> dict[str, np.ndarray]:
         """Committed samples of one step (or all): flat arrays, offsets starting at 0."""
-        rows = np.arange(self.num_steps)
+        self.flush()
+        rows = np.arange(len(self._index))
         if step is not None:
             rows = np.flatnonzero(self._index[:, 0] == step)
             if not len(rows):
@@ -186,10 +218,11 @@ class RolloutStore:
     def truncate_to(self, step: int) -> None:
         """Forget every committed step >= `step`, so a run resumed at `step` appends without gaps
         or duplicates (their rows are overwritten by the next appends)."""
+        self.flush()
         keep = int(np.searchsorted(self._index[:, 0], step, side="left"))
-        if keep == self.num_steps:
+        first = len(self._index)
+        if keep == first:
             return
-        first = self.num_steps
         self._index = self._index[:keep]
         for lo in range(keep - keep % _INDEX_CHUNK, first, _INDEX_CHUNK):
             self._write_index(lo)
