@@ -14,8 +14,10 @@ the store phase against a real tiny PPO step.
    this script runs examples/ppo_tiny.yaml for --ppo-steps steps on the local profile (from random
    init, a few seconds per step); --run-dir reads an existing run's traces instead (e.g. the
    20 steps of examples/ppo_tiny.sh). store_over_step_p50 is the median over steps of the ratio.
-   An append is three fsynced files, so the disk's fsync latency (fsync_ms, measured here too)
-   sets the store phase on a shared machine.
+   An append is three fsynced files (the disk's fsync latency, fsync_ms, is measured here too);
+   PPO writes its store in the background (RolloutStore(background=True)), so its `store` phase
+   is the check and hand-off, and the files are written while the step goes on. The appends of
+   part 1 are synchronous: zarr_over_npy compares like with like.
 The last line holds the figures as key=value.
 """
 
