@@ -239,6 +239,11 @@ def test_chat_rows_need_a_chat_template(folders, tmp_path: Path):
     bad = _jsonl(tmp_path / "t.jsonl", [{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}])
     with pytest.raises(ConfigError, match=r"t.jsonl: line 1: chat template: .*must alternate"):
         PromptDataset(bad, HFTokenizer(folders["inst"]), 64)
+    # a template that does not render the prompt as the conversation's prefix cannot split it
+    last_only = make_tokenizer(tmp_path / "last", "{{ messages[-1]['content'] }}", {"eos_token": "<|im_end|>"},
+                               CHATML_NAMES)
+    with pytest.raises(ConfigError, match=r"s.jsonl: line 2: chat template: .*without the prompt as its prefix"):
+        SFTDataset(path, HFTokenizer(last_only), 64)
 
 
 def test_bad_tokenizer_folders_are_clear_errors(folders, tmp_path: Path):

@@ -58,8 +58,9 @@ def encode_chat_pair(tok, prompt: list[dict], response: list[dict], max_len: int
     prompt_text = tok.apply_chat_template(prompt, add_generation_prompt=True)
     full_text = tok.apply_chat_template(prompt + response)
     if not full_text.startswith(prompt_text):
-        raise TemplatePrefixError("the chat template renders the conversation without the prompt as its prefix "
-                         f"(prompt ends {prompt_text[-40:]!r}, conversation has {full_text[:len(prompt_text)][-40:]!r})")
+        raise TemplatePrefixError(
+            "the chat template renders the conversation without the prompt as its prefix (prompt ends "
+            f"{prompt_text[-40:]!r}, conversation has {full_text[:len(prompt_text)][-40:]!r})")
     p = tok.encode(prompt_text)
     r = tok.encode(full_text[len(prompt_text):])
     ends = [i for i, t in enumerate(r) if t == tok.eos_id]
