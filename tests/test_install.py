@@ -21,11 +21,12 @@ import pytest
 import yaml
 
 from slurm_align import REPO_ROOT
+from slurm_align.config import load_run_config
+from slurm_align.config.errors import ConfigError
+from slurm_align.slurm.launch import resolve_input_paths
 
 SOURCES = ("slurm_align", "launchers", "sbatch_templates", "cluster_profiles", "setup.py", "setup.cfg",
            "pyproject.toml", "README.md")
-
-pytestmark = [pytest.mark.slow, pytest.mark.mpi]
 
 
 def _run(cmd: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -61,6 +62,7 @@ def fresh_venv(tmp_path_factory) -> Path:
     return venv
 
 
+@pytest.mark.slow
 def test_wheel_ships_templates_launchers_profiles(fresh_venv, tmp_path):
     code = ("import slurm_align, json\nfrom slurm_align import resources as r\n"
             "print(json.dumps({'pkg': slurm_align.__file__, 'templates': str(r.folder(r.TEMPLATES)),"
@@ -73,6 +75,8 @@ def test_wheel_ships_templates_launchers_profiles(fresh_venv, tmp_path):
     assert (Path(got["templates"]) / "hetjob.sh.j2").is_file()
 
 
+@pytest.mark.slow
+@pytest.mark.mpi
 def test_submit_from_an_unrelated_directory(fresh_venv, tmp_path):
     """A user's project folder: a run config and its data, no checkout. render, then submit the
     tiny run's components (the report launcher) on the local profile and wait for them."""
@@ -96,3 +100,17 @@ def test_submit_from_an_unrelated_directory(fresh_venv, tmp_path):
     assert [(r["component"], r["rank"]) for r in reports] == [("actor", 0), ("actor", 1), ("critic", 0)]
     assert {p.name for p in (run_dir / "logs" / "actor").glob("rank*.log")} == {"rank0.log", "rank1.log"}
     assert str(REPO_ROOT) not in (run_dir / "job.sbatch").read_text()
+
+
+def test_every_input_path_is_absolute_before_the_job_runs_in_its_run_dir(monkeypatch):
+    """The job's working directory is its run directory, so each path a config may give relative
+    to where `slurm-align` ran must be made absolute at submission (or the job cannot find it)."""
+    monkeypatch.chdir(REPO_ROOT)
+    run = load_run_config(REPO_ROOT / "examples" / "grpo_tiny.yaml")
+    assert not run.eval.val_path.is_absolute()
+    resolved = resolve_input_paths(run)
+    for path in (resolved.data.train_path, resolved.eval.val_path):
+        assert path.is_absolute() and path.is_file()
+    monkeypatch.chdir(REPO_ROOT / "tests")   # from elsewhere the relative path names nothing
+    with pytest.raises(ConfigError, match="eval.val_path"):
+        resolve_input_paths(run.model_copy(update={"data": resolved.data}))

@@ -191,7 +191,7 @@ def resolve_input_paths(run: RunConfig) -> RunConfig:
         problems.append(f"field 'data.train_path': required for algorithm '{run.algorithm}' "
                         "(a JSONL file: prompts for ppo, SFT pairs for sft, preferences for rm/dpo)")
     fields = {"data": ("train_path", "val_path"), "model": ("init_checkpoint", "hf_path"),
-              "critic_model": ("init_checkpoint", "hf_path")}
+              "critic_model": ("init_checkpoint", "hf_path"), "eval": ("val_path",)}
     for section, names in fields.items():
         sub = getattr(run, section)
         if sub is None:
