@@ -118,6 +118,7 @@ def test_cli_breakdown_json_csv_png_and_compare(tmp_path, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["mean_step_s"] == pytest.approx(0.110)
     assert data["mean_phase_s"]["idle"] == pytest.approx(0.085)
+    assert data["mean_component_phase_s"]["critic"] == pytest.approx({"critic_infer": 0.015, "critic_train": 0.010})
     assert_png(a / "reports" / "breakdown.png")
     assert main(["analyze", "breakdown", str(a), "--compare", str(b), "--format", "csv", "--png",
                  str(tmp_path / "cmp.png")]) == 0

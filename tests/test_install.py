@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from slurm_align import REPO_ROOT
+import slurm_align
+from slurm_align import REPO_ROOT, resources
 from slurm_align.config import load_run_config
 from slurm_align.config.errors import ConfigError
 from slurm_align.slurm.launch import resolve_input_paths
@@ -114,3 +115,15 @@ def test_every_input_path_is_absolute_before_the_job_runs_in_its_run_dir(monkeyp
     monkeypatch.chdir(REPO_ROOT / "tests")   # from elsewhere the relative path names nothing
     with pytest.raises(ConfigError, match="eval.val_path"):
         resolve_input_paths(run.model_copy(update={"data": resolved.data}))
+
+
+def test_editable_install_maps_the_top_level_folders(tmp_path):
+    """In a checkout's editable install the package data is the charter's top-level folders
+    themselves, and a launcher runs by module from any directory."""
+    if Path(slurm_align.__file__).resolve().parent != REPO_ROOT / "slurm_align":
+        pytest.skip("slurm_align is not installed editable from this checkout")
+    assert resources.folder(resources.TEMPLATES) == REPO_ROOT / "sbatch_templates"
+    assert resources.folder(resources.PROFILES) == REPO_ROOT / "cluster_profiles"
+    assert resources.folder(resources.LAUNCHERS) == REPO_ROOT / "launchers"
+    proc = _run([sys.executable, "-m", "slurm_align.launchers.report", "--help"], cwd=tmp_path)
+    assert "--run-dir" in proc.stdout

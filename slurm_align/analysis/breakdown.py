@@ -68,6 +68,8 @@ class Breakdown:
                 for s, t, row in zip(self.steps, self.step_s, self.phase_s)
             ],
             "idle_per_rank_s": {k: float(v.mean()) for k, v in self.idle_s.items()},
+            "mean_component_phase_s": {c: {p: float(v) for p, v in zip(self.phases, values.mean(axis=0)) if v}
+                                       for c, values in self.component_phase_s.items()},
         }
 
 
