@@ -28,12 +28,12 @@ def inv_freq(head_dim: int, base: float, scaling=None) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_tables(max_seq_len: int, head_dim: int, base: float, scaling=None,
-                device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [max_seq_len, head_dim] float32, row p for position p."""
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq(head_dim, base, scaling))
+def cos_sin(positions: torch.Tensor, freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [*positions.shape, head_dim] of int positions (computed per call, as megatron
+    does: a table over max_seq_len would be large for long-context models)."""
+    angles = positions.to(freq.dtype).unsqueeze(-1) * freq
     emb = torch.cat((angles, angles), dim=-1)
-    return emb.cos().to(device), emb.sin().to(device)
+    return emb.cos(), emb.sin()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

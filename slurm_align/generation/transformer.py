@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from slurm_align.generation.params import GptShape
-from slurm_align.generation.rope import apply_rope
+from slurm_align.generation.rope import apply_rope, cos_sin
 from slurm_align.generation.weights import EMBEDDING, POSITIONS, GptWeights, LayerWeights
 
 # Below this many elements LayerNorm runs as plain tensor ops: ATen's layer_norm kernel splits
@@ -62,10 +62,10 @@ def _embed(w: GptWeights, tokens: torch.Tensor, positions: torch.Tensor) -> torc
 
 def _rope_at(w: GptWeights, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """cos, sin for these positions [B, T] as [B, 1, T, d] (broadcast over heads); None without rope."""
-    if w.rope is None:
+    if w.inv_freq is None:
         return None
-    cos, sin = w.rope
-    return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    cos, sin = cos_sin(positions, w.inv_freq)
+    return cos.unsqueeze(1).to(w.dtype), sin.unsqueeze(1).to(w.dtype)
 
 
 def _split_qkv(s: GptShape, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

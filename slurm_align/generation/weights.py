@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from slurm_align.generation.params import GenerationError, GptShape
-from slurm_align.generation.rope import rope_tables
+from slurm_align.generation.rope import inv_freq
 from slurm_align.models.te_names import local_names
 
 EMBEDDING, POSITIONS, OUTPUT = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight",
@@ -84,13 +84,13 @@ class LayerWeights:
 
 class GptWeights:
     """The weights one engine computes with; `load` is the in-place refit. With rope, the
-    cos/sin tables (a function of the shape only) are built with the first load."""
+    inverse frequencies (a function of the shape only) are made with the first load."""
 
     def __init__(self, shape: GptShape, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.shape, self.device, self.dtype = shape, torch.device(device), dtype
         self.tensors: dict[str, torch.Tensor] | None = None
         self.layers: list[LayerWeights] = []
-        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.inv_freq: torch.Tensor | None = None
 
     @property
     def loaded(self) -> bool:
@@ -111,7 +111,7 @@ class GptWeights:
             torch.cuda.current_stream(self.device).synchronize()
 
     def free(self) -> None:
-        self.tensors, self.layers, self.rope = None, [], None
+        self.tensors, self.layers, self.inv_freq = None, [], None
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if self.tensors is None:
@@ -134,5 +134,4 @@ class GptWeights:
         self.layers = [LayerWeights(*(t.get(f"decoder.layers.{i}.{n}") for n in names))
                        for i in range(s.num_layers)]
         if s.position_embedding == "rope":
-            cos, sin = rope_tables(s.max_seq_len, s.head_dim, s.rotary_base, s.rope_scaling)
-            self.rope = (cos.to(self.device, self.dtype), sin.to(self.device, self.dtype))
+            self.inv_freq = inv_freq(s.head_dim, s.rotary_base, s.rope_scaling).to(self.device)
