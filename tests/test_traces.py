@@ -140,3 +140,24 @@ def test_disabled_tracer_writes_nothing(tmp_path):
     t.close()
     assert not (tmp_path / "traces.zarr").exists()
     assert t.span("train", 1) is t.span("generate", 2)  # one shared no-op context
+
+
+def test_flushes_across_chunk_boundaries_and_truncation(tmp_path):
+    """Thousands of spans in small flushes (each rewrites the last chunk whole from memory, the
+    chunk boundary falls inside a flush), a reopened writer, and a truncation: nothing lost."""
+    with Tracer(tmp_path, "actor", 0) as t:
+        for step in range(300):
+            for k in range(7):
+                t.record(f"p{k}", step, 10 * (7 * step + k), 10 * (7 * step + k) + 5)
+            t.step_done(step)
+    with Tracer(tmp_path, "actor", 0) as t:   # a new process appends after the committed spans
+        for step in range(300, 310):
+            t.record("p0", step, 10 * 7 * step, 10 * 7 * step + 5)
+    spans = read_traces(tmp_path / "traces.zarr").spans
+    assert len(spans) == 300 * 7 + 10
+    assert spans["start_ns"].tolist() == sorted(spans["start_ns"].tolist())
+    assert spans["step"].tolist() == [s for s in range(300) for _ in range(7)] + list(range(300, 310))
+    assert spans["phase"][:7].tolist() == [f"p{k}" for k in range(7)]
+    with Tracer(tmp_path, "actor", 0, resume_from_step=250):
+        pass
+    assert sorted(set(read_traces(tmp_path / "traces.zarr").spans["step"].tolist())) == list(range(250))
