@@ -233,3 +233,16 @@ def test_schema_errors_name_the_key(tmp_path):
     assert store.num_steps == 0
     with pytest.raises(FileNotFoundError):
         RolloutStore.open(tmp_path / "nothing.zarr")
+
+
+def test_steps_larger_than_the_first_span_several_chunks(tmp_path):
+    """Chunks are sized at the first step; a later, larger step grows the rows and spans several
+    chunks; a smaller one after it leaves stale chunks past its end that nobody reads."""
+    store = RolloutStore.create(tmp_path / "r.zarr")
+    batches = [(0, make_batch(0, 2)), (1, make_batch(1, 400)), (2, make_batch(2, 3))]
+    for step, b in batches:
+        store.append_step(step, b)
+    assert store.group["tokens"].shape[1] > store.group["tokens"].chunks[1]
+    reader = RolloutStore.open(tmp_path / "r.zarr", read_only=True)
+    assert_same(reader.read(), batches)
+    assert_same(reader.read(2), [batches[2]])
