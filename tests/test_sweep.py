@@ -5,14 +5,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import matplotlib.image
 import numpy as np
 import pytest
 
 from slurm_align import REPO_ROOT
-from slurm_align.config import ConfigError, RunConfig, load_profile
-from slurm_align.slurm.sweep import critic_nodes_for, parse_nodes, plan_sweep
+from slurm_align.config import ConfigError, RunConfig, load_profile, load_run_config
+from slurm_align.slurm.render import Entry
+from slurm_align.slurm.sweep import critic_nodes_for, parse_nodes, plan_sweep, start_sweep
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
 from tests.test_ppo import free_port_block
@@ -81,9 +83,9 @@ def test_real_sweep_on_slurm_then_scaling_report(slurm_cluster, tmp_path):
         table = read_traces(run_dir / "traces.zarr", {"actor": nodes, "critic": 1})
         assert table.complete, table.problems()
         assert table.ranks == {"actor": list(range(nodes)), "critic": [0]}
-        assert sorted(set(table.spans["step"].tolist())) == [0, 1, 2]
+        assert sorted(set(table.spans["step"].tolist())) == [1, 2, 3]
         store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
-        assert store.steps.tolist() == [0, 1, 2] and store.num_samples == 3 * samples
+        assert store.steps.tolist() == [1, 2, 3] and store.num_samples == 3 * samples
     out = subprocess.run([sys.executable, "-m", "slurm_align.cli", "analyze", "scaling", str(sweep),
                           "--format", "json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -101,3 +103,26 @@ def test_real_sweep_on_slurm_then_scaling_report(slurm_cluster, tmp_path):
     table = subprocess.run([sys.executable, "-m", "slurm_align.cli", "analyze", "scaling", str(sweep), "--no-plot"],
                            capture_output=True, text=True, timeout=120)
     assert table.returncode == 0 and "samples/s" in table.stdout
+
+
+@pytest.mark.slurm
+def test_sweep_records_a_failing_point_and_refuses_one_that_cannot_start(slurm_cluster, tmp_path):
+    # 3 actor nodes + 2 critic nodes on a 4-node cluster could never start: refused, nothing submitted.
+    never = tmp_path / "never"
+    proc = subprocess.run([sys.executable, "-m", "slurm_align.cli", "sweep", str(EXAMPLE), "--profile", "local-slurm",
+                           "--nodes", "1,3", "--sweep-dir", str(never), "--entry", "report"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "5 nodes in partition 'debug'" in proc.stderr and "it has 4" in proc.stderr
+    assert not never.exists()
+
+    # A point whose job fails is recorded with where it failed; the others go on.
+    run = load_run_config(EXAMPLE, ["ppo.num_rollout_samples=4", f"critic_server.port={free_port_block()}"])
+    entry = Entry("report", scripts={"actor": Path(__file__).parent / "sweep_failing_actor.py"})
+    manifest = start_sweep(run, load_profile("local-slurm"), [1, 2], "weak", tmp_path / "sweep", EXAMPLE,
+                           entry=entry, max_concurrent=1, poll_s=0.5)
+    ok, bad = manifest.points
+    assert ok.state == "COMPLETED" and bad.state == "FAILED", manifest.points
+    assert "actor rank" in bad.error and "fails on purpose" in bad.error and "logs:" in bad.error
+    saved = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
+    assert [p["state"] for p in saved["points"]] == ["COMPLETED", "FAILED"]

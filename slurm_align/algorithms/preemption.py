@@ -1,9 +1,13 @@
 """Stop for preemption or the time limit at a step boundary, every actor rank agreeing.
 
-The batch script turns Slurm's warning (`--signal=B:USR2@grace`, or TERM) into USR2 for every
-component plus the file RUN_DIR/stop_requested (for ranks that were not yet listening). After
-each step the actor ranks run one allreduce of "this rank saw a request": all of them stop after
-the same step, none decides alone. The loop saves that step (unless it was just saved), rank 0
+The batch script turns Slurm's warning (`--signal=B:USR2@grace`, or TERM) into the file
+RUN_DIR/stop_requested. It does not pass the signal on: Slurm delivers a step's signals to whole
+process groups, and helper processes that keep USR2's default action die of it (measured:
+megatron's checkpoint writer process mid-save, PyTriton's tritonserver). The ranks act only at a
+step boundary anyway, where the file is as quick. (A USR2 sent to every task with
+`scancel --signal=USR2 JOB` still counts: the actor's ranks note it, the critic ignores it.)
+After each step the actor ranks run one allreduce of "this rank saw a request": all of them stop
+after the same step, none decides alone. The loop saves that step (unless it was just saved), rank 0
 records it in RUN_DIR/stopped_step, and the ranks exit 0 (srun --kill-on-bad-exit would kill the
 slower ranks at a non-zero exit). The script reads stopped_step as "requeue, or end as stopped
 for preemption at step N", and records STOPPED_EXIT_CODE for every component.
@@ -42,24 +46,12 @@ def read_events(rd: RunDir) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
-def listen_for_stop(comm, rd: RunDir, component: str, handler) -> None:
-    """Collective: install the USR2 handler on every rank, then tell the job script (file
-    logs/<component>/stop_ready) that USR2 may be forwarded: before that its default action
-    would kill a rank that is still starting, so the script only writes stop_requested."""
-    signal.signal(signal.SIGUSR2, handler)
-    comm.Barrier()
-    if comm.Get_rank() == 0:
-        ready = rd.logs / component / "stop_ready"
-        ready.parent.mkdir(parents=True, exist_ok=True)
-        ready.touch()
-
-
-def ignore_stop_signal(comm, rd: RunDir, component: str) -> None:
+def ignore_stop_signal() -> None:
     """For components the actor drives (the critic): USR2 is ignored; the actor asks them to save
-    and shuts them down. Ignored, not handled: the child processes started after this (PyTriton's
+    and shuts them down. Ignored, not handled: child processes started after this (PyTriton's
     tritonserver and its Python backends) inherit the ignore, where a handler would be reset to
-    the default action that kills them (Slurm signals the task's whole process group)."""
-    listen_for_stop(comm, rd, component, signal.SIG_IGN)
+    the default action, which kills them, when `scancel --signal=USR2` reaches every process."""
+    signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
 class StopPoint:
@@ -70,7 +62,7 @@ class StopPoint:
         self.rank = comm.Get_rank()
         self._signalled = False
         self._first_step_done = False
-        listen_for_stop(comm, rd, "actor", self._on_signal)
+        signal.signal(signal.SIGUSR2, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         self._signalled = True   # only a flag: the decision is taken at the step boundary

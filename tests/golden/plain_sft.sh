@@ -22,7 +22,7 @@ export SLURM_ALIGN_COMPONENTS=actor
 cd /scratch/runs/golden
 
 # A requeued job runs this script again: clear what the previous start left behind.
-rm -f "$SLURM_ALIGN_RUN_DIR"/logs/*/exit_code "$SLURM_ALIGN_RUN_DIR"/logs/*/stop_ready "$SLURM_ALIGN_RUN_DIR/logs/first_failure" \
+rm -f "$SLURM_ALIGN_RUN_DIR"/logs/*/exit_code "$SLURM_ALIGN_RUN_DIR/logs/first_failure" \
   "$SLURM_ALIGN_RUN_DIR/stop_requested" "$SLURM_ALIGN_RUN_DIR/stopped_step"
 # shellcheck disable=SC2329  # called from the traps below
 event() { echo "{\"event\": \"$1\", \"time\": $(date +%s.%N)${2:+, $2}}" >>"$SLURM_ALIGN_RUN_DIR/preemption.jsonl"; }
@@ -30,10 +30,10 @@ event() { echo "{\"event\": \"$1\", \"time\": $(date +%s.%N)${2:+, $2}}" >>"$SLU
 pids=()
 names=()
 # Preemption and the time limit: Slurm signals this script (USR2 from --signal=B:USR2@grace,
-# TERM on cancel). Record the request in a file that the actor reads at each step boundary, and
-# forward USR2 to every component whose ranks listen for it (logs/<name>/stop_ready; earlier,
-# its default action would kill a starting rank). The actor ranks agree on a stop point, every
-# role saves, and the actor exits with 75.
+# TERM on cancel). Record the request in a file: the actor's ranks check it at each step
+# boundary, agree on a stop point, save every role (the critic through the actor) and write
+# stopped_step. The signal itself is not passed on: Slurm delivers it to whole process groups,
+# where helper processes (checkpoint writers, tritonserver) would die of it.
 stop_requested=0
 # shellcheck disable=SC2329  # called by the traps below
 request_stop() {
@@ -43,11 +43,6 @@ request_stop() {
     event stop_requested "\"signal\": \"$1\""
     date +%s.%N >"$SLURM_ALIGN_RUN_DIR/stop_requested"
   fi
-  for i in "${!pids[@]}"; do
-    if [[ -e "$SLURM_ALIGN_RUN_DIR/logs/${names[$i]}/stop_ready" ]]; then
-      kill -USR2 "${pids[$i]}" 2>/dev/null || true
-    fi
-  done
 }
 trap 'request_stop USR2' USR2
 trap 'request_stop TERM' TERM

@@ -1,0 +1,109 @@
+"""Helpers for the preemption and failure tests on the real local Slurm cluster.
+
+The runs are the tiny PPO hetjob of tests/test_ppo.py with static prompt sharding, so a run
+that was stopped, requeued and resumed must end with the very weights of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from slurm_align.algorithms.preemption import read_events
+from slurm_align.rundir import RunDir
+from slurm_align.store.rollouts import RolloutStore
+from slurm_align.store.traces import read_traces
+
+STEPS = 4
+DETERMINISTIC = ("switches.dynamic_prompts=false", f"ppo.num_steps={STEPS}", "ppo.save_interval=1")
+"""Static sharding: every start gives each rank the same prompts, so resumed == uninterrupted."""
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slurm_align.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def wait_for(condition, what: str, timeout: float = 300, poll: float = 0.1, job=None):
+    """Poll until condition() is truthy (its value is returned); fail early if `job` ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        if job is not None and job.state() in ("FAILED", "CANCELLED", "COMPLETED", "STOPPED"):
+            value = condition()
+            if value:
+                return value
+            raise AssertionError(f"job {job.job_id} ended {job.state()} while waiting for {what}:\n"
+                                 + logs_text(job.run_dir.root))
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def logs_text(run_dir: Path, chars: int = 3000) -> str:
+    return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-chars:]}"
+                     for p in sorted((Path(run_dir) / "logs").rglob("*.log")) + sorted(Path(run_dir).glob("logs/job-*")))
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in read_events(RunDir(Path(run_dir))) if e["event"] == kind]
+
+
+def metrics_steps(run_dir: Path) -> list[int]:
+    return [json.loads(line)["step"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def snapshot(run_dir: Path, upto: int) -> dict:
+    """Rollouts and actor spans of the steps up to `upto`: a resume that redid them would
+    rewrite them (and the spans' start times would differ)."""
+    store = RolloutStore.open(Path(run_dir) / "rollouts.zarr", read_only=True)
+    spans = read_traces(Path(run_dir) / "traces.zarr").spans
+    mine = spans[(spans["component"] == "actor") & (spans["step"] <= upto)]
+    return {"rollouts": {int(s): store.read(int(s)) for s in store.steps if s <= upto},
+            "spans": np.sort(mine, order=["rank", "start_ns"])}
+
+
+def assert_unchanged(before: dict, after: dict) -> None:
+    assert before["rollouts"].keys() == after["rollouts"].keys()
+    for step, data in before["rollouts"].items():
+        for name, values in data.items():
+            assert np.array_equal(values, after["rollouts"][step][name]), (step, name)
+    assert len(before["spans"]) > 0 and np.array_equal(before["spans"], after["spans"])
+
+
+def _actor_weights(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
+    dcp_to_torch_save(str(checkpoint), str(out))
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
+
+
+def assert_same_final_state(run_dir: Path, reference: Path, tmp: Path, tol: float = 1e-5) -> None:
+    """The run's rollouts and metrics steps match the reference's, each step once; its final actor
+    checkpoint (weights and AdamW state) and critic weights equal the reference's within tol."""
+    run_dir, reference = Path(run_dir), Path(reference)
+    mine = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
+    ref = RolloutStore.open(reference / "rollouts.zarr", read_only=True)
+    assert mine.steps.tolist() == ref.steps.tolist()            # every step exactly once
+    assert metrics_steps(run_dir) == metrics_steps(reference)   # metrics continuous, no duplicates
+    for step in ref.steps.tolist():
+        a, b = mine.read(int(step)), ref.read(int(step))
+        assert np.array_equal(a["response_tokens"], b["response_tokens"]), step
+    last = sorted(p.name for p in (run_dir / "checkpoints" / "actor").glob("iter_*") if (p / "manifest.json").is_file())[-1]
+    a = _actor_weights(run_dir / "checkpoints" / "actor" / last, tmp / "run.pt")
+    b = _actor_weights(reference / "checkpoints" / "actor" / last, tmp / "ref.pt")
+    assert a.keys() == b.keys() and any(k.startswith("optimizer") for k in a)
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=0, atol=tol), k
+    ca = torch.load(run_dir / "checkpoints" / "critic" / f"{last}.pt", weights_only=True)
+    cb = torch.load(reference / "checkpoints" / "critic" / f"{last}.pt", weights_only=True)
+    assert ca.keys() == cb.keys()
+    for k in ca:
+        assert torch.allclose(ca[k].float(), cb[k].float(), rtol=0, atol=tol), k

@@ -1,0 +1,83 @@
+"""Failures on the real local Slurm cluster end in bounded time, never in a hang: a critic rank
+killed -9 in the middle of a run (its component has two ranks), and a node lost (its slurmd
+stopped). Both jobs run side by side (two nodes each)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import psutil
+import pytest
+
+from slurm_align.config import load_profile
+from slurm_align.slurm.launch import launch_run
+from slurm_align.slurm.render import Entry
+from tests.cluster import procs
+from tests.cluster.cluster import SLURMD
+from tests.preempt_support import cli, logs_text, wait_for
+from tests.test_ppo import tiny_run
+
+TWO_BY_TWO = ["components.actor.nodes=1", "components.actor.tasks_per_node=2",
+              "components.critic.nodes=1", "components.critic.tasks_per_node=2"]
+
+
+def rank_process(run_dir, component: str, rank: int) -> psutil.Process:
+    """The python process of `component` rank `rank` of this run (every slurmd is on this host)."""
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+            if f"slurm_align.launchers.{component}" in cmd and str(run_dir) in cmd \
+                    and p.environ().get("SLURM_PROCID") == str(rank):
+                return p
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    raise AssertionError(f"no process for {component} rank {rank} of {run_dir}")
+
+
+def job_nodes(cluster, job_id: str) -> list[str]:
+    """Node of each hetjob component, in component order."""
+    out = cluster.run("scontrol", "show", "job", job_id, timeout=30).stdout
+    return [line.split("=", 1)[1] for line in out.split() if line.startswith("NodeList=")]
+
+
+@pytest.mark.slurm
+def test_killed_critic_rank_and_lost_node_end_within_bounds(slurm_cluster, tmp_path):
+    killed_dir, lost_dir = tmp_path / "killed", tmp_path / "lost"
+    killed = launch_run(tiny_run("critic.data_parallel=2", "ppo.num_steps=20"),
+                        load_profile("local-slurm", TWO_BY_TWO), killed_dir)
+    hold = ["--hold-s", "240"]
+    lost = launch_run(tiny_run(), load_profile("local-slurm", ["components.actor.nodes=1"]), lost_dir,
+                      entry=Entry("report", {"actor": hold, "critic": hold}))
+
+    # Node lost: once every rank reported, stop the critic node's slurmd (its ranks live on).
+    wait_for(lambda: all((lost_dir / "reports" / c / "rank0.json").exists() for c in ("actor", "critic")),
+             "the report ranks", job=lost)
+    node = job_nodes(slurm_cluster, lost.job_id)[-1]
+    procs.terminate([slurm_cluster.pids[node]])
+    t_lost = time.monotonic()
+
+    # Critic rank 1 of 2 killed -9 in the middle of the run (after a whole step).
+    wait_for(lambda: (killed_dir / "metrics.jsonl").exists() and (killed_dir / "metrics.jsonl").read_text(),
+             "a first PPO step", timeout=600, job=killed)
+    rank_process(killed_dir, "critic", 1).send_signal(signal.SIGKILL)
+    t_killed = time.monotonic()
+    assert killed.wait(timeout_s=60, poll_s=0.2) == "FAILED", logs_text(killed_dir)
+    assert time.monotonic() - t_killed < 30
+    status = json.loads(cli("status", str(killed_dir), "--json", timeout=60).stdout)
+    failed = status["failed"]
+    assert (status["state"], failed["component"], failed["rank"]) == ("FAILED", "critic", 1), status
+    assert "Killed" in failed["why"] and failed["tail"], failed
+    text = cli("status", str(killed_dir), timeout=60).stdout
+    assert "critic failed first" in text and "rank 1" in text
+
+    try:
+        assert lost.wait(timeout_s=150, poll_s=0.5) == "FAILED", logs_text(lost_dir)
+        assert time.monotonic() - t_lost < 120
+    finally:   # the node comes back for the other tests (ReturnToService=2)
+        slurm_cluster.pids[node] = procs.start_daemon(
+            [SLURMD, "-D", "-N", node, "-f", str(slurm_cluster.conf_path)],
+            slurm_cluster.log_dir / f"slurmd-{node}.out", slurm_cluster.env).pid
+        wait_for(lambda: slurm_cluster.node_states().get(node) == "idle", f"{node} back to idle", timeout=120,
+                 poll=0.5)
