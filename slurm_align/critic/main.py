@@ -151,7 +151,7 @@ def main(run_dir: str | Path) -> int:
     rd = RunDir(Path(run_dir))
     run = load_run_config(rd.config)
     env = init_distributed()
-    ignore_stop_signal(env.comm, rd, "critic")   # the actor decides when to stop and saves the critic
+    ignore_stop_signal()   # the actor decides when to stop and saves the critic
     try:
         return run_critic(run, rd, env)
     except BaseException:
