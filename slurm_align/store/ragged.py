@@ -85,10 +85,13 @@ def put_chunk(arr: zarr.Array, coords: tuple[int, ...], block: np.ndarray) -> No
 
 
 def write_row(arr: zarr.Array, row: int, values: np.ndarray) -> None:
-    """Write row `row` of a 2-D array chunked one row high, whole (zero padded): each chunk is
-    written without reading it back first. The array must already be wide enough."""
+    """Write `values` at the start of row `row` of a 2-D array chunked one row high: the chunks
+    they cover are written whole (zero padded), without reading them back first; chunks past them
+    are left as they are (readers take each row's length from the store's index). The array must
+    already be wide enough."""
     width = arr.chunks[1]
-    full = np.zeros(arr.shape[1], dtype=arr.dtype)
+    chunks = max(1, -(-len(values) // width))
+    full = np.zeros(chunks * width, dtype=arr.dtype)
     full[:len(values)] = values
-    for j in range(arr.shape[1] // width):
+    for j in range(chunks):
         put_chunk(arr, (row, j), full[None, j * width:(j + 1) * width])
