@@ -191,7 +191,7 @@ def export_hf(checkpoint: Path, out_dir: Path, *, run_config: Path | None = None
               max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write the checkpoint as a HF folder `out_dir` that transformers' from_pretrained loads."""
     from slurm_align.models.gpt import build_gpt
-    from slurm_align.models.weights import full_state_dict
+    from slurm_align.models.weights import local_tensors
     out_dir = Path(out_dir)
     check_target(out_dir)
     ckpt = resolve_checkpoint(Path(checkpoint))
@@ -205,7 +205,8 @@ def export_hf(checkpoint: Path, out_dir: Path, *, run_config: Path | None = None
     try:
         chunks = build_gpt(cfg, pctx, value_head=held.value_head)
         load_weights(ckpt, chunks)
-        full = full_state_dict(chunks, pctx)
+        # TP=1, PP=1: the local tensors are the full ones (full_state_dict would copy them all).
+        full = {name: t.detach() for name, t in local_tensors(chunks, pctx)}
         del chunks
     finally:
         pctx.destroy()

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.run import ModelConfig
 from slurm_align.models.hf.config import architecture, read_hf_config
-from slurm_align.models.hf.mapping import Source, read_shard, sources, to_hf
+from slurm_align.models.hf.mapping import Source, fill_shard, sources, to_hf
 from slurm_align.models.weights import EMBEDDING, _tp_partition_dim, local_tensors, tied_copy
 
 INDEX = "model.safetensors.index.json"
@@ -65,7 +65,7 @@ class SafetensorsFolder:
         return bare if bare in self.where else None
 
     def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
-        """float32 copy of tensor `name`, or of its [start:stop) along `dim`."""
+        """A copy (in the file's dtype) of tensor `name`, or of its [start:stop) along `dim`."""
         key = self.resolve(name)
         with safe_open(self.folder / self.where[key], "pt") as f:
             sl = f.get_slice(key)
@@ -75,7 +75,7 @@ class SafetensorsFolder:
                 index = [slice(None)] * len(self.shapes[key])
                 index[dim] = slice(start, stop)
                 t = sl[tuple(index)]
-        return t.to(torch.float32)  # a copy: nothing refers to the mapping after this
+        return t  # get_slice copies: nothing refers to the mapping after this
 
 
 def megatron_shapes(cfg: ModelConfig, value_head: bool) -> dict[str, tuple[int, ...]]:
@@ -171,7 +171,6 @@ def load_hf_weights(chunks: list, pctx: Any, cfg: ModelConfig, folder: str | Pat
             if src is None:
                 fresh.add(name)
                 continue
-            shard = read_shard(src, cfg, checked.model_type, checked.files.read, tuple(t.shape),
-                               _tp_partition_dim(t), pctx.tp_size, pctx.tp_rank)
-            t.copy_(shard.to(t.dtype))
+            fill_shard(t.data, src, cfg, checked.model_type, checked.files.read, _tp_partition_dim(t),
+                       pctx.tp_size, pctx.tp_rank)
     return fresh

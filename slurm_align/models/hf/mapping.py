@@ -1,8 +1,8 @@
 """Tensor names and layouts between megatron's full state dict (weights.py naming) and HF files.
 
 Every megatron tensor is described by a `Source`: the HF tensors it is made of and how. Both
-directions use the same table: `read_shard` builds one TP rank's slice of a megatron tensor by
-reading only the HF rows/columns it needs; `to_hf` splits a full megatron tensor into HF tensors.
+directions use the same table: `fill_shard` fills one TP rank's slice of a megatron tensor, reading
+only the HF rows/columns it needs; `to_hf` splits a full megatron tensor into HF tensors.
 
 Layouts:
 - plain:   the same tensor (conv1d=True: GPT-2's Conv1D stores the transpose, [in, out]);
@@ -101,61 +101,68 @@ def _qkv_rows(cfg: ModelConfig, model_type: str) -> tuple[int, int]:
     return per_group * cfg.head_dim, cfg.head_dim
 
 
-def read_shard(src: Source, cfg: ModelConfig, model_type: str, read: Reader, shape: tuple[int, ...],
-               dim: int | None, tp_size: int, tp_rank: int) -> torch.Tensor:
-    """This TP rank's slice (partitioned along megatron `dim`; None: replicated) of the megatron
-    tensor described by `src`, whose local shape is `shape`, reading only the rows it needs."""
+@torch.no_grad()
+def fill_shard(out: torch.Tensor, src: Source, cfg: ModelConfig, model_type: str, read: Reader,
+               dim: int | None, tp_size: int, tp_rank: int) -> None:
+    """Copy into `out` this TP rank's slice (partitioned along megatron `dim`; None: replicated)
+    of the megatron tensor described by `src`, reading only the HF rows/columns it needs. Slices
+    are copied straight into `out` (converting dtype there), so the only temporary is one slice
+    in the file's dtype."""
+    shape = tuple(out.shape)
     n = shape[dim] if dim is not None else None
     start = tp_rank * n if n is not None else 0
 
     def rows(name: str, a: int, b: int) -> torch.Tensor:
         # megatron rows (dim 0) [a, b) of an HF tensor, transposing GPT-2's Conv1D weights
-        if src.conv1d:
-            return read(name, 1, a, b).t()
-        return read(name, 0, a, b)
+        return read(name, 1, a, b).t() if src.conv1d else read(name, 0, a, b)
 
     if src.kind == "zeros":
-        return torch.zeros(shape)
-    if src.kind == "plain":
+        out.zero_()
+    elif src.kind == "plain":
         if dim is None:
             t = read(src.hf[0], None, 0, 0)
-            return t.t() if src.conv1d else t
-        hf_dim = 1 - dim if src.conv1d else dim
-        t = read(src.hf[0], hf_dim, start, start + n)
-        return t.t() if src.conv1d else t
-    if src.kind == "rows":
-        return read(src.hf[0], 0, 0, shape[0])
-    if src.kind == "vocab":
-        out = torch.zeros(shape)
+        else:
+            t = read(src.hf[0], 1 - dim if src.conv1d else dim, start, start + n)
+        out.copy_(t.t() if src.conv1d else t)
+    elif src.kind == "rows":
+        out.copy_(read(src.hf[0], 0, 0, shape[0]))
+    elif src.kind == "vocab":
         stop = min(start + shape[0], cfg.vocab_size)
         if stop > start:
-            out[: stop - start] = read(src.hf[0], 0, start, stop)
-        return out
-    if src.kind == "glu":
+            out[: stop - start].copy_(read(src.hf[0], 0, start, stop))
+        out[max(stop - start, 0):].zero_()
+    elif src.kind == "glu":
         half = shape[0] // 2
-        return torch.cat([read(name, 0, tp_rank * half, (tp_rank + 1) * half) for name in src.hf])
-    if src.kind == "qkv":
+        for i, name in enumerate(src.hf):
+            out[i * half:(i + 1) * half].copy_(read(name, 0, tp_rank * half, (tp_rank + 1) * half))
+    elif src.kind == "qkv":
         q_rows, kv_rows = _qkv_rows(cfg, model_type)
         groups = cfg.query_groups // tp_size
         g0 = tp_rank * groups
-        if len(src.hf) == 3:  # separate q, k, v
-            q = rows(src.hf[0], g0 * q_rows, (g0 + groups) * q_rows)
-            k = rows(src.hf[1], g0 * kv_rows, (g0 + groups) * kv_rows)
-            v = rows(src.hf[2], g0 * kv_rows, (g0 + groups) * kv_rows)
-        else:  # GPT-2 c_attn: q | k | v along its output dim, hidden_size each
-            h = cfg.num_attention_heads * cfg.head_dim
-            q = rows(src.hf[0], g0 * q_rows, (g0 + groups) * q_rows)
-            k = rows(src.hf[0], h + g0 * kv_rows, h + (g0 + groups) * kv_rows)
-            v = rows(src.hf[0], 2 * h + g0 * kv_rows, 2 * h + (g0 + groups) * kv_rows)
-        tail = q.shape[1:]
-        parts = [q.reshape(groups, q_rows, *tail), k.reshape(groups, kv_rows, *tail),
-                 v.reshape(groups, kv_rows, *tail)]
-        return torch.cat(parts, dim=1).reshape(shape)
-    raise ValueError(f"unknown layout {src.kind!r}")
+        # GPT-2's c_attn holds q | k | v along its output dim, hidden_size each
+        names = src.hf if len(src.hf) == 3 else src.hf * 3
+        h = 0 if len(src.hf) == 3 else cfg.num_attention_heads * cfg.head_dim
+        grouped = out.view(groups, q_rows + 2 * kv_rows, *shape[1:])
+        q = rows(names[0], g0 * q_rows, (g0 + groups) * q_rows)
+        grouped[:, :q_rows].copy_(q.reshape(groups, q_rows, *shape[1:]))
+        for i, offset in ((1, h), (2, 2 * h)):
+            kv = rows(names[i], offset + g0 * kv_rows, offset + (g0 + groups) * kv_rows)
+            lo = q_rows + (i - 1) * kv_rows
+            grouped[:, lo:lo + kv_rows].copy_(kv.reshape(groups, kv_rows, *shape[1:]))
+    else:
+        raise ValueError(f"unknown layout {src.kind!r}")
+
+
+def read_shard(src: Source, cfg: ModelConfig, model_type: str, read: Reader, shape: tuple[int, ...],
+               dim: int | None, tp_size: int, tp_rank: int) -> torch.Tensor:
+    """fill_shard into a new float32 tensor of `shape`."""
+    out = torch.empty(shape)
+    fill_shard(out, src, cfg, model_type, read, dim, tp_size, tp_rank)
+    return out
 
 
 def to_hf(src: Source, full: torch.Tensor, cfg: ModelConfig, model_type: str) -> dict[str, torch.Tensor]:
-    """HF tensors from a full megatron tensor (the inverse of read_shard at TP=1)."""
+    """HF tensors from a full megatron tensor (the inverse of fill_shard at TP=1)."""
     def hf_layout(t: torch.Tensor) -> torch.Tensor:
         return (t.t() if src.conv1d and t.dim() == 2 else t).contiguous()
 
