@@ -135,11 +135,13 @@ class ValueGPTModel(GPTModel):
         return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
-def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, seed: int = 1234) -> list:
+def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, seed: int = 1234,
+              init: bool = True) -> list:
     """This rank's model chunks (one chunk: its pipeline stage) on CPU, float32.
 
     With `model_cfg.hf_path` (and no init_checkpoint, which the caller loads over the model) the
     weights come from the HF folder; a value head without an HF `score` head starts fresh.
+    `init=False` leaves the weights unset, for a caller that loads every tensor itself.
     `pctx` is a ParallelContext (slurm_align.parallel.layout) or anything with tp_size, pp_size,
     is_first_stage and is_last_stage; megatron's parallel_state must already be initialised.
     Weights are drawn per tensor from (seed, global name) over the full shape, so the same
@@ -168,10 +170,10 @@ def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, se
     if cuda_present():
         model = model.cuda()
     # Layout-independent init: the same seed gives the same full weights for any TP/PP.
-    if model_cfg.hf_path is not None and model_cfg.init_checkpoint is None:
+    if init and model_cfg.hf_path is not None and model_cfg.init_checkpoint is None:
         fresh = load_hf_weights([model], pctx, model_cfg, value_head=value_head)
         init_weights([model], pctx, seed, names=fresh)
-    else:
+    elif init:
         init_weights([model], pctx, seed)
     return [model]
 

@@ -203,7 +203,7 @@ def export_hf(checkpoint: Path, out_dir: Path, *, run_config: Path | None = None
                                    if base else None)
     pctx = _single_rank_context()
     try:
-        chunks = build_gpt(cfg, pctx, value_head=held.value_head)
+        chunks = build_gpt(cfg, pctx, value_head=held.value_head, init=False)  # the checkpoint sets all
         load_weights(ckpt, chunks)
         # TP=1, PP=1: the local tensors are the full ones (full_state_dict would copy them all).
         full = {name: t.detach() for name, t in local_tensors(chunks, pctx)}
