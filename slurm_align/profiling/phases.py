@@ -23,10 +23,12 @@ CRITIC_INFER = "critic_infer"
 CRITIC_TRAIN = "critic_train"
 # Prompt server: time a generation worker waits for its next prompt batch.
 PROMPT_WAIT = "prompt_wait"
+# Held-out task evaluation after a step (refit + greedy generation + scoring; eval.interval).
+EVALUATE = "evaluate"
 
 PHASES: tuple[str, ...] = (
     REFIT, GENERATE, LOGPROBS, INIT_LOGPROBS, CRITIC_WAIT, REBALANCE, STORE, TRAIN,
-    CRITIC_INFER, CRITIC_TRAIN, PROMPT_WAIT,
+    CRITIC_INFER, CRITIC_TRAIN, PROMPT_WAIT, EVALUATE,
 )
 """Known phases in the order a step runs them (the order of table rows and bar segments)."""
 
