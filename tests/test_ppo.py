@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 from pathlib import Path
 
@@ -63,9 +64,9 @@ def run_ppo(tmp_path: Path, profile: str, *overrides: str, name: str = "run") ->
 
 def check_complete_run(run_dir: Path, steps: int, samples: int, actor_ranks: int) -> None:
     store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
-    assert store.steps.tolist() == list(range(steps))
+    assert store.steps.tolist() == list(range(1, steps + 1))     # steps count from 1
     prompts = {tuple(ByteTokenizer().encode(r["prompt"])) for r in read_jsonl(PROMPTS, PROMPT_KEYS, "prompts")}
-    for step in range(steps):
+    for step in range(1, steps + 1):
         data = store.read(step)
         assert len(data["reward"]) == samples          # no sample lost or duplicated
         n_tokens = int(data["response_offsets"][-1])
@@ -86,11 +87,11 @@ def check_complete_run(run_dir: Path, steps: int, samples: int, actor_ranks: int
     for r in range(actor_ranks):
         mine = spans[(spans["component"] == "actor") & (spans["rank"] == r)]
         assert ACTOR_PHASES <= set(mine["phase"].tolist())
-        assert set(mine["step"].tolist()) == set(range(steps))
+        assert set(mine["step"].tolist()) == set(range(1, steps + 1))
     critic = spans[spans["component"] == "critic"]
     assert {P.CRITIC_INFER, P.CRITIC_TRAIN} <= set(critic["phase"].tolist())
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(steps))
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
     for m in metrics:   # NeMo-Aligner's metric names
         assert {"train_rollouts/rewards", "train_rollouts/kl", "train_rollouts/fraction_of_samples_properly_ended",
                 "train_optim/loss", "train_optim/ppo_ratio", "train_optim/grad_norm", "train_optim/critic_loss",
@@ -101,7 +102,7 @@ def check_complete_run(run_dir: Path, steps: int, samples: int, actor_ranks: int
 def test_ppo_on_local_profile(tmp_path):
     run_dir = run_ppo(tmp_path, "local")
     check_complete_run(run_dir, steps=2, samples=8, actor_ranks=2)
-    assert (run_dir / "checkpoints" / "actor" / "iter_0000001" / "manifest.json").is_file()
+    assert (run_dir / "checkpoints" / "actor" / "iter_0000002" / "manifest.json").is_file()   # after 2 steps
 
 
 @pytest.mark.slurm
@@ -117,26 +118,45 @@ def test_every_switch_off_still_runs(tmp_path):
     check_complete_run(run_dir, steps=2, samples=8, actor_ranks=2)
 
 
+def test_ppo_with_tensor_parallel_2(tmp_path):
+    run_dir = run_ppo(tmp_path, "local", "actor.tensor_parallel=2", "actor.data_parallel=1")
+    check_complete_run(run_dir, steps=2, samples=8, actor_ranks=2)
+    # One generation replica spans both TP ranks: only its first rank asks for prompts.
+    store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
+    assert set(store.read(1)["rank"].tolist()) == {0}
+
+
+def test_ppo_with_pipeline_parallel_2_refolded_for_generation(tmp_path):
+    # Static prompt shards make the split between the generation ranks deterministic.
+    run_dir = run_ppo(tmp_path, "local", "actor.pipeline_parallel=2", "actor.data_parallel=1",
+                      "switches.refold=true", "switches.dynamic_prompts=false")
+    check_complete_run(run_dir, steps=2, samples=8, actor_ranks=2)
+    # Refold in effect: both pipeline stages generated (DP_gen = 2) half of the prompts each; the
+    # training shard (DP = 1) still held all 8 samples (check_complete_run counts them).
+    store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
+    for step in (1, 2):
+        assert np.bincount(store.read(step)["rank"], minlength=2).tolist() == [4, 4]
+
+
 def test_resume_continues_store_without_gaps(tmp_path):
     run_dir = run_ppo(tmp_path, "local", "ppo.save_interval=1")
-    first = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True).read(1)
-    # Simulate a crash after step 1's rollouts were stored but before its checkpoint: drop it.
-    import shutil
-    shutil.rmtree(run_dir / "checkpoints" / "actor" / "iter_0000001")
+    first = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True).read(2)
+    # Simulate a crash after step 2's rollouts were stored but before its checkpoint: drop it.
+    shutil.rmtree(run_dir / "checkpoints" / "actor" / "iter_0000002")
     job = launch_run(tiny_run("ppo.num_steps=3", "ppo.save_interval=1"), load_profile("local"), run_dir)
     assert job.wait(timeout_s=600) == "COMPLETED", job.failed_logs()
     store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
-    assert store.steps.tolist() == [0, 1, 2]           # step 1 redone once, no gap, no duplicate
+    assert store.steps.tolist() == [1, 2, 3]           # step 2 redone once, no gap, no duplicate
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2]
-    redone = store.read(1)
+    assert steps == [1, 2, 3]
+    redone = store.read(2)
     assert len(redone["reward"]) == 8
     # the redone step starts from the same policy and seeds: the same prompts are drawn
     assert np.array_equal(redone["prompt_tokens"], first["prompt_tokens"])
     table = read_traces(run_dir / "traces.zarr", {"actor": 2, "critic": 1})
     actor0 = table.spans[(table.spans["component"] == "actor") & (table.spans["rank"] == 0)]
     refits = actor0[actor0["phase"] == P.REFIT]
-    assert sorted(refits["step"].tolist()) == [0, 1, 2]   # spans of the redone step are not doubled
+    assert sorted(refits["step"].tolist()) == [1, 2, 3]   # spans of the redone step are not doubled
 
 
 # --- learning -------------------------------------------------------------------------------

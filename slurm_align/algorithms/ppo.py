@@ -10,13 +10,14 @@ One step, as in ../shared/DESIGN.md ("Data flow of one PPO step") and as `PPOAct
     -> store -> train (the critic's update goes out first and overlaps it)
 
 Every phase is a span in RUN_DIR/traces.zarr. Rollouts go to RUN_DIR/rollouts.zarr (rank 0).
+Steps count from 1, as in the trainers: step k's metrics, spans and rollouts carry k, and
+checkpoint iter_k holds the state after k steps.
 Construction (models, engine on the rank's device and generation layout, critic client, stores)
 is `build_actor`, apart from the loop.
 """
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 import traceback
@@ -50,17 +51,19 @@ from slurm_align.models.weights import HostSwap
 from slurm_align.parallel.bootstrap import DistEnv, init_distributed
 from slurm_align.parallel.layout import ParallelContext, initialize_model_parallel
 from slurm_align.profiling import phases as P
+from slurm_align.profiling.metrics import MetricsLogger
 from slurm_align.profiling.timers import Tracer
-from slurm_align.rundir import RunDir, write_atomic
+from slurm_align.rundir import RunDir
 from slurm_align.store.rollouts import TOKEN_FIELDS, RolloutStore
 
 STORED_SAMPLE_FIELDS = ("reward", "is_end", "rank")
 """Per-sample columns the rollout store keeps (its per-token ones are store.rollouts.TOKEN_FIELDS)."""
 
 
-def sample_seed(run_seed: int, step: int, index: int) -> int:
-    """Per-sample sampling seed: the same sample draws the same tokens whoever generates it."""
-    return (run_seed * 1_000_003 + step * 100_003 + index) % (2**62)
+def sample_seed(run_seed: int, draws: int, index: int) -> int:
+    """Per-sample sampling seed: the same sample draws the same tokens whoever generates it.
+    `draws` keys the step (the number of steps before it)."""
+    return (run_seed * 1_000_003 + draws * 100_003 + index) % (2**62)
 
 
 def actor_engine(run: RunConfig, env: DistEnv, pctx: ParallelContext) -> Engine:
@@ -76,15 +79,14 @@ class PPOActor:
     def __init__(self, run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext, *, tokenizer,
                  prompts: list[np.ndarray], policy: list, optimizer: torch.optim.Optimizer, reference: HostSwap,
                  offload: TrainingStateOffload | None, engine: Engine, critic: CriticClient, tracer: Tracer,
-                 store: RolloutStore | None, start_step: int):
+                 store: RolloutStore | None, metrics: MetricsLogger, start_step: int):
         self.run, self.rd, self.env, self.pctx = run, rd, env, pctx
         self.rank = env.rank
         self.tokenizer, self.prompts = tokenizer, prompts
         self.policy, self.optimizer, self.reference, self.offload = policy, optimizer, reference, offload
-        self.engine, self.critic, self.tracer, self.store = engine, critic, tracer, store
+        self.engine, self.critic, self.tracer, self.store, self.metrics = engine, critic, tracer, store, metrics
         self.start_step = start_step
         self.pad_id = tokenizer.pad_id
-        self.metrics_path = rd.root / "metrics.jsonl"
 
     # -- phases ------------------------------------------------------------------------------
     def generate(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Future]]]:
@@ -95,7 +97,8 @@ class PPOActor:
         with self.tracer.span(P.REFIT, step):
             refit_from_training(self.engine, self.policy, self.pctx, refold=run.switches.refold)
         n = run.ppo.num_rollout_samples
-        rng = np.random.default_rng(run.seed + step)
+        draws = step - 1   # the step's random draws are keyed by the number of steps before it
+        rng = np.random.default_rng(run.seed + draws)
         order = rng.choice(len(self.prompts), size=n, replace=n > len(self.prompts)) if n != len(self.prompts) \
             else rng.permutation(n)
         # Dataset positions may repeat when n > dataset; the step-local index keeps samples unique.
@@ -109,7 +112,7 @@ class PPOActor:
                 prompts = [self.prompts[order[i]] for i in idx]
                 with self.tracer.span(P.GENERATE, step):
                     out = self.engine.generate([torch.from_numpy(p) for p in prompts], params,
-                                               seeds=[sample_seed(run.seed, step, i) for i in idx])
+                                               seeds=[sample_seed(run.seed, draws, i) for i in idx])
                 if not layout.is_requester:
                     continue    # the replica's other ranks ran the same batch in lock-step
                 # Each sample is its own group until prompts are sampled several times (GRPO).
@@ -248,7 +251,7 @@ class PPOActor:
             if self.store is not None:
                 self.store.append_step(step, step_batch.store_columns(TOKEN_FIELDS, STORED_SAMPLE_FIELDS))
         critic_future = self.critic_train(step_batch, step)
-        optim = self.train(shard, step) if step >= run.ppo.critic_warmup_steps else {}
+        optim = self.train(shard, step) if step > run.ppo.critic_warmup_steps else {}
         if critic_future is not None:
             with self.tracer.span(P.CRITIC_WAIT, step):
                 optim["critic_loss"] = critic_future.result()
@@ -258,8 +261,6 @@ class PPOActor:
                 **{f"timers/{k}": v for k, v in self.tracer.durations(step).items()}}
 
     def save_checkpoint(self, step: int) -> None:
-        if self.store is not None:
-            self.store.flush()   # no checkpoint ahead of the committed rollouts (resume leaves no gap)
         # The critic first: the actor's manifest, written last, commits the step for both roles.
         if self.rank == 0:
             self.critic.save(str(self.rd.checkpoints("critic") / f"iter_{step:07d}.pt"))
@@ -269,19 +270,18 @@ class PPOActor:
         """Run the remaining steps; True when `stop` ended the run early (after saving)."""
         run = self.run
         with Progress(disable=self.rank != 0, transient=False) as progress:
-            task = progress.add_task("PPO", total=run.ppo.num_steps, completed=self.start_step)
-            for step in range(self.start_step, run.ppo.num_steps):
+            task = progress.add_task("PPO", total=run.ppo.num_steps, completed=self.start_step - 1)
+            for step in range(self.start_step, run.ppo.num_steps + 1):
                 t0 = time.perf_counter()
                 metrics = self.step(step)
                 metrics["timers/step"] = time.perf_counter() - t0
                 self.tracer.step_done(step)
-                last = step == run.ppo.num_steps - 1
-                saved = bool((run.ppo.save_interval and (step + 1) % run.ppo.save_interval == 0) or last)
+                last = step == run.ppo.num_steps
+                saved = bool((run.ppo.save_interval and step % run.ppo.save_interval == 0) or last)
                 if saved:
                     self.save_checkpoint(step)
+                self.metrics.log(metrics)
                 if self.rank == 0:
-                    with open(self.metrics_path, "a") as f:
-                        f.write(json.dumps(metrics) + "\n")
                     m = lambda k: metrics.get(k, float("nan"))  # noqa: E731  (no update in warm-up)
                     progress.console.print(
                         f"step {step}: reward {m('train_rollouts/rewards'):+.3f}  kl {m('train_rollouts/kl'):.4f}  "
@@ -289,14 +289,13 @@ class PPOActor:
                         f"ended {m('train_rollouts/fraction_of_samples_properly_ended'):.2f}  "
                         f"loss {m('train_optim/loss'):+.4f}  critic {m('train_optim/critic_loss'):.4f}  "
                         f"{m('timers/step'):.2f}s", highlight=False)
-                progress.update(task, completed=step + 1)
+                progress.update(task, completed=step)
                 if stop is not None and stop.after_step(step, last=last, saved=saved, save=self.save_checkpoint):
                     return True
         return False
 
     def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
+        self.metrics.close()
         self.tracer.close()
         self.env.comm.Barrier()
         if self.rank == 0:
@@ -307,27 +306,20 @@ class PPOActor:
 
 # -- construction ----------------------------------------------------------------------------
 def _resume(rd: RunDir, policy: list, optimizer: torch.optim.Optimizer) -> int:
-    """Continue after the newest complete checkpoint of this run (policy, optimizer, RNG)."""
+    """The first step to run: 1, or the one after the newest complete checkpoint of this run
+    (whose policy, optimizer and RNG state are loaded)."""
     latest = find_latest(rd.checkpoints("actor"))
     if latest is None:
-        return 0
+        return 1
     common = load_checkpoint(latest, policy, optimizer)
     torch.set_rng_state(common["rng"])
     return int(common["step"]) + 1
 
 
 def _open_store(rd: RunDir, start_step: int) -> RolloutStore:
-    # Written in the background while the step goes on (flushed before each checkpoint).
-    store = (RolloutStore.open(rd.rollouts, background=True) if rd.rollouts.exists()
-             else RolloutStore.create(rd.rollouts, background=True))
+    store = RolloutStore.open(rd.rollouts) if rd.rollouts.exists() else RolloutStore.create(rd.rollouts)
     store.truncate_to(start_step)
     return store
-
-
-def _drop_metrics_from(path: Path, start_step: int) -> None:
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] < start_step]
-        write_atomic(path, "".join(f"{line}\n" for line in kept))
 
 
 def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext) -> PPOActor:
@@ -353,14 +345,13 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     critic = CriticClient.from_run_config(run)
     critic.connect()   # waits (with backoff) while the critic starts; not part of the first step
     tracer = Tracer(rd.root, "actor", env.rank, resume_from_step=start_step)
-    store = None
-    if env.rank == 0:
-        # A resumed run redoes the steps after its checkpoint: drop their rollouts and metrics.
-        store = _open_store(rd, start_step)
-        _drop_metrics_from(rd.root / "metrics.jsonl", start_step)
+    # A resumed run redoes the steps after its checkpoint: their rollouts and metrics go.
+    store = _open_store(rd, start_step) if env.rank == 0 else None
+    metrics = MetricsLogger(run, rd.root, enabled=env.rank == 0)
+    metrics.start_at(start_step)
     return PPOActor(run, rd, env, pctx, tokenizer=tokenizer, prompts=prompts, policy=policy, optimizer=optimizer,
                     reference=reference, offload=offload, engine=engine, critic=critic, tracer=tracer, store=store,
-                    start_step=start_step)
+                    metrics=metrics, start_step=start_step)
 
 
 def main(run_dir: str | Path) -> int:

@@ -47,7 +47,7 @@ def make_microbatches(ds, indices: list[int], micro: int) -> list[dict]:
 def reduce_gradients(params: list, pctx: Any, clip: float | None) -> float:
     """Sum gradients over DP (one flat all-reduce), clip them to the global norm over TP x PP and
     return that norm. Parameters without a gradient get zeros, so every rank joins the same
-    collectives. Shared by every trainer and by PPO's actor update."""
+    collectives. Call it through optimizer_step."""
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)

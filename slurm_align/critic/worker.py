@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
+from slurm_align.algorithms.trainer import optimizer_step
 from slurm_align.critic.channel import Command
 from slurm_align.critic.loss import clipped_value_loss_sum
 from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
@@ -45,9 +45,10 @@ def save_atomic_torch(obj: Any, path: Path) -> Path:
 
 class CriticWorker:
     def __init__(self, swap: ModelSwap, pctx: Any, comm, *, lr: float, value_clip: float,
-                 checkpoint_dir: Path):
+                 checkpoint_dir: Path, grad_clip: float = 0.0):
         self.swap, self.pctx, self.comm = swap, pctx, comm
         self.value_clip = value_clip
+        self.grad_clip = grad_clip   # global gradient norm of the value model (0: no clipping)
         self.checkpoint_dir = checkpoint_dir
         # A reward-only critic (no value model: GRPO family) trains nothing.
         self.optimizer = torch.optim.AdamW([p for c in swap.models[VALUE] for p in c.parameters()], lr=lr) \
@@ -113,12 +114,7 @@ class CriticWorker:
             infos = run_schedule(chunks, [mb], loss_fn, forward_only=False)
             if infos:
                 local += infos[0]["loss"]
-        if self.pctx.dp_size > 1:
-            for p in self.optimizer.param_groups[0]["params"]:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, group=self.pctx.dp_group)
-        self.optimizer.step()
+        optimizer_step(self.optimizer, self.pctx, self.grad_clip)
         parts = self._gather_rows(float(local))
         return None if parts is None else float(sum(parts))
 

@@ -15,6 +15,7 @@ from slurm_align.generation.base import Engine
 from slurm_align.generation.naive_engine import NaiveEngine
 from slurm_align.generation.params import GenerationError, GenerationOutput, GptShape, SamplingParams
 from slurm_align.generation.torch_engine import KVCacheEngine
+from slurm_align.generation.trtllm_engine import TrtllmEngine   # imports tensorrt_llm only when used
 
 __all__ = ["Engine", "GenerationError", "GenerationOutput", "GptShape", "SamplingParams", "make_engine",
            "engine_from_config"]
@@ -32,10 +33,8 @@ def make_engine(kind: str, shape: GptShape, device: torch.device | str = "cpu", 
     if kind == "naive":
         return NaiveEngine(shape, device)
     if kind == "trtllm":
-        # Deferred: the one engine module tied to an optional, GPU-only extra.
-        from slurm_align.generation.trtllm_engine import TrtllmEngine
         if layout is None:
-            return TrtllmEngine(shape, **trtllm_options)
+            return TrtllmEngine(shape, device, **trtllm_options)
         return TrtllmEngine.for_layout(shape, layout, device=device, **trtllm_options)
     raise GenerationError(f"generation engine {kind!r}: allowed {ENGINES}")
 
