@@ -48,7 +48,7 @@ def test_killed_critic_rank_and_lost_node_end_within_bounds(slurm_cluster, tmp_p
     killed = launch_run(tiny_run("critic.data_parallel=2", "ppo.num_steps=20"),
                         load_profile("local-slurm", TWO_BY_TWO), killed_dir)
     hold = ["--hold-s", "240"]
-    lost = launch_run(tiny_run(), load_profile("local-slurm", ["components.actor.nodes=1"]), lost_dir,
+    lost = launch_run(tiny_run("actor.data_parallel=1"), load_profile("local-slurm", ["components.actor.nodes=1"]), lost_dir,
                       entry=Entry("report", {"actor": hold, "critic": hold}))
 
     # Node lost: once every rank reported, stop the critic node's slurmd (its ranks live on).
