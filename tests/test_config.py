@@ -61,6 +61,8 @@ BAD_INPUTS = [
     ("negative seed", dict(overrides=["seed=-7"]), ["seed", "-7", "from 0 to"]),
     ("rollouts not split over DP", dict(overrides=["ppo.num_rollout_samples=7"]),
      ["ppo.num_rollout_samples", "7", "multiple of actor.data_parallel=2"]),
+    ("PPO optimizer batch not split over DP", dict(overrides=["ppo.num_rollout_samples=8", "ppo.global_batch_size=1"]),
+     ["ppo.global_batch_size", "got 1", "multiple of actor.data_parallel=2"]),
     ("trainer batch not split over DP", dict(overrides=["algorithm=sft", "trainer.global_batch_size=7"]),
      ["trainer.global_batch_size", "7", "multiple of actor.data_parallel=2"]),
     ("prompt + new tokens > max_seq_len", dict(overrides=["generation.max_new_tokens=500"]),
