@@ -141,7 +141,8 @@ def _chat_row(obj: dict, kind: str) -> tuple[dict | None, str | None]:
     last = messages[-1]["role"]
     if kind == "SFT":
         if last != "assistant":
-            return None, f"the last message of an SFT chat row is the response and must have role 'assistant', got {last!r}"
+            return None, (f"the last message of an SFT chat row is the response and must have role "
+                          f"'assistant', got {last!r}")
         return {"messages": messages}, None
     if last == "assistant":
         return None, (f"the last message of a {kind} chat row must be a prompt turn (user, system, ...), "
