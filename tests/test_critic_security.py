@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import threading
 import time
@@ -144,6 +145,43 @@ def test_every_endpoint_refuses_strangers_and_nothing_changes(critic, tmp_path):
     assert "critic: refused a" in log and "peers connected now" in log   # refusals past the gate are logged
 
 
+def test_refused_requests_merged_with_the_actors_cannot_fail_them(critic):
+    """Only a holder of the gate token (another user of the node) gets past Triton's gate; its
+    critic_infer requests may then be merged into one batch with the actor's. They get NaNs, the
+    actor's get their values. The merge is made certain: the critic is stopped while everything
+    queues in Triton's dynamic batcher, then resumed."""
+    client, addr, pid = critic["client"], critic["addr"], critic["proc"].proc.pid
+    rng = np.random.default_rng(12)
+    batches = [random_batch(rng, 2, 4) for _ in range(8)]   # Triton merges requests of one shape
+    reference = [client.infer(t, ln) for t, ln in batches]
+    gate_only = {P.GATE_HEADER: P.gate_token(critic["secret"])}
+    answers: list = []
+
+    def stranger() -> None:
+        status, text = raw_infer(addr, P.INFER, gate_only)
+        answers.append((status, json.loads(text)))
+
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        futures = [client.infer_async(t, ln) for t, ln in batches]
+        threads = [threading.Thread(target=stranger) for _ in range(16)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)   # everything waits in Triton's queue
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    for t in threads:
+        t.join()
+    for (values, rewards), (ref_values, ref_rewards) in zip([f.result(timeout=60) for f in futures], reference):
+        np.testing.assert_allclose(values, ref_values, atol=1e-5)
+        np.testing.assert_allclose(rewards, ref_rewards, atol=1e-5)
+    merged = [body for status, body in answers if status == 200]
+    assert merged, "no stranger's request was merged with the actor's"
+    for body in merged:
+        assert all(np.isnan(np.asarray(o["data"], dtype=float)).all() for o in body["outputs"]), body
+    assert all("refused" in body["error"] for status, body in answers if status != 200), answers
+
+
 @pytest.mark.parametrize("name,why", [
     ("ABS", "not a path"), ("../escape.pt", "not a path"), ("sub/../../escape.pt", "not a path"),
     ("link.pt", "is a symlink"), ("iter_0000003.pt", "is a symlink"), ("..", "not a path"), ("", "not a path"),
@@ -187,6 +225,10 @@ def test_listens_only_on_the_chosen_address_http_only(critic):
             continue
         listening |= {(c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN}
     assert listening == {(host, port)}, listening
+    # Other users of the node can read tritonserver's command line: the gate token stands
+    # there, the run's secret does not.
+    cmdline = " ".join(triton[0].cmdline())
+    assert P.gate_token(critic["secret"]) in cmdline and critic["secret"] not in cmdline
 
 
 def test_secret_file_is_private_and_never_elsewhere(critic):
@@ -250,11 +292,18 @@ def tiny_ppo(run_dir: Path):
 def flood(rd: RunDir, stop: threading.Event, outcomes: list, interval_s: float) -> None:
     """FLOOD bad requests from 8 threads, each pausing `interval_s` between its requests, from the
     moment the critic publishes its address: no or wrong secrets on every endpoint, broken JSON,
-    wrong shapes, unknown models, model control. Outcomes: (time_ns, HTTP status or error)."""
+    wrong shapes, unknown models, model control; and, as another user of the node who read the
+    gate token on tritonserver's command line, with the gate token but without the secret.
+    Outcomes: (time_ns, kind, HTTP status or error); kind 0 alone may be answered 200 (NaNs,
+    when merged with the actor's requests)."""
     wait_for_address(rd, [])
     addr = tuple(json.loads(rd.critic_address.read_text())[k] for k in ("host", "port"))
     other = P.auth_headers(OTHER)
-    kinds = [lambda: raw_infer(addr, P.INFER, {}),
+    gate = {P.GATE_HEADER: P.gate_token(read_run_secret(rd))}
+    kinds = [lambda: raw_infer(addr, P.INFER, gate),
+             lambda: raw_infer(addr, P.TRAIN, {**gate, P.SECRET_HEADER: OTHER}),
+             lambda: raw_infer(addr, P.SHUTDOWN, gate),
+             lambda: raw_infer(addr, P.INFER, {}),
              lambda: raw_infer(addr, P.TRAIN, other),
              lambda: raw_infer(addr, P.SAVE, other),
              lambda: raw_infer(addr, P.SHUTDOWN, {}),
@@ -268,11 +317,12 @@ def flood(rd: RunDir, stop: threading.Event, outcomes: list, interval_s: float) 
         for j in range(FLOOD // 8):
             if stop.is_set():
                 return
+            kind = (i + j) % len(kinds)
             try:
-                status, _ = kinds[(i + j) % len(kinds)]()
+                status, _ = kinds[kind]()
             except OSError as e:   # the run ended and the critic with it
                 status = type(e).__name__
-            outcomes.append((time.time_ns(), status))
+            outcomes.append((time.time_ns(), kind, status))
             stop.wait(interval_s)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
@@ -297,7 +347,9 @@ def critic_spans(rd: RunDir):
 def learning_curve(run_dir: Path) -> list[float]:
     """Per step: the mean reward and the critic's loss (a stranger's update would change it)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [v for m in rows for v in (m["train_rollouts/rewards"], m["train_optim/critic_loss"])]
+    curve = [m[k] for m in rows for k in ("train_rollouts/rewards", "train_optim/critic_loss") if k in m]
+    assert len(curve) >= 2, rows   # rewards and the critic's loss of at least one step
+    return curve
 
 
 def test_flood_of_bad_requests_leaves_the_run_as_it_would_have_been(tmp_path):
@@ -323,12 +375,13 @@ def test_flood_of_bad_requests_leaves_the_run_as_it_would_have_been(tmp_path):
         attacker.join()
     assert state == "COMPLETED", job.failed_logs()
     assert learning_curve(rd.root) == pytest.approx(learning_curve(calm.run_dir.root), rel=1e-5, abs=1e-6)
-    answered = [(t, s) for t, s in outcomes if isinstance(s, int)]
-    assert all(s in (400, 403, 404, 500) for _, s in answered), sorted({s for _, s in answered})
+    answered = [(t, s) for t, kind, s in outcomes if isinstance(s, int)]
+    assert all(s in (400, 403, 404, 500) for t, kind, s in outcomes if kind and isinstance(s, int)), outcomes
     # The flood reached the critic while it served the actor, not only before or after.
     mine = critic_spans(rd)
     during = [t for t, _ in answered if mine["start_ns"].min() <= t <= mine["end_ns"].max()]
     assert len(during) >= 50, (len(answered), len(during))
+    print(f"flood: {len(outcomes)} sent, {len(answered)} answered, {len(during)} while the critic served")
     # The secret was made at submit, private, and is written nowhere else, nor in any log.
     assert stat.S_IMODE(rd.secret.stat().st_mode) == 0o600
     assert_secret_only_in_its_file(rd, read_run_secret(rd))

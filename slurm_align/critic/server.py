@@ -141,6 +141,11 @@ def pick_port(host: str, port: int) -> int:
         return s.getsockname()[1]
 
 
+def refusal(endpoint: str, why: str) -> P.CriticAuthError:
+    return P.CriticAuthError(f"{endpoint}: refused: {why} (header {P.SECRET_HEADER}); "
+                             "only this run's actor may call its critic")
+
+
 class CriticServer:
     """PyTriton endpoints bound to `host:port` (HTTP only; port 0: a free port, chosen at start)."""
 
@@ -209,17 +214,23 @@ class CriticServer:
         return pending.result.result()
 
     # -- authorization ---------------------------------------------------------------------
+    def _refused(self, endpoint: str, request) -> str | None:
+        """Why `request` is refused (logged), or None when it carries this run's secret; the
+        comparison takes the same time however much of a wrong secret matches."""
+        params = {str(k).lower(): v for k, v in (request.parameters or {}).items()}
+        given = params.get(P.SECRET_HEADER)
+        if isinstance(given, str) and hmac.compare_digest(given.encode(), self._secret):
+            return None
+        why = "no run secret" if given is None else "wrong run secret"
+        self.refusals.refused(endpoint, why)
+        return why
+
     def _authorize(self, endpoint: str, requests) -> None:
-        """Refuse the call unless every request carries this run's secret (constant time)."""
+        """Refuse the call unless every request carries this run's secret."""
         for r in requests:
-            params = {str(k).lower(): v for k, v in (r.parameters or {}).items()}
-            given = params.get(P.SECRET_HEADER)
-            ok = isinstance(given, str) and hmac.compare_digest(given.encode(), self._secret)
-            if not ok:
-                why = "no run secret" if given is None else "wrong run secret"
-                self.refusals.refused(endpoint, why)
-                raise P.CriticAuthError(f"{endpoint}: refused: {why} (header {P.SECRET_HEADER}); "
-                                        "only this run's actor may call its critic")
+            why = self._refused(endpoint, r)
+            if why:
+                raise refusal(endpoint, why)
 
     def _checkpoint_target(self, name: str) -> str:
         """The name, once sure that writing it (and the worker's `<stem>/` folder beside it)
@@ -268,21 +279,32 @@ class CriticServer:
     def _infer(self, requests) -> list[dict]:
         # The dynamic batcher hands over several requests at once: validate each, run them as
         # one padded batch (causal attention: padding never changes a sequence's values).
-        self._authorize(P.INFER, requests)
+        # PyTriton can fail only a whole batch: a refused request merged with the actor's (only
+        # one holding the gate token gets that far) is answered with NaNs instead, so that it
+        # cannot fail the actor's requests; it is logged like every refusal.
+        why = [self._refused(P.INFER, r) for r in requests]
+        served = [w is None for w in why]
+        if not any(served):
+            raise refusal(P.INFER, why[0])
         lim = self.limits
         tokens, lengths = [], []
-        for r in requests:
-            lengths.append(P.validate_tokens(P.INFER, r["tokens"], r["lengths"],
-                                             max_seq_len=lim.max_seq_len, vocab_size=lim.vocab_size))
-            tokens.append(r["tokens"])
+        for r, ok in zip(requests, served):
+            if ok:
+                lengths.append(P.validate_tokens(P.INFER, r["tokens"], r["lengths"],
+                                                 max_seq_len=lim.max_seq_len, vocab_size=lim.vocab_size))
+                tokens.append(r["tokens"])
         t0 = time.perf_counter()
         values, rewards = self._submit("infer", {"tokens": P.pad_concat(tokens),
                                                  "lengths": np.concatenate(lengths),
-                                                 "step": _step(requests)})
+                                                 "step": _step([r for r, ok in zip(requests, served) if ok])})
         ms = np.full((1, 1), (time.perf_counter() - t0) * 1e3, dtype=np.float32)
         out, row = [], 0
-        for t in tokens:
-            b, s = t.shape
+        for r, ok in zip(requests, served):
+            b, s = r["tokens"].shape[:2]
+            if not ok:
+                nan = np.full((b, 1), np.nan, np.float32)
+                out.append({"values": np.full((b, s), np.nan, np.float32), "rewards": nan, "compute_ms": nan})
+                continue
             out.append({"values": np.ascontiguousarray(values[row:row + b, :s], dtype=np.float32),
                         "rewards": rewards[row:row + b].astype(np.float32).reshape(b, 1),
                         "compute_ms": np.repeat(ms, b, axis=0)})
