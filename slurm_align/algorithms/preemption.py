@@ -4,8 +4,9 @@ The batch script turns Slurm's warning (`--signal=B:USR2@grace`, or TERM) into t
 RUN_DIR/stop_requested. It does not pass the signal on: Slurm delivers a step's signals to whole
 process groups, and helper processes that keep USR2's default action die of it (measured:
 megatron's checkpoint writer process mid-save, PyTriton's tritonserver). The ranks act only at a
-step boundary anyway, where the file is as quick. (A USR2 sent to every task with
-`scancel --signal=USR2 JOB` still counts: the actor's ranks note it, the critic ignores it.)
+step boundary anyway, where the file is as quick. (A USR2 sent to every task, as
+`scancel --signal=USR2 JOB` does, still counts: the actor's ranks note it and the critic ignores
+it, but a checkpoint writer may die of it; signal the batch script: `scancel --batch`.)
 After each step the actor ranks run one allreduce of "this rank saw a request": all of them stop
 after the same step, none decides alone. The loop saves that step (unless it was just saved), rank 0
 records it in RUN_DIR/stopped_step, and the ranks exit 0 (srun --kill-on-bad-exit would kill the
@@ -13,7 +14,7 @@ slower ranks at a non-zero exit). The script reads stopped_step as "requeue, or 
 for preemption at step N", and records STOPPED_EXIT_CODE for every component.
 
 Times of the stages go to RUN_DIR/preemption.jsonl (the script adds stop_requested and
-requeued), for `slurm-align status` and benchmarks/bench_preempt.py.
+requeued), for post-mortems and benchmarks/bench_preempt.py.
 """
 
 from __future__ import annotations
