@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from slurm_align.algorithms.rollout_batch import all_reduce_sums
+
 
 def kl_penalized_rewards(score: torch.Tensor, logp: torch.Tensor, logp_ref: torch.Tensor,
                          mask: torch.Tensor, kl_coef: float) -> torch.Tensor:
@@ -50,10 +52,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, group: dist.ProcessGroup | None = None,
                   shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / std with the masked mean and variance taken over ALL data-parallel ranks."""
-    stats = torch.stack([(x * mask).sum(), (x * x * mask).sum(), mask.sum()]).double()
-    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(stats, group=group)
-    total, total_sq, count = stats.tolist()
+    sums = all_reduce_sums({"total": (x * mask).sum(), "total_sq": (x * x * mask).sum(), "count": mask.sum()},
+                           group)
+    total, total_sq, count = sums["total"], sums["total_sq"], sums["count"]
     if count == 0:
         return torch.zeros_like(x)
     mean = total / count

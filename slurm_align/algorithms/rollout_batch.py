@@ -66,11 +66,18 @@ def scatter_positions(per_token: torch.Tensor, prompt_lengths: torch.Tensor, res
     return out[:, :width]
 
 
+def collective_device(group: Any) -> torch.device:
+    """Where a collective over `group` runs: NCCL takes CUDA tensors only, gloo CPU ones."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+
+
 def all_reduce_sums(values: dict[str, float | torch.Tensor], group: Any) -> dict[str, float]:
     """Sum named scalars over the ranks of `group` (one float64 all-reduce; None: this rank only)."""
     keys = list(values)
     vec = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
-    if group is not None and dist.get_world_size(group) > 1:
+    if group is not None and dist.is_initialized() and dist.get_world_size(group) > 1:
+        vec = vec.to(collective_device(group))
         dist.all_reduce(vec, group=group)
     return dict(zip(keys, vec.tolist()))
 
@@ -160,7 +167,7 @@ class RolloutBatch:
 
     def set_samples(self, name: str, values: Any) -> None:
         """Add or replace a per-sample column [B]."""
-        self.samples[name] = torch.as_tensor(np.asarray(values) if not isinstance(values, torch.Tensor) else values)
+        self.samples[name] = values if isinstance(values, torch.Tensor) else torch.as_tensor(np.asarray(values))
         self._check()
 
     # the mapping ----------------------------------------------------------------------------
@@ -291,13 +298,13 @@ class RolloutBatch:
         """Dicts of `size` rows with equal shapes (pipeline buffers need one shape per step):
         tokens [size, L], prompt_lengths, response_lengths, mask [size, T] and the named columns.
         The last one is filled up with copies of its last row whose mask is 0."""
-        out = []
+        out, mask = [], self.mask
         for a in range(0, self.size, size):
             rows = torch.arange(a, min(a + size, self.size))
             rows = torch.cat([rows, rows[-1:].expand(size - len(rows))])
             real = (torch.arange(size) < self.size - a).float()
             mb = {"tokens": self.tokens[rows], "prompt_lengths": self.prompt_lengths[rows],
-                  "response_lengths": self.response_lengths[rows], "mask": self.mask[rows] * real[:, None]}
+                  "response_lengths": self.response_lengths[rows], "mask": mask[rows] * real[:, None]}
             mb.update({k: self.samples[k][rows] for k in samples})
             mb.update({k: self.per_token[k][rows] for k in per_token})
             out.append(mb)

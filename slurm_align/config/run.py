@@ -235,6 +235,9 @@ class PPOConfig(StrictModel):
     """Steps in which only the critic trains."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the policy's gradient to this global norm (0: no clipping)."""
+    critic_grad_clip: float = Field(1.0, ge=0)
+    """Clip the value model's gradient to this global norm (0: no clipping), as NeMo-Aligner's
+    critic does by default."""
     save_interval: int = Field(0, ge=0)
     """Checkpoint every K steps (0: only at the end)."""
     global_batch_size: int | None = Field(None, ge=1)

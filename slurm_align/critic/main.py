@@ -170,7 +170,7 @@ def run_critic(run: RunConfig, rd: RunDir, env) -> int:
     models = build_models(run, pctx)
     swap = ModelSwap(models, keep_resident=run.switches.keep_critic_models_resident)
     worker = CriticWorker(swap, pctx, env.comm, lr=run.ppo.critic_lr, value_clip=run.ppo.value_clip,
-                          checkpoint_dir=rd.checkpoints("critic"))
+                          grad_clip=run.ppo.critic_grad_clip, checkpoint_dir=rd.checkpoints("critic"))
     resumed = resume_step(rd)
     if resumed is not None and run.critic_trains:   # a reward-only critic has no state of its own
         restore(worker, rd, resumed, pctx)
