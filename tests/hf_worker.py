@@ -4,6 +4,7 @@
 
 - logits:  every HF folder under DIR/models imported at TP x PP (build_gpt with model.hf_path);
            rank 0 saves its logits (values for *_rm folders) to DIR/out/<name>_tp<TP>_pp<PP>.pt;
+- own_gpt: slurm-align's own GPT and reward model saved as checkpoints (see own_gpt);
 - resave:  the trained checkpoint named in DIR/ckpt.txt loaded at TP x PP: its logits, and the
            same weights saved again at this layout (see resave).
 """
@@ -55,10 +56,26 @@ def resave(pctx, root: Path) -> None:
         shutil.copy(trained.parent.parent.parent / "config.yaml", run_dir)
 
 
+def own_gpt(pctx, root: Path) -> None:
+    """slurm-align's own GPT (the ModelConfig defaults: learned positions, LayerNorm, exact GELU,
+    biases, untied) and its reward-model twin, random, saved as checkpoints with their model
+    config; rank 0 saves their logits / values on DIR/tokens.pt to DIR/own_<kind>.pt."""
+    cfg = ModelConfig(vocab_size=260, max_seq_len=32)
+    tokens = torch.load(root / "tokens.pt")
+    for kind, value in (("lm", False), ("rm", True)):
+        chunks = build_gpt(cfg, pctx, value_head=value, seed=3)
+        y = (forward_values(chunks, pctx, tokens, broadcast=True) if value
+             else forward_logits(chunks, pctx, tokens, cfg.vocab_size, broadcast=True))
+        save_checkpoint(root / f"own_{kind}", 0, chunks, None,
+                        {"model_config": cfg.model_dump(mode="json"), "value_head": value})
+        if dist.get_rank() == 0:
+            torch.save(y, root / f"own_{kind}.pt")
+
+
 def main(argv: list[str]) -> int:
     action, tp, pp, root = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
     pctx = init_parallel(tp, pp)
-    {"logits": logits, "resave": resave}[action](pctx, root)
+    {"logits": logits, "resave": resave, "own_gpt": own_gpt}[action](pctx, root)
     dist.barrier()
     pctx.destroy()
     return 0

@@ -170,6 +170,30 @@ def test_round_trip_import_train_export(zoo: Path, tmp_path: Path):
         assert a == b, f"{name} differs between the TP=2 and the TP=1 checkpoint's export"
 
 
+@pytest.mark.mpi
+def test_own_gpt_exports_as_gpt2(tmp_path: Path):
+    """slurm-align's own GPT (learned positions, LayerNorm, exact GELU, untied) is written as a
+    GPT-2 that transformers reproduces; its reward model as GPT2ForSequenceClassification."""
+    torch.save(tokens(), tmp_path / "tokens.pt")
+    mpirun(1, "own_gpt", "1", "1", str(tmp_path))
+    for kind in ("lm", "rm"):
+        proc = cli("export", "hf", str(tmp_path / f"own_{kind}"), str(tmp_path / f"hf_{kind}"))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        config = json.loads((tmp_path / f"hf_{kind}" / "config.json").read_text())
+        assert config["model_type"] == "gpt2" and config["activation_function"] == "gelu"
+        ours = torch.load(tmp_path / f"own_{kind}.pt")
+        with torch.no_grad():
+            if kind == "lm":
+                assert config["tie_word_embeddings"] is False
+                theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf_lm")(tokens()).logits
+            else:
+                # HF's score head has no bias: ours (0 at init, a constant shift of every reward) is dropped
+                theirs = transformers.AutoModelForSequenceClassification.from_pretrained(
+                    tmp_path / "hf_rm", pad_token_id=259)(tokens()).logits[:, 0]
+                ours = ours[:, -1]
+        assert (theirs - ours).abs().max().item() <= TOL, kind
+
+
 # -- bad input: a clear error naming the file, nothing written ---------------------------------
 
 def _import_refused(hf_dir: Path, out: Path, *expected: str) -> str:

@@ -17,6 +17,9 @@ from typing import Any
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+)
 from megatron.core.transformer import TransformerConfig
 
 from slurm_align.config.run import ModelConfig
@@ -28,10 +31,6 @@ from slurm_align.models.weights import init_weights, mark_tied_embedding
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GPT-2's gelu_new (tanh approximation)."""
     return torch.nn.functional.gelu(x, approximate="tanh")
-
-
-def _leave_as_is(t: torch.Tensor) -> torch.Tensor:
-    return t
 
 
 _ACTIVATIONS = {"gelu": torch.nn.functional.gelu, "gelu_tanh": gelu_tanh, "swiglu": torch.nn.functional.silu}
@@ -60,11 +59,9 @@ def transformer_config(model_cfg: ModelConfig, pctx: Any) -> TransformerConfig:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         use_cpu_initialization=True,
-        # weights.init_weights (or an HF import) sets every tensor, so megatron's own random
-        # init is skipped (perform_initialization=False would also skip setting the TP
-        # attributes of CPU-initialised parameters, which weights.py needs).
-        init_method=_leave_as_is,
-        output_layer_init_method=_leave_as_is,
+        # weights.init_weights (or an HF import) sets every tensor; megatron's own CPU init
+        # would build each full tensor once more on every rank (see mark_tp_weights).
+        perform_initialization=False,
         params_dtype=torch.float32,
         init_method_std=0.02,
         tensor_model_parallel_size=pctx.tp_size,
@@ -72,6 +69,25 @@ def transformer_config(model_cfg: ModelConfig, pctx: Any) -> TransformerConfig:
         # The PP schedule needs to know the activation dtype for its p2p buffers.
         pipeline_dtype=torch.float32,
     )
+
+
+def mark_tp_weights(model: torch.nn.Module) -> None:
+    """Tensor-parallel attributes of the local spec's weights. megatron's CPU-initialised layers
+    set them only while drawing their init (`_initialize_affine_weight_cpu`, which builds the
+    full tensor on every rank), and perform_initialization=False skips that; they are set here
+    as that path sets them (Transformer Engine layers set their own)."""
+    for name, module in model.named_modules():
+        if isinstance(module, (VocabParallelEmbedding, ColumnParallelLinear)):
+            dim = 0
+        elif isinstance(module, RowParallelLinear):
+            dim = 1
+        else:
+            continue
+        weight = getattr(module, "weight", None)
+        if weight is None or hasattr(weight, "tensor_model_parallel"):
+            continue
+        glu = name.endswith("mlp.linear_fc1") and module.config.gated_linear_unit
+        set_tensor_model_parallel_attributes(weight, True, dim, 2 if glu else 1)
 
 
 def tied_in_megatron(model_cfg: ModelConfig, pctx: Any) -> bool:
@@ -163,6 +179,7 @@ def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, se
         position_embedding_type="rope" if model_cfg.position_embedding == "rope" else "learned_absolute",
         rotary_base=model_cfg.rotary_base,
     )
+    mark_tp_weights(model)
     model.tie_embeddings = model_cfg.tie_embeddings and not value_head
     mark_tied_embedding(model, pctx)
     if model_cfg.rope_scaling is not None:

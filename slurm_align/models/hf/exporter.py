@@ -10,6 +10,9 @@ where the loaded model already gives weights.py's naming that mapping.py convert
 Which model a checkpoint holds: an imported checkpoint carries its ModelConfig in its common
 state; a training checkpoint RUN_DIR/checkpoints/<name>/iter_N takes it from RUN_DIR/config.yaml
 (`model`, or `critic_model` for the PPO critic; rm and critic checkpoints hold value models).
+Value models (rm and critic checkpoints) are written as *ForSequenceClassification: the value
+head's weight becomes `score.weight`; HF's score has no bias, so ours (a constant shift of every
+reward, which a Bradley-Terry loss never sees) is dropped.
 Writes are atomic: everything goes into a hidden sibling folder that is renamed at the end.
 """
 
