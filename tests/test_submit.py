@@ -111,3 +111,25 @@ def test_component_crash_on_real_slurm_is_failed_with_logs(slurm_cluster, tmp_pa
     logs = job.failed_logs()
     assert "critic" in logs and logs["critic"] and logs["critic"][0].is_file()
     assert "fails on purpose" in logs["critic"][0].read_text()
+
+
+@pytest.mark.parametrize("launcher,rank,why", [
+    ("srun: error: n2: task 1: Killed\nsrun: error: n1: task 0: Exited with exit code 1\n", 1, "Killed"),
+    ("mpirun noticed that process rank 2 with PID 4242 on node host exited on signal 9 (Killed).\n", 2,
+     "exited on signal 9 (Killed)"),
+    ("", 1, "Python exception"),   # nothing from the launcher: the rank whose log has a traceback
+])
+def test_status_names_the_rank_that_failed_first(tmp_path, launcher, rank, why):
+    from slurm_align.rundir import RunDir
+    from slurm_align.slurm.status import failing_rank
+
+    rd = RunDir(tmp_path)
+    logs = rd.logs / "critic"
+    logs.mkdir(parents=True)
+    (logs / "launcher.log").write_text(launcher)
+    for r in range(3):
+        text = f"rank {r} working\n" + ("Traceback (most recent call last):\nValueError: boom\n" if r == 1 else "")
+        (logs / f"rank{r}.log").write_text(text)
+    failed = failing_rank(rd, "critic", lines=2)
+    assert (failed.component, failed.rank, failed.why) == ("critic", rank, why)
+    assert failed.log == logs / f"rank{rank}.log" and failed.tail == (logs / f"rank{rank}.log").read_text().splitlines()[-2:]
