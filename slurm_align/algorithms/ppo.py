@@ -1,4 +1,4 @@
-"""The PPO actor loop (every rank of the actor component runs `main`).
+"""The actor loop of PPO and its family (every rank of the actor component runs `main`).
 
 One step, as in ../shared/DESIGN.md ("Data flow of one PPO step") and as `PPOActor.step` reads:
 
@@ -9,6 +9,11 @@ One step, as in ../shared/DESIGN.md ("Data flow of one PPO step") and as `PPOAct
     advantages (KL-penalised rewards, GAE, whitening by all-reduce) -> rank 0 gathers the step
     -> store -> train (the critic's update goes out first and overlaps it)
 
+GRPO, RLOO, REINFORCE++ and rejection sampling run the same loop (algorithms/policy_gradient.py):
+n_samples_per_prompt samples per prompt (a group, kept on one DP rank), no critic unless a
+reward model scores, their own advantages and loss. A rule reward scores each micro-batch on the
+rank that generated it; `eval:` scores greedy answers to held-out prompts (val/ metrics).
+
 Every phase is a span in RUN_DIR/traces.zarr. Rollouts go to RUN_DIR/rollouts.zarr (rank 0).
 Steps count from 1, as in the trainers: step k's metrics, spans and rollouts carry k, and
 checkpoint iter_k holds the state after k steps.
@@ -18,6 +23,7 @@ is `build_actor`, apart from the loop.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 import traceback
@@ -27,14 +33,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 from rich.progress import Progress
 
-from slurm_align.algorithms import ppo_math
-from slurm_align.algorithms.losses import next_token_logprobs, token_logprobs
+from slurm_align.algorithms.evaluation import EvalSet, evaluate, greedy_params
+from slurm_align.algorithms.losses import next_token_logprobs
+from slurm_align.algorithms.policy_gradient import PolicyUpdate, Rewards, combine_rewards, estimate_advantages
 from slurm_align.algorithms.preemption import StopPoint
-from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, gather_response, response_positions
-from slurm_align.algorithms.trainer import optimizer_step
+from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
 from slurm_align.balance.replica import open_prompt_source, replica_batches
 from slurm_align.config import RunConfig, load_run_config
 from slurm_align.critic.client import CriticClient
@@ -44,7 +49,7 @@ from slurm_align.generation.memory import TrainingStateOffload, generation_phase
 from slurm_align.generation.params import SamplingParams
 from slurm_align.generation.refit import refit_from_training
 from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_weights, save_checkpoint
-from slurm_align.models.forward import forward_logits, run_schedule
+from slurm_align.models.forward import forward_logits
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.models.weights import HostSwap
@@ -78,22 +83,28 @@ class PPOActor:
 
     def __init__(self, run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext, *, tokenizer,
                  prompts: list[np.ndarray], policy: list, optimizer: torch.optim.Optimizer, reference: HostSwap,
-                 offload: TrainingStateOffload | None, engine: Engine, critic: CriticClient, tracer: Tracer,
-                 store: RolloutStore | None, metrics: MetricsLogger, start_step: int):
+                 offload: TrainingStateOffload | None, engine: Engine, critic: CriticClient | None, tracer: Tracer,
+                 store: RolloutStore | None, metrics: MetricsLogger, start_step: int, rewards: Rewards, evalset: EvalSet | None):
         self.run, self.rd, self.env, self.pctx = run, rd, env, pctx
         self.rank = env.rank
         self.tokenizer, self.prompts = tokenizer, prompts
         self.policy, self.optimizer, self.reference, self.offload = policy, optimizer, reference, offload
         self.engine, self.critic, self.tracer, self.store, self.metrics = engine, critic, tracer, store, metrics
         self.start_step = start_step
+        self.rewards, self.evalset = rewards, evalset
+        self.update = PolicyUpdate(run, policy, optimizer, pctx,
+                                   loss="sft" if run.algorithm == "rejection_sampling" else "policy")
         self.pad_id = tokenizer.pad_id
 
     # -- phases ------------------------------------------------------------------------------
-    def generate(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Future]]]:
-        """Refit, then generate this rank's share of the step's prompts; every finished
-        micro-batch goes to the critic at once. Returns this rank's rollouts (empty on ranks
-        that do not request prompts) and the critic futures with their micro-batches."""
+    def generate(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Future | None]]]:
+        """Refit, then generate this rank's share of the step's prompts, n_samples_per_prompt
+        samples each (sample i * n + j of prompt slot i, group i: a group never splits); every
+        finished micro-batch is scored by the rule reward here and goes to the critic at once.
+        Returns this rank's rollouts (empty on ranks that do not request prompts) and the critic
+        futures (None without a critic) with their micro-batches."""
         run = self.run
+        k = run.rl.n_samples_per_prompt
         with self.tracer.span(P.REFIT, step):
             refit_from_training(self.engine, self.policy, self.pctx, refold=run.switches.refold)
         n = run.ppo.num_rollout_samples
@@ -108,16 +119,22 @@ class PPOActor:
             source = open_prompt_source(self.env.comm, layout, n, dynamic=run.switches.dynamic_prompts,
                                         tracer=self.tracer, step=step)
             for batch in replica_batches(layout, source, run.generation.prompt_batch_size):
-                idx = [int(i) for i in batch]
-                prompts = [self.prompts[order[i]] for i in idx]
+                idx = [int(i) * k + j for i in batch for j in range(k)]
+                prompts = [self.prompts[order[i // k]] for i in idx]
                 with self.tracer.span(P.GENERATE, step):
                     out = self.engine.generate([torch.from_numpy(p) for p in prompts], params,
                                                seeds=[sample_seed(run.seed, draws, i) for i in idx])
                 if not layout.is_requester:
                     continue    # the replica's other ranks ran the same batch in lock-step
-                # Each sample is its own group until prompts are sampled several times (GRPO).
-                mb = RolloutBatch.from_sequences(prompts, out.responses(), self.pad_id, index=idx, group=idx,
-                                                 is_end=out.is_end.numpy(), rank=[self.rank] * len(idx))
+                mb = RolloutBatch.from_sequences(prompts, out.responses(), self.pad_id, index=idx,
+                                                 group=[i // k for i in idx], is_end=out.is_end.numpy(),
+                                                 rank=[self.rank] * len(idx))
+                rule = self.rewards.score(out.responses(), [int(order[i // k]) for i in idx])
+                if rule is not None:
+                    mb.set_samples("rule_reward", rule)
+                if self.critic is None:
+                    pending.append((mb, None))
+                    continue
                 fut = self.critic.infer_async(mb.tokens.numpy(), mb.seq_lengths.numpy(), step=step)
                 if not run.switches.async_critic:
                     with self.tracer.span(P.CRITIC_WAIT, step):
@@ -145,24 +162,20 @@ class PPOActor:
             finally:
                 self.reference.swap()
 
-    def critic_results(self, pending: list[tuple[RolloutBatch, Future]], step: int) -> RolloutBatch:
-        """This rank's micro-batches with the critic's values (per response token) and rewards."""
+    def critic_results(self, pending: list[tuple[RolloutBatch, Future | None]], step: int) -> RolloutBatch:
+        """This rank's micro-batches with the critic's values (per response token; 0 without a
+        critic) and the reward: the reward model's score and the rule reward, weighted."""
         with self.tracer.span(P.CRITIC_WAIT, step):
             for mb, fut in pending:
-                values, rewards = fut.result()
-                mb.set_tokens("values", mb.from_positions(torch.from_numpy(values)))
-                mb.set_samples("reward", torch.from_numpy(rewards))
+                model_score = None
+                if fut is None:
+                    mb.set_tokens("values", torch.zeros_like(mb.mask))
+                else:
+                    values, model_score = fut.result()
+                    mb.set_tokens("values", mb.from_positions(torch.from_numpy(values)))
+                    model_score = torch.from_numpy(model_score)
+                mb.set_samples("reward", combine_rewards(self.run, model_score, mb.samples.get("rule_reward")))
         return RolloutBatch.cat([mb for mb, _ in pending], self.pad_id)
-
-    def advantages(self, shard: RolloutBatch) -> None:
-        """KL-penalised rewards, GAE, and advantages whitened over the whole step (all-reduce)."""
-        ppo = self.run.ppo
-        mask = shard.mask
-        rewards = ppo_math.kl_penalized_rewards(shard["reward"].float(), shard["logprobs"], shard["ref_logprobs"],
-                                                mask, ppo.kl_coef)
-        adv, returns = ppo_math.gae(rewards, shard["values"], mask, ppo.gamma, ppo.lam)
-        shard.set_tokens("advantages", ppo_math.masked_whiten(adv, mask, self.pctx.dp_group))
-        shard.set_tokens("returns", returns)
 
     def gather_step(self, shard: RolloutBatch) -> RolloutBatch | None:
         """The whole step on rank 0 (for the store and the critic's update), in index order: one
@@ -174,54 +187,27 @@ class PPOActor:
 
     def critic_train(self, step_batch: RolloutBatch | None, step: int) -> Future | None:
         """Rank 0 sends the value-model update for the whole step; the actor trains meanwhile."""
-        if step_batch is None:
+        if step_batch is None or not self.run.critic_trains:
             return None
         b = step_batch
         return self.critic.train_async(b.tokens.numpy(), b.seq_lengths.numpy(), b.to_positions("returns").numpy(),
                                        b.to_positions("values").numpy(), b.position_mask().numpy(), step=step)
 
     def train(self, shard: RolloutBatch, step: int) -> dict:
-        """One PPO update of the policy on this DP rank's shard (grads summed over DP)."""
-        run, dp = self.run, self.pctx.dp_group
-        # The loss is a mean over all ended tokens of the GLOBAL batch: each rank adds its share.
-        token_count = all_reduce_sums({"n": (shard.mask * shard["is_end"][:, None]).sum()}, dp)["n"]
-        micro = shard.micro_batches(run.ppo.train_micro_batch_size, samples=["is_end"],
-                                    per_token=["logprobs", "advantages"])
-        T, vocab = shard.max_response, run.model.vocab_size
-        sums = {"loss": 0.0, "ratio": 0.0, "clamped": 0.0, "tokens": 0.0}
+        """The policy update on this DP rank's shard: epochs x optimizer batches (grads summed
+        over DP); the clipped surrogate, or the SFT loss for rejection sampling."""
+        return self.update.train(shard, step, self.tracer)
 
-        def loss_fn(output, mb):
-            dev = output.device
-            mask, is_end = mb["mask"].to(dev), mb["is_end"].to(dev)
-            logp = gather_response(token_logprobs(output, mb["tokens"], vocab), mb["prompt_lengths"],
-                                   mb["response_lengths"], T)
-            entropy = None
-            if run.ppo.entropy_coef > 0:
-                logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
-                pos = response_positions(mb["prompt_lengths"], mb["response_lengths"], T)[0].to(dev)
-                lp_all = torch.log_softmax(logits.float(), -1).gather(
-                    1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-                entropy = -(lp_all.exp() * lp_all).sum(-1)
-            loss, st = ppo_math.ppo_policy_loss(logp, mb["logprobs"].to(dev), mb["advantages"].to(dev), mask,
-                                                is_end, run.ppo.ratio_clip, entropy, run.ppo.entropy_coef,
-                                                token_count)
-            n = float((mask * is_end[:, None]).sum())
-            for k, v in (("loss", st.loss), ("ratio", st.ppo_ratio * n), ("clamped", st.ppo_ratio_clamped * n),
-                         ("tokens", n)):
-                sums[k] += v
-            return loss, {"loss": loss.detach()}
-
-        with self.tracer.span(P.TRAIN, step):
-            for c in self.policy:
-                c.train()
-            self.optimizer.zero_grad(set_to_none=True)
-            run_schedule(self.policy, micro, loss_fn, forward_only=False)
-            grad_norm = optimizer_step(self.optimizer, self.pctx, run.ppo.grad_clip)
-        # Only the last stage computed a loss: sum over DP, then hand it to the other stages.
-        total = all_reduce_sums(all_reduce_sums(sums, dp), self.pctx.pp_group)
-        tokens = max(total["tokens"], 1.0)
-        return {"loss": total["loss"], "ppo_ratio": total["ratio"] / tokens,
-                "ppo_ratio_clamped": total["clamped"] / tokens, "grad_norm": grad_norm, "lr": run.ppo.actor_lr}
+    def evaluate(self, step: int) -> dict[str, float]:
+        """The held-out task score of the policy after `step` steps (refit, greedy answers); a
+        span of step `step` (none for the initial policy, step 0, which is not a training step)."""
+        run = self.run
+        span = self.tracer.span(P.EVALUATE, step) if step > 0 else contextlib.nullcontext()
+        with span, generation_phase(self.engine, self.offload, free_engine_after=False):
+            refit_from_training(self.engine, self.policy, self.pctx, refold=run.switches.refold)
+            with self.pctx.generation_layout(run.switches.refold) as layout:
+                return evaluate(self.engine, layout, self.env.comm, self.evalset, greedy_params(run, self.tokenizer),
+                                self.tokenizer, run.generation.prompt_batch_size * run.rl.n_samples_per_prompt)
 
     def rollout_metrics(self, shard: RolloutBatch) -> dict:
         """Means over the whole step (sums all-reduced over DP)."""
@@ -239,38 +225,45 @@ class PPOActor:
         with generation_phase(self.engine, self.offload, free_engine_after=False):
             local, pending = self.generate(step)
         with self.tracer.span(P.REBALANCE, step):
-            route = local.route(self.env.comm, pctx.dp_rank, pctx.dp_size, expected=run.ppo.num_rollout_samples)
+            route = local.route(self.env.comm, pctx.dp_rank, pctx.dp_size, expected=run.rollouts_per_step)
             shard = local.moved(route)
         self.logprobs(shard, step)   # the critic works on the futures meanwhile
         results = self.critic_results(pending, step)
         with self.tracer.span(P.REBALANCE, step):
             shard.merge(results.moved(route, samples=["index", "reward"], per_token=["values"], with_tokens=False))
-            self.advantages(shard)
+            advantage_metrics = estimate_advantages(run, shard, pctx.dp_group)
             step_batch = self.gather_step(shard)
         with self.tracer.span(P.STORE, step):
             if self.store is not None:
                 self.store.append_step(step, step_batch.store_columns(TOKEN_FIELDS, STORED_SAMPLE_FIELDS))
         critic_future = self.critic_train(step_batch, step)
-        optim = self.train(shard, step) if step > run.ppo.critic_warmup_steps else {}
+        warmup = run.critic_trains and step <= run.ppo.critic_warmup_steps   # only the critic trains
+        optim = {} if warmup else self.train(shard, step)
         if critic_future is not None:
             with self.tracer.span(P.CRITIC_WAIT, step):
                 optim["critic_loss"] = critic_future.result()
         # Named as NeMo-Aligner users know them: train_rollouts/, train_optim/, timers/.
-        return {"step": step, **{f"train_rollouts/{k}": v for k, v in self.rollout_metrics(shard).items()},
+        val = self.evaluate(step) if self.evalset is not None and self.evalset.due(run, step) else {}
+        rollouts = {**self.rollout_metrics(shard), **advantage_metrics}
+        return {"step": step, **val, **{f"train_rollouts/{k}": v for k, v in rollouts.items()},
                 **{f"train_optim/{k}": v for k, v in optim.items()},
                 **{f"timers/{k}": v for k, v in self.tracer.durations(step).items()}}
 
     def save_checkpoint(self, step: int) -> None:
+        if self.store is not None:
+            self.store.flush()   # no checkpoint ahead of the committed rollouts (resume leaves no gap)
         # The critic first: the actor's manifest, written last, commits the step for both roles.
-        if self.rank == 0:
+        if self.rank == 0 and self.run.critic_trains:
             self.critic.save(str(self.rd.checkpoints("critic") / f"iter_{step:07d}.pt"))
-        save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer, {"algorithm": "ppo"})
+        save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer, {"algorithm": self.run.algorithm})
 
     def run_loop(self, stop: StopPoint | None = None) -> bool:
         """Run the remaining steps; True when `stop` ended the run early (after saving)."""
         run = self.run
         with Progress(disable=self.rank != 0, transient=False) as progress:
-            task = progress.add_task("PPO", total=run.ppo.num_steps, completed=self.start_step - 1)
+            task = progress.add_task(run.algorithm, total=run.ppo.num_steps, completed=self.start_step - 1)
+            if self.evalset is not None and self.start_step == 1:
+                self.log({"step": 0, **self.evaluate(0)}, progress.console)   # the initial policy
             for step in range(self.start_step, run.ppo.num_steps + 1):
                 t0 = time.perf_counter()
                 metrics = self.step(step)
@@ -280,27 +273,39 @@ class PPOActor:
                 saved = bool((run.ppo.save_interval and step % run.ppo.save_interval == 0) or last)
                 if saved:
                     self.save_checkpoint(step)
-                self.metrics.log(metrics)
-                if self.rank == 0:
-                    m = lambda k: metrics.get(k, float("nan"))  # noqa: E731  (no update in warm-up)
-                    progress.console.print(
-                        f"step {step}: reward {m('train_rollouts/rewards'):+.3f}  kl {m('train_rollouts/kl'):.4f}  "
-                        f"len {m('train_rollouts/response_lengths'):.1f}  "
-                        f"ended {m('train_rollouts/fraction_of_samples_properly_ended'):.2f}  "
-                        f"loss {m('train_optim/loss'):+.4f}  critic {m('train_optim/critic_loss'):.4f}  "
-                        f"{m('timers/step'):.2f}s", highlight=False)
+                self.log(metrics, progress.console)
                 progress.update(task, completed=step)
                 if stop is not None and stop.after_step(step, last=last, saved=saved, save=self.save_checkpoint):
                     return True
         return False
 
+    def log(self, metrics: dict, console) -> None:
+        """The step's record to metrics.jsonl (and the logging backends); rank 0 prints a line."""
+        self.metrics.log(metrics)
+        if self.rank != 0:
+            return
+        m = lambda k: metrics.get(k, float("nan"))  # noqa: E731  (no update in warm-up)
+        val = "".join(f"  {k} {v:.3f}" for k, v in metrics.items() if k.startswith("val/"))
+        if "train_rollouts/rewards" not in metrics:
+            console.print(f"step {metrics['step']}:{val}", highlight=False)
+            return
+        console.print(
+            f"step {metrics['step']}:{val}  reward {m('train_rollouts/rewards'):+.3f}  kl {m('train_rollouts/kl'):.4f}  "
+            f"len {m('train_rollouts/response_lengths'):.1f}  "
+            f"ended {m('train_rollouts/fraction_of_samples_properly_ended'):.2f}  "
+            f"loss {m('train_optim/loss'):+.4f}  critic {m('train_optim/critic_loss'):.4f}  "
+            f"{m('timers/step'):.2f}s", highlight=False)
+
     def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
         self.metrics.close()
         self.tracer.close()
         self.env.comm.Barrier()
-        if self.rank == 0:
-            self.critic.shutdown_critic()
-        self.critic.close()
+        if self.critic is not None:
+            if self.rank == 0:
+                self.critic.shutdown_critic()
+            self.critic.close()
         self.pctx.destroy()
 
 
@@ -317,7 +322,9 @@ def _resume(rd: RunDir, policy: list, optimizer: torch.optim.Optimizer) -> int:
 
 
 def _open_store(rd: RunDir, start_step: int) -> RolloutStore:
-    store = RolloutStore.open(rd.rollouts) if rd.rollouts.exists() else RolloutStore.create(rd.rollouts)
+    # Written in the background while the step goes on (flushed before each checkpoint).
+    store = (RolloutStore.open(rd.rollouts, background=True) if rd.rollouts.exists()
+             else RolloutStore.create(rd.rollouts, background=True))
     store.truncate_to(start_step)
     return store
 
@@ -329,8 +336,9 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     torch.manual_seed(run.seed)
     tokenizer = build_tokenizer(run.model)
     # Prompts are BOS + text, as the SFT trainer formats its inputs.
-    prompts = [np.asarray([tokenizer.bos_id, *tokenizer.encode(row["prompt"])], dtype=np.int64)
-               for row in read_jsonl(run.data.train_path, PROMPT_KEYS, "prompts")]
+    encode = lambda row: np.asarray([tokenizer.bos_id, *tokenizer.encode(row["prompt"])], dtype=np.int64)  # noqa: E731
+    rows = read_jsonl(run.data.train_path, PROMPT_KEYS, "prompts", keep_extra=True)  # a rule reads other fields
+    prompts = [encode(row) for row in rows]
     policy = build_gpt(run.model, pctx, seed=run.seed)
     optimizer = torch.optim.AdamW([p for c in policy for p in c.parameters()], lr=run.ppo.actor_lr, weight_decay=0.0)
     if run.model.init_checkpoint is not None:
@@ -342,8 +350,10 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     offload = TrainingStateOffload(optimizer, policy) if run.switches.offload_optimizer else None
     engine = actor_engine(run, env, pctx)
     pctx.dp_comm  # noqa: B018  (collective the first time: every rank makes it now)
-    critic = CriticClient.from_run_config(run)
-    critic.connect()   # waits (with backoff) while the critic starts; not part of the first step
+    critic = None
+    if "critic" in run.components:   # PPO, or a reward model scores (reward-only critic)
+        critic = CriticClient.from_run_config(run)
+        critic.connect()   # waits (with backoff) while the critic starts; not part of the first step
     tracer = Tracer(rd.root, "actor", env.rank, resume_from_step=start_step)
     # A resumed run redoes the steps after its checkpoint: their rollouts and metrics go.
     store = _open_store(rd, start_step) if env.rank == 0 else None
@@ -351,7 +361,8 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     metrics.start_at(start_step)
     return PPOActor(run, rd, env, pctx, tokenizer=tokenizer, prompts=prompts, policy=policy, optimizer=optimizer,
                     reference=reference, offload=offload, engine=engine, critic=critic, tracer=tracer, store=store,
-                    metrics=metrics, start_step=start_step)
+                    metrics=metrics, start_step=start_step,
+                    rewards=Rewards(run, tokenizer, rows), evalset=EvalSet.from_run(run, encode))
 
 
 def main(run_dir: str | Path) -> int:

@@ -1,0 +1,251 @@
+"""GRPO, RLOO, rejection sampling and PPO mini-batches end to end: real actor ranks (and a real
+reward-only critic when a reward model scores), on the local profile and as real Slurm jobs.
+
+The learning tests measure the task itself (held-out exact sort accuracy of greedy answers,
+`val/score`), not the reward, and a run with the advantage sign flipped must fail the same check.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from slurm_align import REPO_ROOT
+from slurm_align.config import load_profile, load_run_config
+from slurm_align.config.errors import ConfigError
+from slurm_align.models.tokenizer import ByteTokenizer
+from slurm_align.profiling import phases as P
+from slurm_align.rewards import sort
+from slurm_align.slurm.launch import launch_run
+from slurm_align.slurm.render import Entry
+from slurm_align.store.rollouts import RolloutStore
+from slurm_align.store.traces import read_traces
+from tests.test_ppo import run_ppo
+
+EXAMPLES = REPO_ROOT / "examples"
+SYNTH = EXAMPLES / "synthetic"
+
+
+def grpo_config(*overrides: str):
+    return load_run_config(EXAMPLES / "grpo_tiny.yaml", [
+        f"data.train_path={SYNTH / 'prompts.jsonl'}", f"eval.val_path={SYNTH / 'prompts_val.jsonl'}",
+        "ppo.num_steps=2", "ppo.num_rollout_samples=8", "ppo.global_batch_size=16", "rl.n_samples_per_prompt=4",
+        "generation.max_new_tokens=8", "generation.prompt_batch_size=2", "ppo.train_micro_batch_size=8",
+        "eval.interval=2", "eval.num_prompts=16", *overrides])
+
+
+def launch(tmp_path: Path, run, profile="local", name: str = "run", entry: Entry = Entry(),
+           expect: str = "COMPLETED"):
+    profile = load_profile(profile) if isinstance(profile, str) else profile
+    job = launch_run(run, profile, tmp_path / name, entry=entry)
+    state = job.wait(timeout_s=900)
+    if state != expect:
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for ps in job.failed_logs().values() for p in ps)
+        pytest.fail(f"{run.algorithm} job ended {state}, expected {expect}\n{logs}")
+    return job
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def val_score(run_dir: Path) -> dict[int, float]:
+    return {m["step"]: m["val/score"] for m in metrics(run_dir) if "val/score" in m}
+
+
+def check_rollouts(run_dir: Path, steps: list[int], samples: int, group: int) -> None:
+    """Every stored step is whole: its rewards are the rule's, its groups hold `group` samples of
+    one prompt each, and the group advantages of GRPO sum to ~0 per group."""
+    store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
+    assert store.steps.tolist() == steps
+    tok = ByteTokenizer()
+    for step in steps:
+        d = store.read(step)
+        assert len(d["reward"]) == samples
+        po, ro = d["prompt_offsets"], d["response_offsets"]
+        prompts = [tok.decode(d["prompt_tokens"][po[i]:po[i + 1]]) for i in range(samples)]
+        responses = [tok.decode(d["response_tokens"][ro[i]:ro[i + 1]]) for i in range(samples)]
+        assert [sort.exact(r, p) for r, p in zip(responses, prompts)] == d["reward"].tolist()
+        # samples are stored in index order: index i * group + j belongs to prompt slot i
+        for g in range(samples // group):
+            assert len(set(prompts[g * group:(g + 1) * group])) == 1
+        first_token_adv = np.array([d["advantages"][ro[i]] if ro[i + 1] > ro[i] else 0.0 for i in range(samples)])
+        assert np.isfinite(d["advantages"]).all()
+        assert np.abs(first_token_adv.reshape(-1, group).sum(1)).max() < 1e-3
+
+
+# --- configuration ----------------------------------------------------------------------------
+def test_job_shape_follows_the_algorithm():
+    assert grpo_config().components == ("actor",)                      # rule reward only: one component
+    assert grpo_config("reward.model=true").components == ("actor", "critic")
+    assert grpo_config("reward.rule=null", "eval.interval=0").components == ("actor", "critic")  # RM alone
+    assert not grpo_config("reward.model=true").critic_trains           # reward-only critic
+    assert grpo_config("algorithm=rloo").advantage_estimator == "rloo"
+    assert not grpo_config().kl_in_reward and grpo_config("algorithm=reinforce_pp").kl_in_reward
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["rl.n_samples_per_prompt=1"], "rl.n_samples_per_prompt=1: grpo compares"),
+    (["ppo.global_batch_size=12"], "ppo.global_batch_size=12 must divide the step's rollouts"),
+    (["reward.rule=no spaces allowed"], "reward.rule"),
+    (["reward.rule=null", "reward.model=false"], "neither a reward model"),
+    (["eval.val_path=null"], "eval.interval=2 needs eval.val_path"),
+    (["rl.loss_agg=seq-sum"], "rl.loss_agg"),
+])
+def test_bad_settings_are_refused_with_the_field(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        grpo_config(*overrides)
+
+
+# --- one component on the local profile, and the same as a real plain Slurm job ----------------
+def check_single_component_run(run_dir: Path) -> None:
+    assert json.loads((run_dir / "job.json").read_text())["components"] == ["actor"]
+    assert not (run_dir / "logs" / "critic").exists()
+    check_rollouts(run_dir, steps=[1, 2], samples=32, group=4)
+    records = metrics(run_dir)
+    assert [m["step"] for m in records] == [0, 1, 2]          # step 0: the initial policy's evaluation
+    assert set(val_score(run_dir)) == {0, 2}
+    assert all(0.0 <= v <= 1.0 for v in val_score(run_dir).values())
+    for m in records[1:]:
+        assert {"train_rollouts/rewards", "train_optim/loss", "train_optim/ppo_ratio",
+                "train_optim/optimizer_steps"} <= set(m) and "train_optim/critic_loss" not in m
+        assert m["train_optim/optimizer_steps"] == 2        # 32 rollouts in global batches of 16
+    table = read_traces(run_dir / "traces.zarr", {"actor": 2})
+    assert table.complete, table.problems()
+    assert {P.GENERATE, P.LOGPROBS, P.TRAIN} <= set(table.spans["phase"].tolist())
+
+
+def test_grpo_single_component_on_local_profile(tmp_path):
+    launch(tmp_path, grpo_config())
+    check_single_component_run(tmp_path / "run")
+
+
+@pytest.mark.slurm
+def test_grpo_single_component_as_plain_slurm_job(slurm_cluster, tmp_path):
+    launch(tmp_path, grpo_config(), profile="local-slurm")
+    assert "hetjob" not in (tmp_path / "run" / "job.sbatch").read_text()
+    check_single_component_run(tmp_path / "run")
+
+
+@pytest.mark.slurm
+def test_grpo_with_reward_model_as_hetjob(slurm_cluster, tmp_path):
+    """Rule + reward model: the critic component serves the reward model only (no value model,
+    no critic training); the reward is model_weight x RM score + rule_weight x rule."""
+    run = grpo_config("reward.model=true", "reward.model_weight=0.5", "reward.rule_weight=2.0",
+                      "critic_server.connect_timeout_s=300")
+    launch(tmp_path, run, profile="local-slurm")
+    run_dir = tmp_path / "run"
+    assert json.loads((run_dir / "job.json").read_text())["components"] == ["actor", "critic"]
+    table = read_traces(run_dir / "traces.zarr", {"actor": 2, "critic": 1})
+    critic = set(table.spans[table.spans["component"] == "critic"]["phase"].tolist())
+    assert P.CRITIC_INFER in critic and P.CRITIC_TRAIN not in critic
+    assert not (run_dir / "checkpoints" / "critic").exists()
+    store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
+    d = store.read(1)
+    tok = ByteTokenizer()
+    po, ro = d["prompt_offsets"], d["response_offsets"]
+    rule = np.array([sort.exact(tok.decode(d["response_tokens"][ro[i]:ro[i + 1]]),
+                                tok.decode(d["prompt_tokens"][po[i]:po[i + 1]])) for i in range(len(d["reward"]))])
+    model_part = (d["reward"] - 2.0 * rule) / 0.5
+    assert np.isfinite(model_part).all() and np.ptp(model_part) > 0     # a real, varying RM score
+
+
+# --- rule reward errors -----------------------------------------------------------------------
+CALLS = {"n": 0}
+
+
+def exact_then_broken(response, prompt, **fields):
+    """The sort reward for the first 32 samples this process scores, then an error (a rank
+    generates at most 32 of a step's 32 samples, so step 1 always completes)."""
+    CALLS["n"] += 1
+    if CALLS["n"] > 32:
+        raise ValueError("the checker lost its answer key")
+    return sort.exact(response, prompt)
+
+
+def test_rule_reward_error_stops_the_run_and_keeps_earlier_steps(tmp_path):
+    run = grpo_config("ppo.num_steps=4", "reward.rule=tests.test_grpo:exact_then_broken", "eval.interval=0")
+    local = load_profile("local")   # jobs run in their run directory: make this module importable there
+    profile = local.model_copy(update={"env": {**local.env, "PYTHONPATH": str(REPO_ROOT)}})
+    job = launch(tmp_path, run, profile=profile, expect="FAILED")
+    logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs" / "actor").glob("rank*.log"))
+    assert "rule reward tests.test_grpo:exact_then_broken raised ValueError: the checker lost its answer key" in logs
+    assert "(prompt '" in logs
+    store = RolloutStore.open(tmp_path / "run" / "rollouts.zarr", read_only=True)
+    kept = store.steps.tolist()
+    assert kept in ([1], [1, 2]), kept                    # the failing step left nothing behind
+    check_rollouts(tmp_path / "run", steps=kept, samples=32, group=4)
+    assert job.state() == "FAILED"
+
+
+@pytest.fixture(scope="module")
+def weak_sft(tmp_path_factory) -> Path:
+    """An SFT policy that sorts some held-out prompts exactly (greedy), leaving room to learn."""
+    base = tmp_path_factory.mktemp("grpo-sft")
+    run = load_run_config(EXAMPLES / "sft_tiny.yaml", [
+        f"data.train_path={SYNTH / 'sft_train.jsonl'}", f"data.val_path={SYNTH / 'sft_val.jsonl'}",
+        "trainer.save_interval=0", "trainer.num_steps=50"])
+    job = launch_run(run, load_profile("local"), base / "sft")
+    assert job.wait(timeout_s=600) == "COMPLETED", job.failed_logs()
+    return base / "sft" / "checkpoints" / "sft"
+
+
+# --- PPO mini-batches -------------------------------------------------------------------------
+def test_ppo_global_batches_move_the_ratio_and_clip(tmp_path, weak_sft):
+    """8 rollouts in global batches of 2: the later optimizer steps see a policy that already
+    moved, so the ratio leaves 1 and the clip acts; with one global batch it cannot. (From the
+    SFT policy: PPO's loss counts only responses that ended, which a random init rarely does.)"""
+    fast = ["ppo.num_steps=1", "ppo.actor_lr=1e-2", "ppo.train_micro_batch_size=1", f"model.init_checkpoint={weak_sft}"]
+    split = metrics(run_ppo(tmp_path, "local", *fast, "ppo.global_batch_size=2", name="split"))[-1]
+    whole = metrics(run_ppo(tmp_path, "local", *fast, name="whole"))[-1]
+    assert split["train_optim/optimizer_steps"] == 4 and whole["train_optim/optimizer_steps"] == 1
+    assert split["train_optim/ppo_ratio_clamped"] > 0.0
+    assert abs(split["train_optim/ppo_ratio"] - 1.0) > 1e-3
+    assert whole["train_optim/ppo_ratio_clamped"] == 0.0
+    assert abs(whole["train_optim/ppo_ratio"] - 1.0) < 1e-4
+
+
+# --- learning on the task ---------------------------------------------------------------------
+def learning_config(sft: Path, *overrides: str):
+    return load_run_config(EXAMPLES / "grpo_tiny.yaml", [
+        f"data.train_path={SYNTH / 'prompts.jsonl'}", f"eval.val_path={SYNTH / 'prompts_val.jsonl'}",
+        f"model.init_checkpoint={sft}", *LEARN, *overrides])
+
+
+LEARN = ["ppo.num_steps=40", "ppo.num_rollout_samples=32", "rl.n_samples_per_prompt=8",
+         "ppo.global_batch_size=128", "ppo.actor_lr=5e-4", "eval.interval=40"]
+MARGIN = 0.06
+
+
+def accuracy_gain(run_dir: Path) -> float:
+    scores = val_score(run_dir)
+    return scores[max(scores)] - scores[0]
+
+
+@pytest.mark.slow
+def test_grpo_raises_heldout_accuracy_and_a_flipped_advantage_does_not(tmp_path, weak_sft):
+    launch(tmp_path, learning_config(weak_sft), name="grpo")
+    good = accuracy_gain(tmp_path / "grpo")
+    launch(tmp_path, learning_config(weak_sft), name="flipped",
+           entry=Entry(scripts={"actor": Path(__file__).parent / "grpo_flipped_actor.py"}))
+    flipped = accuracy_gain(tmp_path / "flipped")
+    assert good > MARGIN, f"GRPO raised held-out exact accuracy by {good:+.3f} only (scores {val_score(tmp_path / 'grpo')})"
+    assert flipped < MARGIN / 2, f"GRPO with the advantage sign flipped must not learn, yet gained {flipped:+.3f}"
+
+
+@pytest.mark.slow
+def test_rloo_raises_heldout_accuracy(tmp_path, weak_sft):
+    launch(tmp_path, learning_config(weak_sft, "algorithm=rloo"), name="rloo")
+    gain = accuracy_gain(tmp_path / "rloo")
+    assert gain > MARGIN, f"RLOO raised held-out exact accuracy by {gain:+.3f} only ({val_score(tmp_path / 'rloo')})"
+
+
+@pytest.mark.slow
+def test_rejection_sampling_raises_the_score(tmp_path, weak_sft):
+    launch(tmp_path, learning_config(weak_sft, "algorithm=rejection_sampling", "ppo.num_steps=20",
+                                     "eval.interval=20"), name="rs")
+    gain = accuracy_gain(tmp_path / "rs")
+    assert gain > MARGIN, f"rejection sampling raised held-out exact accuracy by {gain:+.3f} only"
