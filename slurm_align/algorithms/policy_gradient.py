@@ -136,9 +136,9 @@ class PolicyUpdate:
     into optimizer steps of ppo.global_batch_size rollouts (NeMo-Aligner's mini-batches), each a
     megatron forward/backward over micro-batches, gradients summed over DP, one AdamW step.
 
-    loss 'policy': the clipped surrogate (+ KL loss term, entropy bonus) of policy_loss.py, on
-    the tokens of responses that ended (is_end) and were kept ('train' weight). loss 'sft':
-    negative log-likelihood of the kept responses (rejection sampling)."""
+    Both losses count the tokens of responses that ended (is_end) and were kept ('train'
+    weight). loss 'policy': the clipped surrogate (+ KL loss term, entropy bonus) of
+    policy_loss.py; loss 'sft': negative log-likelihood (rejection sampling)."""
 
     def __init__(self, run: RunConfig, policy: list, optimizer: torch.optim.Optimizer, pctx, *, loss: str = "policy"):
         self.run, self.policy, self.optimizer, self.pctx, self.loss = run, policy, optimizer, pctx, loss
@@ -168,7 +168,7 @@ class PolicyUpdate:
 
     def _optimizer_step(self, part: RolloutBatch, totals: dict) -> float:
         run, vocab, terms = self.run, self.run.model.vocab_size, self.terms
-        weight = part["is_end"].float() * part["train"] if self.loss == "policy" else part["train"]
+        weight = part["is_end"].float() * part["train"]   # responses cut at max_new_tokens teach nothing
         # Global normaliser of this optimizer batch: its loss is a mean over all DP ranks.
         norm = all_reduce_sums({"n": denominator(part.mask * weight[:, None], self.agg)}, self.pctx.dp_group)["n"]
         self.optimizer.zero_grad(set_to_none=True)
