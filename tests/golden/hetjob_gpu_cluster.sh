@@ -94,6 +94,7 @@ names+=(critic)
 # early for a trapped signal); `-p` names it where bash has it (5.1+), else the one that no
 # longer exists is the one that ended (zombies still answer kill -0).
 failed=0
+stopping=0
 declare -A ended=()
 n_ended=0
 while (( n_ended < 2 )); do
@@ -110,7 +111,12 @@ while (( n_ended < 2 )); do
       ended[$i]=1
       n_ended=$((n_ended + 1))
       echo "$code" >"$SLURM_ALIGN_RUN_DIR/logs/${names[$i]}/exit_code"
-      if [[ "$code" -ne 0 && "$failed" -eq 0 ]]; then
+      if [[ "${names[$i]}" == actor && "$code" -eq 0 && -e "$SLURM_ALIGN_RUN_DIR/stopped_step" ]]; then
+        # The actor stopped for preemption after every role saved: the others need not wind
+        # down (the critic's server takes seconds to stop); end them and requeue sooner.
+        stopping=1
+        kill "${pids[@]}" 2>/dev/null || true
+      elif [[ "$code" -ne 0 && "$failed" -eq 0 && "$stopping" -eq 0 ]]; then
         echo "slurm-align: component ${names[$i]} failed with exit code $code; stopping the others" >&2
         echo "${names[$i]}" >"$SLURM_ALIGN_RUN_DIR/logs/first_failure"
         failed=1
