@@ -120,6 +120,19 @@ def _listening_ports(pids: set[int]) -> list[tuple[str, int]]:
     return out
 
 
+def proc_hides_other_users(mounts: Path = Path("/proc/mounts")) -> bool:
+    """Is /proc mounted with hidepid (other users cannot read our processes' command lines)?"""
+    try:
+        for line in mounts.read_text().splitlines():
+            _, where, fstype, options, *_ = line.split()
+            if where == "/proc" and fstype == "proc":
+                return any(o.startswith("hidepid=") and o.split("=", 1)[1] not in ("0", "off")
+                           for o in options.split(","))
+    except OSError:
+        pass
+    return False
+
+
 def server_pids() -> set[int]:
     """This process and its children (tritonserver, the Python backend stubs)."""
     me = psutil.Process()
@@ -194,6 +207,12 @@ class CriticServer:
         if self.run_dir is not None:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             publish_critic_address(self.run_dir, self.host, self.port, self._secret.decode())
+        if not proc_hides_other_users():
+            print("critic: note: /proc is not mounted with hidepid, so other users of this node can read "
+                  "tritonserver's command line and on it the Triton gate token (not the run's secret): "
+                  "it takes them past Triton's gate, to the critic's own check of the secret and to "
+                  "Triton's model-control API. Cluster admins close this with hidepid=2.", file=sys.stderr,
+                  flush=True)
 
     def stop(self) -> None:
         if self._triton is not None:
