@@ -304,9 +304,9 @@ class EvalConfig(StrictModel):
     """Task evaluation on held-out prompts: greedy responses scored by a rule."""
 
     interval: int = Field(0, ge=0)
-    """Evaluate before step s when s is a multiple of this, and after the last step (0: never).
-    Logged as val/score (mean scorer value) and val/response_length in metrics.jsonl; the
-    evaluation after the last step is logged with step = ppo.num_steps."""
+    """Evaluate the initial policy (a record with step 0), then after every step k that is a
+    multiple of this, and after the last step (0: never). Logged as val/score (the scorer's
+    mean) and val/response_length in metrics.jsonl, in the record of the step evaluated after."""
     val_path: Path | None = None
     """JSONL prompts {"prompt", ...} to evaluate on (other fields reach the scorer)."""
     scorer: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
