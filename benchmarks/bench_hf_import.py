@@ -12,8 +12,10 @@ Then, each in its own process, side by side:
     shard (its float32 parameters);
   - export of the imported checkpoint back to a HF folder (the export_hf call).
 Last line: import_s= import_peak_rss_over_shard= export_s= import_over_hf_load=
-(import_s: TP=1; the RSS ratio: the worst rank over both layouts). Goals: RSS ratio <= 1.3,
-import_over_hf_load <= 1.5.
+(import_s: TP=1, the best of two runs, over transformers' best of two; the RSS ratio: the worst
+rank of all runs, RSS including the process's ~0.4 GiB before the import). Goals: RSS ratio
+<= 1.3, import_over_hf_load <= 1.5. Export time is mostly dist_checkpointing's read of the
+checkpoint (as a training resume reads it) and writing float32 safetensors.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def import_rank(folder: Path, out: Path, tp: int) -> None:
     rank = torch.distributed.get_rank()
     (out / f"import_tp{tp}_rank{rank}.json").write_text(json.dumps(
         {"seconds": seconds, "peak_rss": peak, "rss_before": before, "shard_bytes": shard}))
-    if tp == 1:
+    if tp == 1 and not (out / "ckpt").exists():
         save_checkpoint(out / "ckpt", 0, chunks, None, {"model_config": cfg.model_dump(mode="json"),
                                                         "value_head": False})
     pctx.destroy()
@@ -155,27 +157,33 @@ def main() -> None:
         shape = {**SHAPE, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2} if args.small else SHAPE
         params = make_folder(folder, shape)
         print(f"made {folder}: {params / 1e9:.2f}B parameters in {time.perf_counter() - t0:.1f} s", flush=True)
-        run(me + ["hf_load", str(folder), str(out / "hf_load.json")], env)
-        hf = json.loads((out / "hf_load.json").read_text())
-        print(f"transformers load: {hf['seconds']:.1f} s, peak RSS {hf['peak_rss'] / 2**30:.2f} GiB "
-              f"(model {hf['model_bytes'] / 2**30:.2f} GiB)", flush=True)
-        ratios, import_s = [], {}
-        for tp in (1, 2):
-            run(["mpirun", "--oversubscribe", "-n", str(tp)] + me + ["import", str(folder), str(out), str(tp)], env)
-            for rank in range(tp):
-                r = json.loads((out / f"import_tp{tp}_rank{rank}.json").read_text())
-                ratios.append(r["peak_rss"] / r["shard_bytes"])
-                import_s[tp] = max(import_s.get(tp, 0.0), r["seconds"])
-                print(f"import TP={tp} rank {rank}: {r['seconds']:.1f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB "
-                      f"(before the import {r['rss_before'] / 2**30:.2f} GiB), shard {r['shard_bytes'] / 2**30:.2f} GiB, "
-                      f"peak/shard {ratios[-1]:.2f}, (peak - before)/shard "
-                      f"{(r['peak_rss'] - r['rss_before']) / r['shard_bytes']:.2f}", flush=True)
-        ckpt = next((out / "ckpt").glob("iter_*"))
+        # transformers' load and the TP=1 import alternate, twice each, and each keeps its best
+        # time: on a shared machine one slow run says more about the neighbours than the code.
+        hf_runs, ratios, import_s = [], [], {}
+        for round_ in range(2):
+            run(me + ["hf_load", str(folder), str(out / "hf_load.json")], env)
+            hf_runs.append(json.loads((out / "hf_load.json").read_text()))
+            print(f"transformers load: {hf_runs[-1]['seconds']:.1f} s, peak RSS {hf_runs[-1]['peak_rss'] / 2**30:.2f} GiB "
+                  f"(model {hf_runs[-1]['model_bytes'] / 2**30:.2f} GiB)", flush=True)
+            for tp in ((1, 2) if round_ == 0 else (1,)):
+                run(["mpirun", "--oversubscribe", "-n", str(tp)] + me + ["import", str(folder), str(out), str(tp)], env)
+                slowest = 0.0
+                for rank in range(tp):
+                    r = json.loads((out / f"import_tp{tp}_rank{rank}.json").read_text())
+                    ratios.append(r["peak_rss"] / r["shard_bytes"])
+                    slowest = max(slowest, r["seconds"])
+                    print(f"import TP={tp} rank {rank}: {r['seconds']:.1f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB "
+                          f"(before the import {r['rss_before'] / 2**30:.2f} GiB), shard {r['shard_bytes'] / 2**30:.2f} GiB, "
+                          f"peak/shard {ratios[-1]:.2f}, (peak - before)/shard "
+                          f"{(r['peak_rss'] - r['rss_before']) / r['shard_bytes']:.2f}", flush=True)
+                import_s[tp] = min(import_s.get(tp, slowest), slowest)
+        hf_s = min(r["seconds"] for r in hf_runs)
+        ckpt = next((out / "ckpt").glob("iter_*"))  # saved by the TP=1 import
         run(me + ["export", str(ckpt), str(work / "exported"), str(out / "export.json")], env)
         ex = json.loads((out / "export.json").read_text())
         print(f"export: {ex['seconds']:.1f} s, peak RSS {ex['peak_rss'] / 2**30:.2f} GiB", flush=True)
         print(f"import_s={import_s[1]:.2f} import_peak_rss_over_shard={max(ratios):.3f} "
-              f"export_s={ex['seconds']:.2f} import_over_hf_load={import_s[1] / hf['seconds']:.3f}")
+              f"export_s={ex['seconds']:.2f} import_over_hf_load={import_s[1] / hf_s:.3f}")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
