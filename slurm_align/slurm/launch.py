@@ -28,7 +28,7 @@ from slurm_align.config.errors import ConfigError
 from slurm_align.config.loading import check_against_profile, check_run_dir, check_runnable
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig
-from slurm_align.rundir import RunDir, write_atomic
+from slurm_align.rundir import RunDir, create_run_secret, write_atomic
 from slurm_align.slurm import state as job_state
 from slurm_align.slurm.capacity import check_fits_cluster
 from slurm_align.slurm.executor import HetjobExecutor
@@ -239,6 +239,7 @@ def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow
     write_atomic(rd.config, yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False))
     write_atomic(rd.profile, yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
     write_atomic(rd.script, script)
+    create_run_secret(rd)   # mode 0600; the critic serves only requests carrying it
     rd.critic_address.unlink(missing_ok=True)
 
     popen = None
