@@ -179,8 +179,8 @@ def run_critic(run: RunConfig, rd: RunDir, env) -> int:
     worker = TracedWorker(worker, tracer)
     if env.rank == 0:
         mcfg = run.critic_model_config
-        server = CriticServer(bind_host(run), run.critic_server.port,
-                              ServerLimits(max_seq_len=mcfg.max_seq_len, vocab_size=mcfg.vocab_size))
+        server = CriticServer.for_run(rd, bind_host(run), run.critic_server.port,
+                                      ServerLimits(max_seq_len=mcfg.max_seq_len, vocab_size=mcfg.vocab_size))
         server.start()
         print(f"critic: serving on {server.host}:{server.port} ({env.world_size} ranks, "
               f"TP={pctx.tp_size} PP={pctx.pp_size} DP={pctx.dp_size})", flush=True)
