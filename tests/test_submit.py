@@ -74,9 +74,10 @@ def test_hetjob_on_real_slurm(slurm_cluster, tmp_path):
     record = json.loads((run_dir / "job.json").read_text())
     assert record["backend"] == "slurm" and record["job_id"] in proc.stdout
     _check_hetjob_report(_reports(run_dir), actor_ranks=2, distinct_hosts=True)
-    status = _cli("status", str(run_dir), "--json")
-    assert json.loads(status.stdout) == {"job_id": record["job_id"], "state": "COMPLETED",
-                                         "components": {"actor": "COMPLETED", "critic": "COMPLETED"}}
+    status = json.loads(_cli("status", str(run_dir), "--json").stdout)
+    assert {k: status[k] for k in ("job_id", "state", "components", "requeues", "failed")} == {
+        "job_id": record["job_id"], "state": "COMPLETED", "components": {"actor": "COMPLETED", "critic": "COMPLETED"},
+        "requeues": 0, "failed": None}
     # the local profile gives the same report, apart from the hosts
     local = launch_run(load_run_config(EXAMPLE), load_profile("local"), tmp_path / "local", entry=Entry("report"))
     assert local.wait(timeout_s=120) == "COMPLETED"

@@ -52,7 +52,7 @@ class RunStatus:
     def to_dict(self) -> dict:
         out = {"job_id": self.job_id, "state": self.state, "components": self.components,
                "requeues": self.requeues, "last_checkpoint_step": self.last_checkpoint_step,
-               "stopped_at_step": self.stopped_at_step, "pending_reasons": self.pending_reasons}
+               "stopped_at_step": self.stopped_at_step, "pending_reasons": self.pending_reasons, "failed": None}
         if self.failed is not None:
             f = self.failed
             out["failed"] = {"component": f.component, "rank": f.rank, "why": f.why,

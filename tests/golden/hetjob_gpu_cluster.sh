@@ -57,8 +57,12 @@ names=()
 # stopped_step. The signal itself is not passed on: Slurm delivers it to whole process groups,
 # where helper processes (checkpoint writers, tritonserver) would die of it.
 stop_requested=0
+terminating=0
 # shellcheck disable=SC2329  # called by the traps below
 request_stop() {
+  if [[ "$1" == TERM ]]; then
+    terminating=1   # Slurm is ending the job (cancel, time limit): its state says how, not exit codes
+  fi
   if [[ "$stop_requested" -eq 0 ]]; then
     stop_requested=1
     echo "slurm-align: $1 received: stopping at the next step boundary" >&2
@@ -110,6 +114,9 @@ while (( n_ended < 2 )); do
     if [[ -z "${ended[$i]:-}" ]] && { [[ "${pids[$i]}" == "$done_pid" ]] || { [[ -z "$done_pid" ]] && ! kill -0 "${pids[$i]}" 2>/dev/null; }; }; then
       ended[$i]=1
       n_ended=$((n_ended + 1))
+      if [[ "$terminating" -eq 1 ]]; then
+        break
+      fi
       echo "$code" >"$SLURM_ALIGN_RUN_DIR/logs/${names[$i]}/exit_code"
       if [[ "${names[$i]}" == actor && "$code" -eq 0 && -e "$SLURM_ALIGN_RUN_DIR/stopped_step" ]]; then
         # The actor stopped for preemption after every role saved: the others need not wind
