@@ -7,6 +7,7 @@ import torch
 
 from slurm_align.algorithms.advantages import equal_reward_groups, grpo, per_token, reinforce_pp, rloo
 from slurm_align.algorithms.policy_loss import LossTerms, aggregate, clipped_policy_loss, denominator, kl_penalty
+from slurm_align.algorithms.rejection_sampling import best_of_groups
 
 # Three groups: [1, 0, 0] (id 7), [2, 2] (all equal, id 3), [5] (a group of one, id 9).
 SCORES = torch.tensor([1.0, 0.0, 0.0, 2.0, 2.0, 5.0])
@@ -134,3 +135,11 @@ def test_kl_loss_term_is_added_with_its_coefficient():
     assert math.isclose(st.kl, (0.125 + 0.5) / 2, rel_tol=1e-6)
     with pytest.raises(ValueError, match="ref_logp"):
         clipped_policy_loss(logp, old, zero_adv, mask, LossTerms(kl_loss_coef=0.5))
+
+
+def test_rejection_sampling_keeps_the_best_of_each_decided_group():
+    # groups: [1, 0, 0] keeps its 1; [2, 2] and [5] have no best (all equal) and keep nothing;
+    # [0.2, 0.9, 0.9] keeps the first 0.9
+    scores = torch.cat([SCORES, torch.tensor([0.2, 0.9, 0.9])])
+    groups = torch.cat([GROUPS, torch.tensor([4, 4, 4])])
+    assert best_of_groups(scores, groups).tolist() == [1, 0, 0, 0, 0, 0, 0, 1, 0]

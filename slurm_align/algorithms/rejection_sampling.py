@@ -2,7 +2,7 @@
 reward, fine-tune on the kept ones with the SFT loss, repeat with the improved policy.
 
 In the actor loop it differs from the policy-gradient estimators only in what it trains on:
-`keep_best` marks one sample per group (the 'train' weight), and the update is PolicyUpdate's
+`keep_best` marks the best sample of each group (the 'train' weight), and the update is PolicyUpdate's
 'sft' loss (negative log-likelihood of the kept responses).
 """
 
@@ -10,15 +10,20 @@ from __future__ import annotations
 
 import torch
 
+from slurm_align.algorithms.advantages import equal_reward_groups
 from slurm_align.algorithms.rollout_batch import RolloutBatch
 
 
 def best_of_groups(scores: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    """[B] float: 1 for the highest-scoring sample of each group (ties: the first one), else 0."""
+    """[B] float: 1 for the highest-scoring sample of each group (ties: the first one), else 0.
+    A group whose rewards are all equal has no best sample (with a 0/1 verifiable reward: all
+    wrong, or all right already): nothing is kept from it."""
     keep = torch.zeros(scores.shape[0])
+    undecided = equal_reward_groups(scores, groups)
     for g in torch.unique(groups):
         rows = torch.nonzero(groups == g).flatten()
-        keep[rows[int(torch.argmax(scores[rows]))]] = 1.0
+        if not bool(undecided[rows[0]]):
+            keep[rows[int(torch.argmax(scores[rows]))]] = 1.0
     return keep
 
 
