@@ -4,10 +4,11 @@ and the policy update in optimizer batches and epochs.
 
 The actor loop (algorithms/ppo.py) calls, in order:
 
-    Rewards.score(batch, rows)         rule reward on the generating rank, right after generation
-    combine_rewards(run, batch)        reward model score and rule reward, weighted (RunConfig.reward)
-    estimate_advantages(run, batch, dp_group)
-    PolicyUpdate(...).train(batch, step, tracer)
+    Rewards.score(responses, row_ids)            rule reward on the generating rank, right after
+                                                 generation
+    combine_rewards(run, model_score, rule)      reward model score and rule reward, weighted
+    estimate_advantages(run, shard, dp_group)    advantages (or rejection sampling's keep-best)
+    PolicyUpdate(...).train(shard, step, tracer) epochs x optimizer batches
 
 Groups (a prompt's n_samples_per_prompt samples) arrive whole on one DP rank (the rebalance keeps
 them together), so group baselines need no communication; batch whitening (GAE, REINFORCE++)
