@@ -107,6 +107,7 @@ def ckpt_save(pctx, out: Path, value_head: bool):
     init_optimizer_state(opt)
     for p, st in opt.state.items():
         st["exp_avg"].copy_(0.5 * p.detach())
+        st["step"] = torch.tensor(4.0)   # AdamW's own update count, kept apart from the run's step
     save_checkpoint(out / "ckpt", 3, chunks, opt, {"consumed_samples": 48})
     full = full_state_dict(chunks, pctx)
     if dist.get_rank() == 0:
