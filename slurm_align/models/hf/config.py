@@ -12,7 +12,7 @@ from typing import Any
 
 from slurm_align.config.errors import ConfigError
 
-# architectures entry of config.json -> (model_type, has an LM head (False: a `score` head)).
+# architectures entry of config.json -> model_type (*ForSequenceClassification: a `score` head).
 SUPPORTED = {
     "LlamaForCausalLM": "llama", "LlamaForSequenceClassification": "llama",
     "Qwen2ForCausalLM": "qwen2", "Qwen2ForSequenceClassification": "qwen2",
@@ -123,16 +123,13 @@ def max_positions(hf: dict, model_type: str) -> int:
     return limit
 
 
-def model_fields(folder: str | Path) -> dict[str, Any]:
-    """ModelConfig fields (architecture, shape, vocab) of the HF model in `folder`."""
-    source = Path(folder) / "config.json"
-    hf = read_hf_config(folder)
+def model_fields(hf: dict, source: Path) -> dict[str, Any]:
+    """ModelConfig fields (architecture, shape, vocab) of an HF config.json's contents."""
     _, model_type = architecture(hf, source)
     try:
-        fields = _gpt2(hf, source) if model_type == "gpt2" else _llama_like(hf, model_type, source)
+        return _gpt2(hf, source) if model_type == "gpt2" else _llama_like(hf, model_type, source)
     except KeyError as e:
         raise ConfigError([f"key {e.args[0]!r} is missing (needed for a {model_type} model)"], source) from None
-    return fields
 
 
 def fill_model_fields(data: dict[str, Any]) -> dict[str, Any]:
@@ -140,8 +137,8 @@ def fill_model_fields(data: dict[str, Any]) -> dict[str, Any]:
     user gave with another value than the folder's is a ConfigError (it would not load)."""
     folder = Path(data["hf_path"])
     source = folder / "config.json"
-    fields = model_fields(folder)
     hf = read_hf_config(folder)
+    fields = model_fields(hf, source)
     problems = []
     for key in ARCH_FIELDS:
         if key in data and data[key] is not None and key not in ("rope_scaling",):
@@ -184,12 +181,12 @@ def hf_config_dict(cfg, model_type: str, base: dict[str, Any] | None = None,
     """config.json of a ModelConfig written as `model_type` (the inverse of model_fields).
     `base`, the source folder's config.json, keeps token ids and anything else we do not own."""
     out = {k: v for k, v in (base or {}).items() if k not in ("rope_scaling", "rope_parameters")}
-    suffix = "ForSequenceClassification" if value_head else None
     arch = CAUSAL_LM[model_type]
-    if suffix:
-        arch = arch.replace("LMHeadModel", "ForSequenceClassification").replace("ForCausalLM", suffix)
+    if value_head:
+        arch = next(a for a, t in SUPPORTED.items() if t == model_type and a.endswith("ForSequenceClassification"))
         out["num_labels"] = 1
-        out.pop("id2label", None), out.pop("label2id", None)
+        out.pop("id2label", None)
+        out.pop("label2id", None)
     out.update({"architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,
                 "tie_word_embeddings": cfg.tie_embeddings, "dtype": "float32"})
     if model_type == "gpt2":
