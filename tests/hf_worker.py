@@ -4,6 +4,7 @@
 
 - logits:  every HF folder under DIR/models imported at TP x PP (build_gpt with model.hf_path);
            rank 0 saves its logits (values for *_rm folders) to DIR/out/<name>_tp<TP>_pp<PP>.pt;
+- tied_grads: gradients of a tied embedding after the trainers' reduction (see tied_grads);
 - own_gpt: slurm-align's own GPT and reward model saved as checkpoints (see own_gpt);
 - resave:  the trained checkpoint named in DIR/ckpt.txt loaded at TP x PP: its logits, and the
            same weights saved again at this layout (see resave).
@@ -72,10 +73,31 @@ def own_gpt(pctx, root: Path) -> None:
             torch.save(y, root / f"own_{kind}.pt")
 
 
+def tied_grads(pctx, root: Path) -> None:
+    """One backward step of the tied Qwen2 through megatron's schedule and the trainers' gradient
+    reduction; rank 0 saves the embedding's gradient (first stage) and, under PP, every rank's
+    view of the tied pair to DIR/tied_pp<PP>_rank<r>.pt."""
+    from slurm_align.algorithms.trainer import reduce_gradients
+    from slurm_align.models.forward import run_schedule
+    cfg = ModelConfig(hf_path=root / "models" / "qwen2")
+    chunks = build_gpt(cfg, pctx)
+    tokens = torch.load(root / "tokens.pt")
+    mbs = [{"tokens": t} for t in tokens.split(1)]
+    run_schedule(chunks, mbs, lambda out, mb: (out.float().pow(2).mean() / len(mbs), {}), forward_only=False)
+    params = [p for c in chunks for p in c.parameters()]
+    reduce_gradients(params, pctx, clip=None)
+    tied = {}
+    if pctx.is_first_stage:
+        tied["embedding"] = chunks[0].embedding.word_embeddings.weight.grad.clone()
+    if pctx.is_last_stage and pctx.pp_size > 1:
+        tied["output_copy"] = chunks[0].output_layer.weight.grad.clone()
+    torch.save(tied, root / f"tied_pp{pctx.pp_size}_rank{dist.get_rank()}.pt")
+
+
 def main(argv: list[str]) -> int:
     action, tp, pp, root = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
     pctx = init_parallel(tp, pp)
-    {"logits": logits, "resave": resave, "own_gpt": own_gpt}[action](pctx, root)
+    {"logits": logits, "resave": resave, "own_gpt": own_gpt, "tied_grads": tied_grads}[action](pctx, root)
     dist.barrier()
     pctx.destroy()
     return 0

@@ -171,6 +171,19 @@ def test_round_trip_import_train_export(zoo: Path, tmp_path: Path):
 
 
 @pytest.mark.mpi
+def test_tied_embedding_gradient_under_pp2(zoo: Path):
+    """Qwen2's tied embedding at PP=2 (a copy on the last stage): after the trainers' gradient
+    reduction both copies hold the PP=1 gradient (input side + output side), so they stay equal."""
+    mpirun(1, "tied_grads", "1", "1", str(zoo))
+    mpirun(2, "tied_grads", "1", "2", str(zoo))
+    want = torch.load(zoo / "tied_pp1_rank0.pt")["embedding"]
+    first, last = torch.load(zoo / "tied_pp2_rank0.pt"), torch.load(zoo / "tied_pp2_rank1.pt")
+    assert want.abs().max() > 0
+    for got in (first["embedding"], last["output_copy"]):
+        assert (got - want).abs().max().item() <= 1e-6 * want.abs().max().item() + 1e-9
+
+
+@pytest.mark.mpi
 def test_own_gpt_exports_as_gpt2(tmp_path: Path):
     """slurm-align's own GPT (learned positions, LayerNorm, exact GELU, untied) is written as a
     GPT-2 that transformers reproduces; its reward model as GPT2ForSequenceClassification."""
