@@ -43,7 +43,7 @@ fi
 # The package itself: reinstalled only when its metadata, the constraints or the
 # checkout's path changed since the last successful install (recorded in a stamp).
 stamp=.venv/.slurm-align-setup
-want="$(cat setup.cfg setup.py pyproject.toml .ci/constraints.txt | sha256sum | cut -d' ' -f1) $REPO"
+want="$(cat setup.cfg pyproject.toml .ci/constraints.txt | sha256sum | cut -d' ' -f1) $REPO"
 installed_from="$($PY -c 'import slurm_align, os; print(os.path.dirname(os.path.dirname(slurm_align.__file__)))' 2>/dev/null || true)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" || "$installed_from" != "$REPO" ]]; then
     say "pip install -e '.[test]' (torch pinned to 2.13.0)"

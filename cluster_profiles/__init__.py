@@ -1,2 +1,2 @@
 """Shipped cluster profiles (YAML), installed as package data: slurm_align.cluster_profiles
-(setup.py, slurm_align/resources.py)."""
+(a symlink in slurm_align/; slurm_align/resources.py)."""

@@ -1,7 +1,7 @@
 """Files shipped with the package: sbatch templates, launchers, cluster profiles.
 
 In a checkout they live in the top-level folders sbatch_templates/, launchers/ and
-cluster_profiles/ (the charter's layout). setup.py maps each folder into the package
+cluster_profiles/ (the charter's layout). A symlink in slurm_align/ puts each folder in the package
 (slurm_align.sbatch_templates, slurm_align.launchers, slurm_align.cluster_profiles), so a wheel
 carries them and an editable install finds them where they are; the library reaches them only
 through importlib.resources, never through the checkout's path. Launchers run by module name

@@ -26,7 +26,7 @@ from slurm_align.config import load_run_config
 from slurm_align.config.errors import ConfigError
 from slurm_align.slurm.launch import resolve_input_paths
 
-SOURCES = ("slurm_align", "launchers", "sbatch_templates", "cluster_profiles", "setup.py", "setup.cfg",
+SOURCES = ("slurm_align", "launchers", "sbatch_templates", "cluster_profiles", "setup.cfg",
            "pyproject.toml", "README.md")
 
 
@@ -122,8 +122,8 @@ def test_editable_install_maps_the_top_level_folders(tmp_path):
     themselves, and a launcher runs by module from any directory."""
     if Path(slurm_align.__file__).resolve().parent != REPO_ROOT / "slurm_align":
         pytest.skip("slurm_align is not installed editable from this checkout")
-    assert resources.folder(resources.TEMPLATES) == REPO_ROOT / "sbatch_templates"
-    assert resources.folder(resources.PROFILES) == REPO_ROOT / "cluster_profiles"
-    assert resources.folder(resources.LAUNCHERS) == REPO_ROOT / "launchers"
+    assert resources.folder(resources.TEMPLATES).resolve() == REPO_ROOT / "sbatch_templates"
+    assert resources.folder(resources.PROFILES).resolve() == REPO_ROOT / "cluster_profiles"
+    assert resources.folder(resources.LAUNCHERS).resolve() == REPO_ROOT / "launchers"
     proc = _run([sys.executable, "-m", "slurm_align.launchers.report", "--help"], cwd=tmp_path)
     assert "--run-dir" in proc.stdout

@@ -12,13 +12,13 @@ all-reduce over the component gives every rank the means.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
 from slurm_align.config.run import RunConfig
-from slurm_align.data.jsonl import PROMPT_KEYS, read_jsonl
+from slurm_align.data.datasets import PromptDataset
 from slurm_align.generation.params import SamplingParams
 from slurm_align.rewards.rule import RuleReward
 
@@ -30,15 +30,16 @@ class EvalSet:
     scorer: RuleReward
 
     @classmethod
-    def from_run(cls, run: RunConfig, encode: Callable[[dict], np.ndarray]) -> "EvalSet | None":
-        """None when evaluation is off. `encode` turns a prompt row into the policy's prompt ids."""
+    def from_run(cls, run: RunConfig, tokenizer) -> "EvalSet | None":
+        """None when evaluation is off. Prompts are encoded as the rollout prompts are."""
         ev = run.eval
         if not ev.interval:
             return None
-        rows = read_jsonl(ev.val_path, PROMPT_KEYS, "evaluation prompts", keep_extra=True)
+        dataset = PromptDataset(ev.val_path, tokenizer, run.model.max_seq_len)
+        rows, prompts = dataset.fields(), dataset.token_arrays()
         if ev.num_prompts:
-            rows = rows[: ev.num_prompts]
-        return cls(rows, [encode(r) for r in rows], RuleReward.load(ev.scorer or run.reward.rule))
+            rows, prompts = rows[: ev.num_prompts], prompts[: ev.num_prompts]
+        return cls(rows, prompts, RuleReward.load(ev.scorer or run.reward.rule))
 
     def due(self, run: RunConfig, step: int) -> bool:
         """After step k when k is a multiple of eval.interval, and after the last step (the

@@ -43,7 +43,7 @@ from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
 from slurm_align.balance.replica import open_prompt_source, replica_batches
 from slurm_align.config import RunConfig, load_run_config
 from slurm_align.critic.client import CriticClient
-from slurm_align.data.jsonl import PROMPT_KEYS, read_jsonl
+from slurm_align.data.datasets import PromptDataset
 from slurm_align.generation import Engine, engine_from_config
 from slurm_align.generation.memory import TrainingStateOffload, generation_phase
 from slurm_align.generation.params import SamplingParams
@@ -335,10 +335,9 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     reference in host memory, the engine on this rank's device, the critic client, the stores."""
     torch.manual_seed(run.seed)
     tokenizer = build_tokenizer(run.model)
-    # Prompts are BOS + text, as the SFT trainer formats its inputs.
-    encode = lambda row: np.asarray([tokenizer.bos_id, *tokenizer.encode(row["prompt"])], dtype=np.int64)  # noqa: E731
-    rows = read_jsonl(run.data.train_path, PROMPT_KEYS, "prompts", keep_extra=True)  # a rule reads other fields
-    prompts = [encode(row) for row in rows]
+    # Prompts are encoded as the SFT trainer formats its inputs (plain: [BOS] text; chat: the template).
+    dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len)
+    prompts = dataset.token_arrays()
     policy = build_gpt(run.model, pctx, seed=run.seed)
     optimizer = torch.optim.AdamW([p for c in policy for p in c.parameters()], lr=run.ppo.actor_lr, weight_decay=0.0)
     if run.model.init_checkpoint is not None:
@@ -362,7 +361,7 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     return PPOActor(run, rd, env, pctx, tokenizer=tokenizer, prompts=prompts, policy=policy, optimizer=optimizer,
                     reference=reference, offload=offload, engine=engine, critic=critic, tracer=tracer, store=store,
                     metrics=metrics, start_step=start_step,
-                    rewards=Rewards(run, tokenizer, rows), evalset=EvalSet.from_run(run, encode))
+                    rewards=Rewards(run, tokenizer, dataset.fields()), evalset=EvalSet.from_run(run, tokenizer))
 
 
 def main(run_dir: str | Path) -> int:

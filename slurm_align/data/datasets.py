@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jinja2
+import numpy as np
 import torch
 
 from slurm_align.algorithms.rollout_batch import position_mask
@@ -142,6 +143,23 @@ class PromptDataset:
 
     def __len__(self) -> int:
         return len(self.items)
+
+    def token_arrays(self) -> list[np.ndarray]:
+        """The prompts as int64 arrays (what the generation engines take)."""
+        return [np.asarray(ids, dtype=np.int64) for ids in self.items]
+
+    def fields(self) -> list[dict]:
+        """Each row as a rule reward or scorer reads it: "prompt" (a chat row's last user turn)
+        and the row's other fields (e.g. a reference answer)."""
+        out = []
+        for row in self.rows:
+            if row.is_chat:
+                users = [m["content"] for m in row.data["messages"] if m.get("role") == "user"]
+                prompt = {"prompt": users[-1] if users else "", "messages": row.data["messages"]}
+            else:
+                prompt = dict(row.data)
+            out.append({**row.extra, **prompt})
+        return out
 
 
 def pad(seqs: list[list[int]], pad_id: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -226,8 +226,8 @@ def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow
     rd = RunDir(Path(run_dir).resolve())
     run = resolve_input_paths(run).model_copy(update={"run_dir": rd.root})
     check_runnable(run, profile)
-    check_fits_cluster(profile, run.components)
     script = render_script(run, profile, rd.root, entry)   # raises ConfigError on bad values
+    check_fits_cluster(profile, run.components)            # after render: values are checked then
     _check_not_running(rd)
 
     rd.logs.mkdir(parents=True, exist_ok=True)
