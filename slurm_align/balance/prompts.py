@@ -84,7 +84,7 @@ class PromptServer:
         tracer: SpanTracer | None = None,
         step: int | None = None,
     ):
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing mpi4py calls MPI_Init
 
         if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
             raise RuntimeError(
@@ -145,7 +145,7 @@ class PromptServer:
             self._comm.Abort(1)
 
     def _serve(self) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing mpi4py calls MPI_Init
 
         # Hot loop: everything looked up once (Python overhead is most of a request's cost).
         comm, status, lock, order = self._comm, MPI.Status(), self._lock, self._order
@@ -170,7 +170,7 @@ class PromptServer:
 
     def _wake_if_done(self) -> None:
         """The root's worker finished last: the server thread still waits in Recv; wake it."""
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing mpi4py calls MPI_Init
 
         if self._done():
             self._comm.Send([np.full(1, -1, dtype=np.int64), MPI.INT64_T], self._root, _REQ)
@@ -178,7 +178,7 @@ class PromptServer:
     # -- worker side -----------------------------------------------------------------------
     def _post(self, n: int) -> tuple:
         """Send a request for n prompts; returns the pending reply (root: already answered)."""
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing mpi4py calls MPI_Init
 
         if self._rank == self._root:
             chunk = self._take(self._rank, n).copy()
@@ -193,7 +193,7 @@ class PromptServer:
 
     def _request(self, n: int) -> np.ndarray:
         """One blocking round trip (no prefetch); buffers reused, the reply copied out."""
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing mpi4py calls MPI_Init
 
         if self._rank == self._root:
             return self._post(n)[0]
@@ -207,7 +207,7 @@ class PromptServer:
         return self._buf[: self._status.Get_count(MPI.INT64_T)].copy()
 
     def _wait(self, pending: tuple | int) -> np.ndarray:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing mpi4py calls MPI_Init
 
         if pending.__class__ is int:  # no prefetch: one blocking round trip
             return self._request(pending)
@@ -268,7 +268,7 @@ class PromptServer:
             self._thread = None
 
     def _say_goodbye(self) -> None:
-        from mpi4py import MPI
+        from mpi4py import MPI  # deferred: importing mpi4py calls MPI_Init
 
         if self._rank == self._root:
             self._take(self._rank, 0)

@@ -7,6 +7,7 @@ caches, e.g. during training; the next refit builds again).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Protocol, Sequence, runtime_checkable
 
@@ -119,7 +120,6 @@ class TorchEngineBase:
         self.weights = GptWeights(shape, self.device)
 
     def refit(self, full_state_dict: dict[str, torch.Tensor]) -> float:
-        import time
         t0 = time.perf_counter()
         self.weights.load(full_state_dict)
         return time.perf_counter() - t0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slurm_align.generation.base import Engine
+from slurm_align.models.weights import full_state_dict, local_tensors
 
 
 @dataclass(frozen=True)
@@ -34,8 +35,6 @@ def refit_from_training(engine: Engine, chunks: list, pctx: Any, *, refold: bool
     Call it on every rank with the same `refold`; generate inside the returned layout (its
     dp_rank/dp_size say which share of the prompts this rank serves).
     """
-    from slurm_align.models.weights import full_state_dict, local_tensors
-
     t0 = time.perf_counter()
     with pctx.generation_layout(refold) as layout:
         if pctx.tp_size == 1 and pctx.pp_size == 1:

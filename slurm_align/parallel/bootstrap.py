@@ -16,8 +16,12 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 from dataclasses import dataclass, field
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 
 class BootstrapError(RuntimeError):
@@ -59,11 +63,10 @@ def _check_slurm_step_has_pmi() -> None:
 
 
 def _import_mpi():
-    import sys
-
     if "mpi4py.MPI" not in sys.modules:
         _check_slurm_step_has_pmi()
     try:
+        # deferred: importing mpi4py calls MPI_Init (after the PMI check above; the login node never does)
         from mpi4py import MPI
     except ImportError as exc:  # mpi4py missing, or libmpi not loadable
         raise BootstrapError(
@@ -154,8 +157,6 @@ class Placement:
 
 
 def _my_placement(rank: int, local_rank: int, host: str) -> Placement:
-    import torch
-
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
         return Placement(rank, host, 0)
@@ -205,8 +206,6 @@ def init_distributed(comm: Any = None, backend: str | None = None, timeout_s: fl
     the ranks of `comm`.
     """
     MPI = _import_mpi()
-    import torch
-    import torch.distributed as dist
 
     given = comm is not None
     comm = MPI.COMM_WORLD if comm is None else comm
@@ -286,8 +285,6 @@ def init_distributed(comm: Any = None, backend: str | None = None, timeout_s: fl
 
 def shutdown_distributed(env: DistEnv) -> None:
     """Tear down torch.distributed (collective); the MPI world stays up for mpi4py's finaliser."""
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -11,6 +11,9 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+import torch.distributed as dist
+from megatron.core import parallel_state
+
 from slurm_align.config.errors import ConfigError
 from slurm_align.parallel.bootstrap import DistEnv
 
@@ -138,8 +141,6 @@ class ParallelContext:
         self._r()  # a destroy() inside the block is a bug in the caller
 
     def _build_generation_layout(self, refold: bool) -> GenerationLayout:
-        import torch.distributed as dist
-
         r = self._r()
         comm = self._env.comm
         if refold:
@@ -178,12 +179,8 @@ class ParallelContext:
 
     def destroy(self) -> None:
         """Release megatron's parallel state and our communicators (collective)."""
-        from megatron.core import parallel_state
-
         if self._ranks is None:
             return
-        import torch.distributed as dist
-
         for c in self._mpi_comms:
             c.Free()
         self._mpi_comms.clear()
@@ -198,34 +195,31 @@ class ParallelContext:
 
 def initialize_model_parallel(env: DistEnv, tensor_parallel: int, pipeline_parallel: int) -> ParallelContext:
     """Initialise megatron-core's parallel state (collective) and return the layout object."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
     validate_layout(env.world_size, tensor_parallel, pipeline_parallel)
     if not dist.is_initialized():
         raise LayoutNotInitialised("torch.distributed is not initialised: call init_distributed() first")
-    if ps.model_parallel_is_initialized():
+    if parallel_state.model_parallel_is_initialized():
         raise LayoutNotInitialised("megatron parallel state is already initialised: destroy() the old ParallelContext first")
-    ps.initialize_model_parallel(
+    parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
     )
     ranks = _Ranks(
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        tp_size=ps.get_tensor_model_parallel_world_size(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        pp_size=ps.get_pipeline_model_parallel_world_size(),
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+        dp_size=parallel_state.get_data_parallel_world_size(),
     )
     want = expected_ranks(env.rank, tensor_parallel, pipeline_parallel, env.world_size)
     if ranks != want:
-        ps.destroy_model_parallel()
+        parallel_state.destroy_model_parallel()
         raise LayoutNotInitialised(f"megatron's rank order {ranks} differs from the assumed order {want}")
     groups = {
-        "tp": ps.get_tensor_model_parallel_group(),
-        "pp": ps.get_pipeline_model_parallel_group(),
-        "dp": ps.get_data_parallel_group(),
-        "mp": ps.get_model_parallel_group(),
+        "tp": parallel_state.get_tensor_model_parallel_group(),
+        "pp": parallel_state.get_pipeline_model_parallel_group(),
+        "dp": parallel_state.get_data_parallel_group(),
+        "mp": parallel_state.get_model_parallel_group(),
     }
     return ParallelContext(env, ranks, groups)
