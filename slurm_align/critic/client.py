@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch.distributed as dist
 
 from slurm_align.critic import protocol as P
 from slurm_align.rundir import RunDir, read_critic_address, read_run_secret
@@ -146,7 +147,7 @@ class CriticClient:
         # tritonclient's HTTP client is not thread-safe: one per worker thread.
         c = getattr(self._local, "client", None)
         if c is None:
-            import tritonclient.http as th
+            import tritonclient.http as th  # deferred: tritonclient start-up cost, paid on first call
             c = th.InferenceServerClient(url=f"{self.host}:{self.port}",
                                          connection_timeout=self.request_timeout_s,
                                          network_timeout=self.request_timeout_s)
@@ -154,6 +155,7 @@ class CriticClient:
         return c
 
     def _call(self, endpoint: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+        # deferred: tritonclient start-up cost, paid on first call
         import tritonclient.http as th
         from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
@@ -245,7 +247,6 @@ def share_from_source(value: Any, *, torch_group=None, mpi_comm=None, src: int =
         raise ValueError("share_from_source needs exactly one of torch_group or mpi_comm")
     if mpi_comm is not None:
         return mpi_comm.bcast(value, root=src)
-    import torch.distributed as dist
     box = [value]
     dist.broadcast_object_list(box, src=dist.get_global_rank(torch_group, src), group=torch_group)
     return box[0]

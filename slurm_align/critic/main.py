@@ -21,9 +21,15 @@ from slurm_align.critic.channel import Command, CommandChannel
 from slurm_align.critic.server import CriticServer, ServerLimits
 from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
 from slurm_align.critic.worker import CriticWorker
+from slurm_align.models.checkpoint import find_latest, load_weights, verify_checkpoint
+from slurm_align.models.gpt import build_gpt
+from slurm_align.models.weights import full_state_dict, load_full_state_dict
+from slurm_align.parallel.bootstrap import init_distributed
+from slurm_align.parallel.layout import initialize_model_parallel
 from slurm_align.profiling import phases
 from slurm_align.profiling.timers import Tracer
 from slurm_align.rundir import RunDir
+from slurm_align.slurm.hetenv import HetEnv
 
 
 def load_full_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -34,9 +40,6 @@ def load_full_weights(path: Path) -> dict[str, torch.Tensor]:
 def load_reward_weights(path: Path, chunks: list, pctx) -> None:
     """init_checkpoint: a sharded checkpoint folder (the RM trainer's iter_* or its checkpoints
     folder, newest complete one) or a full-state-dict file written by critic_save."""
-    from slurm_align.models.checkpoint import find_latest, load_weights
-    from slurm_align.models.weights import load_full_state_dict
-
     if path.is_file():
         load_full_state_dict(chunks, pctx, load_full_weights(path))
     elif path.is_dir():
@@ -49,9 +52,6 @@ def load_reward_weights(path: Path, chunks: list, pctx) -> None:
 def build_models(run: RunConfig, pctx) -> dict[str, list]:
     """Reward model (from init_checkpoint when set) and a value model initialised from it; the
     reward model alone when the algorithm has no value model (grpo, rloo, ...: reward-only)."""
-    from slurm_align.models.gpt import build_gpt
-    from slurm_align.models.weights import full_state_dict, load_full_state_dict
-
     mcfg = run.critic_model_config
     reward = build_gpt(mcfg, pctx, value_head=True, seed=run.seed)
     if mcfg.init_checkpoint is not None:
@@ -116,7 +116,6 @@ def follow(channel: CommandChannel, worker: TracedWorker) -> None:
 def resume_step(rd: RunDir) -> int | None:
     """The step of the actor's newest complete checkpoint: a resumed PPO run redoes the steps
     after it, so the critic takes its value model from that step and drops later spans."""
-    from slurm_align.models.checkpoint import find_latest, verify_checkpoint
     latest = find_latest(rd.checkpoints("actor"))
     return None if latest is None else int(verify_checkpoint(latest)["step"])
 
@@ -124,7 +123,6 @@ def resume_step(rd: RunDir) -> int | None:
 def bind_host(run: RunConfig) -> str:
     if run.critic_server.bind_host:
         return run.critic_server.bind_host
-    from slurm_align.slurm.hetenv import HetEnv
     return HetEnv.from_environ().address("critic")
 
 
@@ -136,7 +134,6 @@ def restore(worker: CriticWorker, rd: RunDir, step: int, pctx) -> None:
     if state.is_dir():
         worker.load_training_state(state)
     elif weights.is_file():
-        from slurm_align.models.weights import load_full_state_dict
         print(f"critic: {state} is missing: resuming with the weights of {weights.name} and a fresh "
               "optimizer state", flush=True)
         load_full_state_dict(worker.swap.models[VALUE], pctx, load_full_weights(weights))
@@ -146,8 +143,6 @@ def restore(worker: CriticWorker, rd: RunDir, step: int, pctx) -> None:
 
 
 def main(run_dir: str | Path) -> int:
-    from slurm_align.parallel.bootstrap import init_distributed
-
     rd = RunDir(Path(run_dir))
     run = load_run_config(rd.config)
     env = init_distributed()
@@ -164,8 +159,6 @@ def main(run_dir: str | Path) -> int:
 
 
 def run_critic(run: RunConfig, rd: RunDir, env) -> int:
-    from slurm_align.parallel.layout import initialize_model_parallel
-
     pctx = initialize_model_parallel(env, run.critic.tensor_parallel, run.critic.pipeline_parallel)
     models = build_models(run, pctx)
     swap = ModelSwap(models, keep_resident=run.switches.keep_critic_models_resident)

@@ -184,6 +184,7 @@ class CriticServer:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
         put_libpython_first()
+        # deferred: pytriton start-up cost (0.4 s), paid by the critic's server only
         from pytriton.triton import VALID_TRITON_ENDPOINTS, Triton, TritonConfig, TritonSecurityConfig
 
         self.port = pick_port(self.host, self.port)
@@ -265,6 +266,7 @@ class CriticServer:
 
     # -- endpoints -------------------------------------------------------------------------
     def _bind(self, triton) -> None:
+        # deferred: pytriton start-up cost (0.4 s), paid by the critic's server only
         from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
 
         i64, f32 = np.int64, np.float32

@@ -24,6 +24,7 @@ import types
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core import tensor_parallel
 
 # megatron modules whose CUDA calls are redirected (all are on the CPU training/checkpoint path).
 PATCHED_MODULES = (
@@ -128,8 +129,6 @@ def is_applied() -> bool:
 
 def seed_model_parallel(seed: int) -> None:
     """Seed torch and megatron's tensor-parallel RNG tracker (CPU or GPU)."""
-    from megatron.core import tensor_parallel
-
     torch.manual_seed(seed)
     if cuda_present():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

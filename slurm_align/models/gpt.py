@@ -17,10 +17,14 @@ from typing import Any
 
 import torch
 from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
 )
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
 
 from slurm_align.config.run import ModelConfig
 from slurm_align.models.cpu_compat import apply_cpu_compat, cuda_present, seed_model_parallel
@@ -111,12 +115,11 @@ def layer_spec():
     """Transformer Engine spec when CUDA and TE are importable, megatron's local spec otherwise."""
     if cuda_present():
         try:
-            from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+            # deferred: transformer_engine needs CUDA (GPU extra); megatron's local spec otherwise
             import transformer_engine  # noqa: F401
             return get_gpt_layer_with_transformer_engine_spec()
         except ImportError:
             pass
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     return get_gpt_layer_local_spec()
 
 
@@ -147,7 +150,6 @@ class ValueGPTModel(GPTModel):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         # GPTModel/LanguageModule special-case output_layer, which this model does not have.
-        from megatron.core.transformer.module import MegatronModule
         return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 

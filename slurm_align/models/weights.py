@@ -22,6 +22,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from slurm_align.models.te_names import local_name
 
@@ -163,7 +164,6 @@ def sync_tied_embedding_grads(params: list) -> None:
     """Sum the gradients of a tied embedding and its last-stage copy over megatron's embedding
     group (first and last stage), so both copies take the same step. Parameters come flagged
     by mark_tied_embedding; without any, nothing happens (no collective)."""
-    from megatron.core import parallel_state
     for p in params:
         if getattr(p, "tied_embedding", False):
             if p.grad is None:

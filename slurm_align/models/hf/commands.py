@@ -11,6 +11,7 @@ from slurm_align.config.errors import ConfigError
 
 
 def cmd_import(args: argparse.Namespace) -> int:
+    # deferred: the CLI stays fast (the exporter imports torch and megatron, seconds)
     from slurm_align.models.hf.exporter import import_hf
     out = import_hf(Path(args.hf_dir), Path(args.out_dir))
     Console().print(f"imported {args.hf_dir} -> {out} (use it as model.init_checkpoint)")
@@ -18,6 +19,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    # deferred: the CLI stays fast (checkpoint and exporter import torch and megatron, seconds)
     from slurm_align.models.checkpoint import CheckpointError
     from slurm_align.models.hf.exporter import export_hf
     try:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pydantic
 import torch
+from megatron.core import dist_checkpointing
 from safetensors.torch import save_file
 
 from slurm_align.config.errors import ConfigError
@@ -33,9 +34,13 @@ from slurm_align.config.loading import read_yaml
 from slurm_align.config.run import ModelConfig
 from slurm_align.models.checkpoint import MANIFEST, find_latest, iter_dir, load_weights, save_checkpoint, \
     verify_checkpoint
+from slurm_align.models.gpt import build_gpt
 from slurm_align.models.hf.config import SUPPORTED, export_model_type, hf_config_dict, read_hf_config
 from slurm_align.models.hf.loader import INDEX, check_hf_folder
 from slurm_align.models.hf.mapping import sources, to_hf
+from slurm_align.models.weights import local_tensors
+from slurm_align.parallel.bootstrap import init_distributed
+from slurm_align.parallel.layout import initialize_model_parallel
 
 MAX_SHARD_BYTES = 5 * 1024**3
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -106,7 +111,6 @@ def _source_folder(data: dict) -> Path | None:
 
 def checkpoint_model(ckpt: Path, run_config: Path | None = None) -> CheckpointModel:
     """The model of checkpoint folder `ckpt` (see the module docstring)."""
-    from megatron.core import dist_checkpointing
     common = dist_checkpointing.load_common_state_dict(str(ckpt)).get("common", {})
     if "model_config" in common and run_config is None:
         data = common["model_config"]
@@ -173,8 +177,6 @@ class _ShardWriter:
 
 def _single_rank_context():
     """A world of one rank with megatron's parallel state (TP=1, PP=1)."""
-    from slurm_align.parallel.bootstrap import init_distributed
-    from slurm_align.parallel.layout import initialize_model_parallel
     return initialize_model_parallel(init_distributed(), 1, 1)
 
 
@@ -193,8 +195,6 @@ def _write_side_files(tmp: Path, source: Path | None, config: dict) -> None:
 def export_hf(checkpoint: Path, out_dir: Path, *, run_config: Path | None = None, dtype: str = "float32",
               max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
     """Write the checkpoint as a HF folder `out_dir` that transformers' from_pretrained loads."""
-    from slurm_align.models.gpt import build_gpt
-    from slurm_align.models.weights import local_tensors
     out_dir = Path(out_dir)
     check_target(out_dir)
     ckpt = resolve_checkpoint(Path(checkpoint))
@@ -235,7 +235,6 @@ def import_hf(hf_dir: Path, out_dir: Path) -> Path:
     """Write the HF folder `hf_dir` as a sharded slurm-align checkpoint `out_dir` (usable as
     model.init_checkpoint under any TP/PP). A *ForSequenceClassification folder gives a value
     model (its `score` head), any other a causal LM."""
-    from slurm_align.models.gpt import build_gpt
     out_dir = Path(out_dir)
     check_target(out_dir)
     try:
