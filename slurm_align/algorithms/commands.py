@@ -11,14 +11,15 @@ import argparse
 
 from rich.console import Console
 
+from slurm_align.slurm.commands import _report_final, add_run_arguments, load_inputs
+from slurm_align.slurm.launch import launch_run
+
 TRAIN_ALGORITHMS = {"sft": "supervised fine-tuning on {input, output} JSONL",
                     "rm": "reward model (Bradley-Terry) on {prompt, chosen, rejected} JSONL",
                     "dpo": "DPO against the frozen initial policy on {prompt, chosen, rejected} JSONL"}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from slurm_align.slurm.commands import _report_final, load_inputs
-    from slurm_align.slurm.launch import launch_run
     out, err = Console(), Console(stderr=True)
     run, profile, run_dir = load_inputs(args, algorithm=args.algorithm)
     job = launch_run(run, profile, run_dir)
@@ -30,7 +31,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    from slurm_align.slurm.commands import add_run_arguments
     p = sub.add_parser("train", help="train with SFT, a reward model or DPO (one job component)")
     algos = p.add_subparsers(dest="algorithm", required=True, metavar="ALGORITHM")
     for name, help_text in TRAIN_ALGORITHMS.items():

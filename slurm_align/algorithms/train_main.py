@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import torch
 
+from slurm_align.algorithms.trainer import Trainer
 from slurm_align.config import load_run_config
+from slurm_align.parallel.bootstrap import init_distributed
+from slurm_align.parallel.layout import initialize_model_parallel
 
 ALGORITHMS = {"sft": "slurm_align.algorithms.sft:SFT",
               "rm": "slurm_align.algorithms.reward_model:RewardModel",
@@ -14,7 +18,6 @@ ALGORITHMS = {"sft": "slurm_align.algorithms.sft:SFT",
 
 
 def algorithm_for(run):
-    import importlib
     if run.algorithm not in ALGORITHMS:
         raise ValueError(f"train_main runs {', '.join(ALGORITHMS)}; config says algorithm={run.algorithm!r}")
     module, cls = ALGORITHMS[run.algorithm].split(":")
@@ -22,10 +25,6 @@ def algorithm_for(run):
 
 
 def main(run_dir: str | Path) -> dict:
-    from slurm_align.algorithms.trainer import Trainer
-    from slurm_align.parallel.bootstrap import init_distributed
-    from slurm_align.parallel.layout import initialize_model_parallel
-
     run_dir = Path(run_dir)
     run = load_run_config(run_dir / "config.yaml")
     torch.set_num_threads(1)

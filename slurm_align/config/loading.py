@@ -193,8 +193,8 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
 def check_prompt_lengths(run: RunConfig) -> None:
     """Longest prompt + generation.max_new_tokens must fit the policy's and the critic's max_seq_len
     (the engine would refuse it in the middle of the job)."""
-    # Deferred: the tokenizer and data readers import config (a cycle at module level) and
-    # the tokenizers library, which only this check needs.
+    # deferred: circular import (these import slurm_align.config, whose __init__ imports this
+    # module), and the CLI stays fast: they load torch and tokenizers, which only this check needs.
     from slurm_align.data.datasets import encode_chat_prompt, encode_prompt
     from slurm_align.data.jsonl import read_rows
     from slurm_align.models.tokenizer import build_tokenizer

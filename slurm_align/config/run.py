@@ -112,7 +112,8 @@ class ModelConfig(StrictModel):
     @classmethod
     def _fill_from_hf(cls, data):
         if isinstance(data, dict) and data.get("hf_path") is not None:
-            # Deferred: the HF mapping lives with the models; it reads only JSON (no torch).
+            # deferred: circular import (models.hf.config imports slurm_align.config, whose
+            # __init__ imports this module)
             from slurm_align.models.hf.config import fill_model_fields
             return fill_model_fields(data)
         return data
