@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 from rich.console import Console
@@ -10,23 +12,35 @@ from rich.console import Console
 from slurm_align.config.errors import ConfigError
 
 
+@contextmanager
+def _quiet_dependencies():
+    """megatron warns at import that Apex/TE are missing, and torch's checkpoint code about its own
+    deprecations: nothing a user of these commands can act on, so not on their console."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"(megatron|torch)\.")
+        yield
+
+
 def cmd_import(args: argparse.Namespace) -> int:
-    # deferred: the CLI stays fast (the exporter imports torch and megatron, seconds)
-    from slurm_align.models.hf.exporter import import_hf
-    out = import_hf(Path(args.hf_dir), Path(args.out_dir))
+    with _quiet_dependencies():
+        # deferred: the CLI stays fast (the exporter imports torch and megatron, seconds)
+        from slurm_align.models.hf.exporter import import_hf
+        out = import_hf(Path(args.hf_dir), Path(args.out_dir))
     Console().print(f"imported {args.hf_dir} -> {out} (use it as model.init_checkpoint)")
     return 0
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    # deferred: the CLI stays fast (checkpoint and exporter import torch and megatron, seconds)
-    from slurm_align.models.checkpoint import CheckpointError
-    from slurm_align.models.hf.exporter import export_hf
-    try:
-        out = export_hf(Path(args.checkpoint), Path(args.out_dir),
-                        run_config=Path(args.config) if args.config else None, dtype=args.dtype)
-    except CheckpointError as e:
-        raise ConfigError([str(e)], args.checkpoint) from None
+    with _quiet_dependencies():
+        # deferred: the CLI stays fast (checkpoint and exporter import torch and megatron, seconds)
+        from slurm_align.models.checkpoint import CheckpointError
+        from slurm_align.models.hf.exporter import export_hf
+        try:
+            out = export_hf(Path(args.checkpoint), Path(args.out_dir),
+                            run_config=Path(args.config) if args.config else None, dtype=args.dtype)
+        except CheckpointError as e:
+            raise ConfigError([str(e)], args.checkpoint) from None
     Console().print(f"exported {args.checkpoint} -> {out} (transformers: from_pretrained({str(out)!r}))")
     return 0
 
