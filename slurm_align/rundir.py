@@ -131,6 +131,15 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def fsync_dir(path: Path) -> None:
+    """fsync a folder, so that renames and new entries in it survive a crash."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_yaml(path: Path, data: dict) -> None:
     write_atomic(path, yaml.safe_dump(data, sort_keys=False))
 

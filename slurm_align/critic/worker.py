@@ -22,6 +22,7 @@ from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
 from slurm_align.models.checkpoint import load_checkpoint, save_checkpoint
 from slurm_align.models.forward import forward_values, last_token_values, run_schedule
 from slurm_align.models.weights import full_state_dict
+from slurm_align.rundir import fsync_dir
 
 _ITER_FILE = re.compile(r"^iter_(\d+)\.pt$")
 
@@ -35,11 +36,7 @@ def save_atomic_torch(obj: Any, path: Path) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(path.parent)
     return path
 
 

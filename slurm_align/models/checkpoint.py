@@ -24,6 +24,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 )
 
 from slurm_align.models.cpu_compat import apply_cpu_compat
+from slurm_align.rundir import fsync_dir
 
 MANIFEST = "manifest.json"
 _ITER = re.compile(r"^iter_(\d+)$")
@@ -76,14 +77,6 @@ def _optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
     return 0
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common: dict) -> Path:
     """Collective over all ranks. `common` (step, data position, ...) must be the same on every
     rank; torch's RNG state of rank 0 is added."""
@@ -110,7 +103,7 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
     dist.barrier()
     return final
 

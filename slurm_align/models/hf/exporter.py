@@ -41,6 +41,7 @@ from slurm_align.models.hf.mapping import sources, to_hf
 from slurm_align.models.weights import local_tensors
 from slurm_align.parallel.bootstrap import init_distributed
 from slurm_align.parallel.layout import initialize_model_parallel
+from slurm_align.rundir import fsync_dir
 
 MAX_SHARD_BYTES = 5 * 1024**3
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -64,11 +65,7 @@ def _fsync_tree(root: Path) -> None:
         if path.is_file():
             with open(path, "rb+") as f:
                 os.fsync(f.fileno())
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(root)
 
 
 def check_target(out_dir: Path) -> None:
@@ -82,11 +79,7 @@ def _publish(tmp: Path, out_dir: Path) -> None:
     if out_dir.is_dir():
         out_dir.rmdir()  # empty (checked before anything was written)
     os.replace(tmp, out_dir)
-    fd = os.open(out_dir.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(out_dir.parent)
 
 
 def _temp_beside(out_dir: Path) -> Path:
