@@ -26,6 +26,27 @@ def _short(text: str, limit: int = 120) -> str:
     return repr(text) if len(text) <= limit else repr(text[: limit - 3] + "...")
 
 
+def resolve_spec(spec: str, what: str, example: str, *, kind: str = "function",
+                 accept: Callable[[Any], bool] = callable,
+                 error: Callable[[str], Exception] = RuleRewardError) -> Any:
+    """The object a "module:name" spec names (a rule reward's function, an environment's class).
+
+    `what` and `example` word the errors ("rule reward 'x': expected 'module:function', e.g. ...");
+    `accept` says whether the attribute found is the `kind` wanted; `error` makes the exception
+    raised from the message."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module or not name:
+        raise error(f"{what} {spec!r}: expected 'module:{kind}', e.g. {example!r}")
+    try:
+        mod = importlib.import_module(module)
+    except Exception as e:   # ImportError, or the module itself failing at import
+        raise error(f"{what} {spec!r}: cannot import module {module!r}: {type(e).__name__}: {e}") from e
+    obj = getattr(mod, name, None)
+    if obj is None or not accept(obj):
+        raise error(f"{what} {spec!r}: module {module!r} has no {kind} {name!r}")
+    return obj
+
+
 @dataclass(frozen=True)
 class RuleReward:
     spec: str                      # "module:function" as the user wrote it
@@ -33,19 +54,7 @@ class RuleReward:
 
     @classmethod
     def load(cls, spec: str) -> "RuleReward":
-        module, sep, name = spec.partition(":")
-        if not sep or not module or not name:
-            raise RuleRewardError(f"rule reward {spec!r}: expected 'module:function', e.g. "
-                                  "'slurm_align.rewards.sort:exact'")
-        try:
-            mod = importlib.import_module(module)
-        except Exception as e:   # ImportError, or the module itself failing at import
-            raise RuleRewardError(f"rule reward {spec!r}: cannot import module {module!r}: "
-                                  f"{type(e).__name__}: {e}") from e
-        fn = getattr(mod, name, None)
-        if not callable(fn):
-            raise RuleRewardError(f"rule reward {spec!r}: module {module!r} has no function {name!r}")
-        return cls(spec, fn)
+        return cls(spec, resolve_spec(spec, "rule reward", "slurm_align.rewards.sort:exact"))
 
     def __call__(self, response: str, prompt: str, fields: dict[str, Any]) -> float:
         try:
