@@ -107,7 +107,7 @@ if python is None:
 status["python"] = python
 os.write(cfg["status_fd"], json.dumps(status).encode())
 os.close(cfg["status_fd"])
-os.execve(python, [python, "-I", cfg["file"]], cfg["env"])
+os.execve(python, [python, "-I", "-u", cfg["file"]], cfg["env"])   # -u: output so far survives a kill
 """
 
 
