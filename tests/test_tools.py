@@ -39,6 +39,8 @@ def test_parse_calls_closed_open_and_head_text():
     # arguments written as a JSON string are accepted as the object they hold
     assert parse_tool_calls('<tool_call>{"name": "c", "arguments": "{\\"x\\": 1}"}</tool_call>')[1] == [
         ToolCall("c", {"x": 1})]
+    # Llama 3.1 writes {"name": ..., "parameters": ...}
+    assert parse_tool_calls('<tool_call>{"name": "c", "parameters": {"x": 2}}</tool_call>')[1] == [ToolCall("c", {"x": 2})]
     msg = assistant_message("Let me compute. " + call("calculator", expression="1+2"))
     assert msg == {"role": "assistant", "content": "Let me compute.", "tool_calls": [
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1+2"}}}]}
@@ -50,7 +52,8 @@ def test_parse_calls_closed_open_and_head_text():
     ("[1, 2]", "a JSON list, not an object"),
     ('{"arguments": {}}', 'has no "name"'),
     ('{"name": "c", "arguments": [1]}', 'must be a JSON object, got list'),
-    ('{"name": "c", "arguments": {}, "id": 3}', "unknown keys \\['id'\\]"),
+    ('{"name": "c", "arguments": {}, "id": 3}', "has keys \\['arguments', 'id', 'name'\\]"),
+    ('{"name": "c", "arguments": {}, "parameters": {}}', "expected \"name\" and \"arguments\""),
 ])
 def test_bad_blocks_become_bad_calls(body, match):
     [bad] = parse_tool_calls(f"<tool_call>{body}</tool_call>")[1]

@@ -42,7 +42,8 @@ def _parse_block(body: str) -> ToolCall | BadCall:
     if not isinstance(obj, dict):
         return BadCall(text, f"the tool call is a JSON {type(obj).__name__}, not an object "
                              '{"name": "<tool>", "arguments": {...}}')
-    name, arguments = obj.get("name"), obj.get("arguments", {})
+    # Llama 3.1's templates name them "parameters"
+    name, arguments = obj.get("name"), obj.get("arguments", obj.get("parameters", {}))
     if not isinstance(name, str) or not name:
         return BadCall(text, 'the tool call has no "name" (a string naming the tool)')
     if isinstance(arguments, str):    # some models write the arguments as a JSON string
@@ -52,9 +53,9 @@ def _parse_block(body: str) -> ToolCall | BadCall:
             pass
     if not isinstance(arguments, dict):
         return BadCall(text, f'the "arguments" of tool {name!r} must be a JSON object, got {type(arguments).__name__}')
-    extra = sorted(set(obj) - {"name", "arguments"})
-    if extra:
-        return BadCall(text, f"the tool call has unknown keys {extra}; only \"name\" and \"arguments\"")
+    extra = sorted(set(obj) - {"name", "arguments", "parameters"})
+    if extra or {"arguments", "parameters"} <= set(obj):
+        return BadCall(text, f"the tool call has keys {sorted(obj)}; expected \"name\" and \"arguments\"")
     return ToolCall(name, arguments)
 
 

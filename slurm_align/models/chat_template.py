@@ -5,7 +5,8 @@ The environment is transformers' (utils/chat_template_utils.py): an immutable Ji
 with trim_blocks and lstrip_blocks, the loopcontrols extension, `raise_exception`,
 `strftime_now`, a `tojson` filter that does not HTML-escape, and `dict`/`namespace` that refuse
 private names; the template sees `messages`, `tools`, `documents`, `add_generation_prompt` and
-the tokenizer's named special tokens (bos_token, eos_token, ...) as strings. Keys whose value is
+the tokenizer's named special tokens (bos_token, eos_token, ...) as strings; `tools` is the list
+of tool schemas given (Tool.schema() of slurm_align.environments.tools) or None. Keys whose value is
 None are dropped from each message and a message's reasoning is aliased under
 `reasoning_content` and `thinking`, as transformers does. transformers itself is not needed.
 """
@@ -106,11 +107,24 @@ def _normalise(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+def _tool_schemas(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tools as the template sees them: JSON schemas (dicts, e.g. Tool.schema()), passed as they
+    are, as transformers passes dict tools (it also converts Python functions; we take schemas only)."""
+    if tools is None:
+        return None
+    for tool in tools:
+        if not isinstance(tool, dict):
+            raise TypeError(f"a tool for the chat template must be a JSON schema dict, got {type(tool).__name__}")
+    return json.loads(json.dumps(tools))   # a plain-JSON copy: templates never see the caller's objects
+
+
 def render_chat(source: str, messages: list[dict[str, Any]], special_tokens: dict[str, str], *,
-                add_generation_prompt: bool = False) -> str:
-    """The conversation as text, as `tokenizer.apply_chat_template(messages, tokenize=False,
-    add_generation_prompt=...)` gives it. Raises jinja2.TemplateError when the template does
-    (e.g. its own `raise_exception` on roles it does not allow)."""
+                add_generation_prompt: bool = False, tools: list[dict[str, Any]] | None = None) -> str:
+    """The conversation as text, as `tokenizer.apply_chat_template(messages, tools=tools,
+    tokenize=False, add_generation_prompt=...)` gives it. Messages may hold tool calls
+    (assistant `tool_calls`: [{"type": "function", "function": {"name", "arguments"}}]) and tool
+    turns (role "tool"), which the template renders its own way. Raises jinja2.TemplateError
+    when the template does (e.g. its own `raise_exception` on roles it does not allow)."""
     return compile_template(source).render(
-        messages=[_normalise(m) for m in messages], tools=None, documents=None,
+        messages=[_normalise(m) for m in messages], tools=_tool_schemas(tools), documents=None,
         add_generation_prompt=add_generation_prompt, **special_tokens)

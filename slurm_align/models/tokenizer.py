@@ -46,7 +46,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
-    def apply_chat_template(self, messages: Messages, *, add_generation_prompt: bool = False) -> str: ...
+    def apply_chat_template(self, messages: Messages, *, add_generation_prompt: bool = False,
+                            tools: list[dict[str, Any]] | None = None) -> str: ...
 
 
 class ByteTokenizer:
@@ -61,7 +62,8 @@ class ByteTokenizer:
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if 0 <= int(i) < 256).decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Messages, *, add_generation_prompt: bool = False) -> str:
+    def apply_chat_template(self, messages: Messages, *, add_generation_prompt: bool = False,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         raise ConfigError.at("model.tokenizer.kind", "byte",
                              "the byte tokenizer has no chat template; chat rows ({\"messages\": ...}) need a "
                              "Hugging Face tokenizer with one (model.hf_path, or model.tokenizer kind 'hf')")
@@ -195,13 +197,15 @@ class HFTokenizer:
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: Messages, *, add_generation_prompt: bool = False) -> str:
-        """The conversation rendered as transformers' apply_chat_template(tokenize=False) renders it."""
+    def apply_chat_template(self, messages: Messages, *, add_generation_prompt: bool = False,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """The conversation rendered as transformers' apply_chat_template(tokenize=False) renders
+        it; `tools`: tool schemas for templates that describe tools (Qwen2.5, Llama 3.1)."""
         if self.chat_template is None:
             raise ConfigError(["this tokenizer has no chat template (no chat_template in tokenizer_config.json, "
                                "no chat_template.jinja); chat rows ({\"messages\": ...}) need one"], self.source)
         return render_chat(self.chat_template, messages, self.special_tokens,
-                           add_generation_prompt=add_generation_prompt)
+                           add_generation_prompt=add_generation_prompt, tools=tools)
 
 
 def build_tokenizer(model_cfg: ModelConfig) -> Tokenizer:
