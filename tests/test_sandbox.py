@@ -134,12 +134,18 @@ def test_files_outside_its_directory(open_dir: Path):
     if IS_ROOT:
         r = run_code(code, FAST)
         assert r.stdout.splitlines() == ["True", "PermissionError", "'world readable'"] and secret not in r.stdout
-    # hidden_paths: the run directory is not there at all (a normal user's sandbox needs this)
-    r = run_code(code, SandboxLimits(timeout_s=20.0, hidden_paths=(str(rd.root),)))
-    if r.process_limit_scope != "namespace":
-        pytest.skip("no user namespace here: hidden_paths cannot be honoured (the run refuses, exit 125)")
-    assert r.hidden_paths == [str(rd.root)]
-    assert r.stdout.splitlines() == ["True", "FileNotFoundError", "FileNotFoundError"] and secret not in r.stdout
+    # hidden_paths: the run directory is not there at all (a normal user's sandbox needs this);
+    # a hidden file reads as empty
+    other = open_dir / "other.txt"
+    other.write_text("also readable")
+    os.chmod(other, 0o644)
+    code += f"print(repr(open({str(other)!r}).read()))\n"
+    r = run_code(code, SandboxLimits(timeout_s=20.0, hidden_paths=(str(rd.root), str(other))))
+    if r.exit_code == 125 and "cannot hide" in r.stderr:
+        pytest.skip(f"no mount namespace here: hidden_paths cannot be honoured, the run is refused ({r.stderr})")
+    assert r.hidden_paths == [str(rd.root), str(other)]
+    assert r.stdout.splitlines() == ["True", "FileNotFoundError", "FileNotFoundError", "''"]
+    assert secret not in r.stdout and other.read_text() == "also readable"     # the node's files untouched
 
 
 def test_network_socket_to_a_loopback_listener_is_refused():

@@ -23,9 +23,10 @@ no preexec_fn, which is unsafe in a threaded process such as the tool pool):
   and `require_network_isolation` refuses to run it instead.
 - files: the program can read what its uid may read (e.g. /etc/passwd; as `nobody`, nothing
   that is mode 0600, such as a run's run.secret). `hidden_paths` (the run directory, say) are
-  covered by an empty read-only tmpfs in a mount namespace of the sandbox's own, which needs the
-  user namespace; this matters most when the caller is a normal user, whose files the sandbox's
-  uid can otherwise read. The environment is replaced by a minimal one (no secrets from the
+  covered by an empty read-only tmpfs (a file: by /dev/null) in a mount namespace of the
+  sandbox's own (root makes it directly, a normal user inside its user namespace; where neither
+  can, the run is refused with exit code 125 rather than run unhidden). This matters most when
+  the caller is a normal user, whose own files the sandbox's uid can otherwise read. The environment is replaced by a minimal one (no secrets from the
   caller's environment variables).
 - what is NOT confined: a program that calls setsid() leaves the process group and outlives
   the wall-clock kill (it stays under the CPU-time, process and file limits); programs of
@@ -58,13 +59,36 @@ libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
 status = {"network_isolated": False, "user_namespace": False, "hidden": [], "uid": os.getuid()}
+own_mounts = False
 
 def fail(msg):
     os.write(2, ("sandbox: " + msg + "\n").encode())
     os._exit(125)
 
+def hide(paths):
+    # private mounts (nothing propagates back to the node), then an empty read-only tmpfs over
+    # each directory and /dev/null over each file
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        fail(f"cannot make the mounts private: errno {ctypes.get_errno()}")
+    for p in paths:
+        if os.path.isdir(p):
+            ok = libc.mount(b"tmpfs", p.encode(), b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
+                            b"size=4k,mode=0555") == 0
+        elif os.path.exists(p):
+            ok = libc.mount(b"/dev/null", p.encode(), None, MS_BIND, None) == 0
+        else:
+            continue            # not there, or not reachable by this uid: nothing to hide
+        if not ok:
+            fail(f"cannot hide {p}: errno {ctypes.get_errno()}")
+        status["hidden"].append(p)
+
 if os.getuid() == 0:
+    # root makes the network and mount namespaces itself (no user namespace needed for them),
+    # then drops to the sandbox user before anything of the model's runs
     status["network_isolated"] = libc.unshare(CLONE_NEWNET) == 0
+    if cfg["hidden_paths"] and libc.unshare(CLONE_NEWNS) == 0:
+        hide(cfg["hidden_paths"])
+        own_mounts = True
     try:
         os.setgroups([])
         os.setgid(cfg["gid"])
@@ -76,27 +100,20 @@ if os.getuid() == 0:
     libc.prctl(4, 1, 0, 0, 0)   # PR_SET_DUMPABLE: else /proc/self/*_map stay root's after setuid
 uid, gid = os.getuid(), os.getgid()
 status["uid"] = uid
-flags = CLONE_NEWUSER | CLONE_NEWNS | (0 if status["network_isolated"] else CLONE_NEWNET)
+# a user namespace of our own: RLIMIT_NPROC then counts this sandbox's processes alone; a normal
+# user also gets the network and mount namespaces through it
+flags = CLONE_NEWUSER | (0 if status["network_isolated"] else CLONE_NEWNET) | \
+    (CLONE_NEWNS if cfg["hidden_paths"] and not own_mounts else 0)
 if libc.unshare(flags) == 0:
     for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
     status["user_namespace"] = status["network_isolated"] = True
-    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
-        fail(f"cannot make the mounts private: errno {ctypes.get_errno()}")
-    for p in cfg["hidden_paths"]:
-        if os.path.isdir(p):
-            ok = libc.mount(b"tmpfs", p.encode(), b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
-                            b"size=4k,mode=0555") == 0
-        elif os.path.exists(p):
-            ok = libc.mount(b"/dev/null", p.encode(), None, MS_BIND, None) == 0
-        else:
-            continue
-        if not ok:
-            fail(f"cannot hide {p}: errno {ctypes.get_errno()}")
-        status["hidden"].append(p)
-elif cfg["hidden_paths"]:
-    fail(f"cannot hide {cfg['hidden_paths']}: no user namespace (errno {ctypes.get_errno()})")
+    if flags & CLONE_NEWNS:
+        hide(cfg["hidden_paths"])
+        own_mounts = True
+if cfg["hidden_paths"] and not own_mounts:
+    fail(f"cannot hide {cfg['hidden_paths']}: no mount namespace could be made (errno {ctypes.get_errno()})")
 if cfg["require_network_isolation"] and not status["network_isolated"]:
     fail("no network namespace could be made and require_network_isolation is set")
 for name, value in cfg["rlimits"].items():
