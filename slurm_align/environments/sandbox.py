@@ -30,7 +30,9 @@ no preexec_fn, which is unsafe in a threaded process such as the tool pool):
   caller's environment variables).
 - what is NOT confined: a program that calls setsid() leaves the process group and outlives
   the wall-clock kill (it stays under the CPU-time, process and file limits); programs of
-  sandboxes running at once as the same uid can signal each other's processes. A PID namespace
+  sandboxes running at once as the same uid can signal each other's processes; files written
+  into world-writable directories (/tmp, /dev/shm) stay after the run (each under the size
+  limit; the working directory itself is removed). A PID namespace
   or a cgroup would close both; neither is used yet.
 """
 

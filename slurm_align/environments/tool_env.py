@@ -57,8 +57,12 @@ class ToolRunner:
     def __init__(self, workers: int, timeout_s: float):
         self.workers, self.timeout_s = workers, timeout_s
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tool")
-        self._stuck = 0
-        self._old: list[ThreadPoolExecutor] = []
+        self._abandoned: list[Future] = []      # timed-out calls of the current pool
+
+    def _stuck(self) -> int:
+        """Threads of the current pool still held by abandoned calls."""
+        self._abandoned = [f for f in self._abandoned if not f.done()]
+        return len(self._abandoned)
 
     def run_all(self, jobs: Sequence[Callable[[], str]]) -> list[CallOutcome]:
         started: dict[int, float] = {}
@@ -82,8 +86,8 @@ class ToolRunner:
                 elif i in started and now - started[i] >= self.timeout_s:
                     outcomes[i] = CallOutcome(f"timed out after {self.timeout_s:g} s", False, now - started[i], True)
                     del futures[f]
-                    self._stuck += 1
-            if self._stuck >= self.workers:
+                    self._abandoned.append(f)
+            if futures and self._stuck() >= self.workers:
                 futures = self._fresh_pool(futures, timed, jobs)
             if not futures:
                 break
@@ -94,9 +98,9 @@ class ToolRunner:
 
     def _fresh_pool(self, futures: dict[Future, int], timed, jobs) -> dict[Future, int]:
         """A new pool for the calls not yet started (the old one's threads are all stuck)."""
-        old, self._pool, self._stuck = self._pool, ThreadPoolExecutor(self.workers, thread_name_prefix="tool"), 0
-        old.shutdown(wait=False, cancel_futures=False)
-        self._old.append(old)
+        old, self._pool = self._pool, ThreadPoolExecutor(self.workers, thread_name_prefix="tool")
+        self._abandoned = []
+        old.shutdown(wait=False, cancel_futures=False)    # its stuck threads end when their calls do
         moved = {}
         for f, i in futures.items():
             moved[self._pool.submit(timed, i, jobs[i]) if f.cancel() else f] = i
