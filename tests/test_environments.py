@@ -7,7 +7,7 @@ import pytest
 from slurm_align.config.errors import ConfigError
 from slurm_align.environments.base import (Environment, EnvironmentContext, EnvironmentStepError, StepResult,
                                            checked_reset, step_all)
-from slurm_align.environments.config import EnvironmentConfig, check_against_model, parse_environment_config
+from slurm_align.environments.config import EnvironmentConfig, check_against_run, parse_environment_config
 from slurm_align.environments.registry import environment_names, load_environment, register_environment
 from slurm_align.environments.rule_env import RuleEnvironment
 from slurm_align.rewards.rule import RuleReward
@@ -145,7 +145,11 @@ def test_settings_defaults_and_errors():
     for data, match in cases:
         with pytest.raises(ConfigError, match=match):
             parse_environment_config(data, source="run.yaml")
-    assert check_against_model(EnvironmentConfig(max_total_tokens=128), max_seq_len=128) == [
+    assert check_against_run(EnvironmentConfig(max_total_tokens=128), max_seq_len=128, reward_rule=RULE) == [
         "field 'environment.max_total_tokens': got 128; must be less than model.max_seq_len=128 "
         "(the prompt needs room too)"]
-    assert check_against_model(EnvironmentConfig(max_total_tokens=100, max_turn_tokens=50), 128) == []
+    assert check_against_run(EnvironmentConfig(max_total_tokens=100, max_turn_tokens=50), 128, RULE) == []
+    assert check_against_run(EnvironmentConfig(), 128, None) == [
+        "field 'environment.environment': got 'rule'; it scores answers with reward.rule, which is not set "
+        "(give reward.rule 'module:function')"]
+    assert check_against_run(EnvironmentConfig(environment="tests.test_environments:Echo"), 128, None) == []

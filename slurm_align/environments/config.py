@@ -38,8 +38,9 @@ class EnvironmentConfig(StrictModel):
     together (tool outputs count: they take context); a conversation that reaches it ends,
     truncated. Default: model.max_seq_len less the prompt."""
     stop_sequences: list[str] = ["</tool_call>"]
-    """Texts that end a model turn besides the end-of-sequence token (kept in the turn's text).
-    Default ["</tool_call>"], the end of a tool call block."""
+    """Texts that end a model turn besides the end-of-sequence token; the tool-call parser reads
+    a turn the same whether the engine keeps the stop text or drops it. Default
+    ["</tool_call>"], the end of a tool call block."""
     tools: list[str] = []
     """Tools the model may call (tool environment): built-in 'calculator' or 'python', or
     'module:name' of a slurm_align.environments.tools.Tool instance or class. Default none."""
@@ -119,9 +120,10 @@ def parse_environment_config(data: Any, source: str | None = None, prefix: str =
         raise ConfigError.from_validation(e, source, prefix=prefix) from None
 
 
-def check_against_model(cfg: EnvironmentConfig, max_seq_len: int) -> list[str]:
-    """Problems of the settings against the model's context (for RunConfig's cross-checks once
-    wired): budgets at or past model.max_seq_len can never be used."""
+def check_against_run(cfg: EnvironmentConfig, max_seq_len: int, reward_rule: str | None) -> list[str]:
+    """Problems of the settings against the rest of the run (RunConfig's cross-checks once wired):
+    budgets at or past model.max_seq_len can never be used; the built-in environments score
+    answers with reward.rule, so they need one."""
     problems = []
     if cfg.max_total_tokens is not None and cfg.max_total_tokens >= max_seq_len:
         problems.append(f"field 'environment.max_total_tokens': got {cfg.max_total_tokens}; must be less "
@@ -129,4 +131,7 @@ def check_against_model(cfg: EnvironmentConfig, max_seq_len: int) -> list[str]:
     if cfg.max_turn_tokens is not None and cfg.max_turn_tokens >= max_seq_len:
         problems.append(f"field 'environment.max_turn_tokens': got {cfg.max_turn_tokens}; must be less "
                         f"than model.max_seq_len={max_seq_len}")
+    if cfg.environment in ("rule", "tools") and reward_rule is None:
+        problems.append(f"field 'environment.environment': got {cfg.environment!r}; it scores answers with "
+                        "reward.rule, which is not set (give reward.rule 'module:function')")
     return problems
