@@ -31,6 +31,7 @@ from slurm_align.algorithms.rejection_sampling import keep_best
 from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, gather_response, response_positions
 from slurm_align.algorithms.trainer import optimizer_step
 from slurm_align.config.run import RunConfig
+from slurm_align.generation.params import logprob_temperature
 from slurm_align.models.forward import run_schedule
 from slurm_align.profiling import phases as P
 from slurm_align.rewards.rule import RuleReward
@@ -145,6 +146,8 @@ class PolicyUpdate:
         self.run, self.policy, self.optimizer, self.pctx, self.loss = run, policy, optimizer, pctx, loss
         self.terms = loss_terms(run)
         self.agg = "token-mean" if loss == "sft" else self.terms.agg
+        # The policy is scored at the sampling temperature, as pi_old and the engine's log-probs.
+        self.temperature = 1.0 if loss == "sft" else logprob_temperature(run.generation.temperature)
 
     def train(self, shard: RolloutBatch, step: int, tracer) -> dict[str, float]:
         run, dp = self.run, self.pctx.dp_group
@@ -182,8 +185,8 @@ class PolicyUpdate:
             def loss_fn(output, mb):
                 dev = output.device
                 mask = (mb["mask"] * mb["weight"][:, None]).to(dev)
-                logp = gather_response(token_logprobs(output, mb["tokens"], vocab), mb["prompt_lengths"],
-                                       mb["response_lengths"], T)
+                logp = gather_response(token_logprobs(output, mb["tokens"], vocab, self.temperature),
+                                       mb["prompt_lengths"], mb["response_lengths"], T)
                 if self.loss == "sft":
                     loss = aggregate(-logp, mask, "token-mean", norm)
                     totals["loss"] += float(loss)
@@ -206,5 +209,6 @@ class PolicyUpdate:
         vocab = self.run.model.vocab_size
         logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
         pos = response_positions(mb["prompt_lengths"], mb["response_lengths"], T)[0].to(output.device)
-        lp_all = torch.log_softmax(logits.float(), -1).gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        lp_all = torch.log_softmax(logits.float() / self.temperature, -1)
+        lp_all = lp_all.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         return -(lp_all.exp() * lp_all).sum(-1)
