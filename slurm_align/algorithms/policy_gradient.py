@@ -25,6 +25,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from slurm_align.algorithms import advantages as A
 from slurm_align.algorithms import ppo_math
+from slurm_align.algorithms import rollout_correction
 from slurm_align.algorithms.losses import token_logprobs
 from slurm_align.algorithms.policy_loss import LossTerms, aggregate, clipped_policy_loss, denominator
 from slurm_align.algorithms.rejection_sampling import keep_best
@@ -70,8 +71,10 @@ def combine_rewards(run: RunConfig, model_score: torch.Tensor | None, rule_score
 def estimate_advantages(run: RunConfig, batch: RolloutBatch, dp_group) -> dict[str, float]:
     """Sets the per-token columns 'advantages' and 'returns' (and 'values' = 0 for the estimators
     without a critic) and the per-sample 'train' weight (0 for a group dropped by the equal-reward
-    filter; rejection sampling: 1 only for each group's best sample). Needs the columns reward,
-    group, logprobs, ref_logprobs (values for GAE). Returns metrics (summed over DP)."""
+    filter; rejection sampling: 1 only for each group's best sample), and the rollout-correction
+    weights (rollout_correction.WEIGHTS; not for rejection sampling's SFT loss). Needs the columns
+    reward, group, logprobs, ref_logprobs (values for GAE), rollout_logprobs for a correction.
+    Returns metrics (summed over DP)."""
     est, ppo = run.advantage_estimator, run.ppo
     if run.algorithm == "rejection_sampling":
         s = all_reduce_sums(keep_best(batch), dp_group)
@@ -109,6 +112,7 @@ def estimate_advantages(run: RunConfig, batch: RolloutBatch, dp_group) -> dict[s
     batch.set_tokens("advantages", adv)
     batch.set_tokens("returns", returns)
     batch.set_samples("train", train)
+    metrics.update(rollout_correction.apply(run.rollout_correction, batch, dp_group))
     return metrics
 
 
@@ -178,8 +182,10 @@ class PolicyUpdate:
         self.optimizer.zero_grad(set_to_none=True)
         if part.size and norm > 0:
             part.set_samples("weight", weight)
+            corrected = self.loss == "policy" and rollout_correction.WEIGHTS in part.per_token
             micro = part.micro_batches(run.ppo.train_micro_batch_size, samples=["weight"],
-                                       per_token=["logprobs", "ref_logprobs", "advantages"])
+                                       per_token=["logprobs", "ref_logprobs", "advantages"]
+                                       + ([rollout_correction.WEIGHTS] if corrected else []))
             T = part.max_response
 
             def loss_fn(output, mb):
@@ -193,8 +199,10 @@ class PolicyUpdate:
                     totals["tokens"] += float(mask.sum())
                     return loss, {"loss": loss.detach()}
                 entropy = self._entropy(output, mb, T) if terms.entropy_coef > 0 else None
+                rc = mb[rollout_correction.WEIGHTS].to(dev) if corrected else None
                 loss, st = clipped_policy_loss(logp, mb["logprobs"].to(dev), mb["advantages"].to(dev), mask, terms,
-                                               ref_logp=mb["ref_logprobs"].to(dev), entropy=entropy, norm=norm)
+                                               ref_logp=mb["ref_logprobs"].to(dev), entropy=entropy, norm=norm,
+                                               weights=rc)
                 for k, v in (("loss", st.loss), ("ratio", st.ratio * st.tokens),
                              ("clipped", st.clipped_fraction * st.tokens), ("kl", st.kl * st.tokens),
                              ("tokens", st.tokens)):

@@ -280,6 +280,25 @@ class RLConfig(StrictModel):
     before training; how many were dropped is in the metrics (train_rollouts/dropped_groups)."""
 
 
+RolloutCorrectionMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+"""The modes of algorithms/rollout_correction.py (one registered weight function each)."""
+
+
+class RolloutCorrectionConfig(StrictModel):
+    """Importance weights for the mismatch between the engine that sampled a rollout
+    (log pi_rollout, returned by the engine) and the trainer's policy at the start of the step
+    (log pi_old, recomputed): per response token, delta = log pi_old - log pi_rollout, and a
+    constant weight (no gradient) multiplies its policy-loss term."""
+
+    mode: RolloutCorrectionMode = "none"
+    """none: weight 1; token_truncate (TIS): min(exp(delta), C); token_mask: exp(delta) if
+    1/C <= exp(delta) <= C, else 0; sequence_truncate: min(exp(sum of the sequence's deltas), C)
+    on all its tokens; sequence_mask: the sequence's geometric-mean ratio g = exp(mean delta);
+    if 1/C <= g <= C then min(exp(delta), C) per token, else 0 for the whole sequence."""
+    threshold: float = Field(2.0, gt=1.0)
+    """C, the truncation / masking bound (> 1)."""
+
+
 class RewardConfig(StrictModel):
     """Where rewards come from: a reward model on the critic component, a rule, or both."""
 
@@ -449,6 +468,8 @@ class RunConfig(StrictModel):
     """Groups, KL placement and loss shape of the policy-gradient family."""
     reward: RewardConfig = RewardConfig()
     """Reward model, rule reward, or both."""
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Importance-weight correction of the policy loss for engine/trainer mismatch."""
     eval: EvalConfig = EvalConfig()
     """Held-out task evaluation during rollout algorithms."""
     trainer: TrainerConfig = TrainerConfig()
@@ -495,6 +516,14 @@ class RunConfig(StrictModel):
         if gbs is not None and (gbs > total or total % gbs):
             raise ValueError(f"ppo.global_batch_size={gbs} must divide the step's rollouts "
                              f"(ppo.num_rollout_samples x rl.n_samples_per_prompt = {total})")
+        rc = self.rollout_correction
+        if rc.mode != "none" and self.algorithm == "rejection_sampling":
+            raise ValueError(f"rollout_correction.mode={rc.mode!r}: rejection_sampling trains with the SFT loss, "
+                             "which has no policy-loss term to weight; use mode 'none'")
+        if rc.mode != "none" and self.generation.engine == "trtllm" and self.generation.temperature != 1.0:
+            raise ValueError(f"rollout_correction.mode={rc.mode!r} with generation.engine='trtllm' needs "
+                             f"generation.temperature=1 (got {self.generation.temperature}): TensorRT-LLM reports "
+                             "log-probs without temperature scaling, so at another temperature it returns none")
         if self.eval.interval and self.eval.val_path is None:
             raise ValueError(f"eval.interval={self.eval.interval} needs eval.val_path (held-out prompts)")
         if self.eval.interval and (self.eval.scorer or self.reward.rule) is None:
