@@ -93,7 +93,7 @@ class PPOActor:
         self.start_step = start_step
         self.rewards, self.evalset = rewards, evalset
         self.update = PolicyUpdate(run, policy, optimizer, pctx,
-                                   loss="sft" if run.algorithm == "rejection_sampling" else "policy")
+                                   loss=run.spec.loss)
         self.pad_id = tokenizer.pad_id
 
     # -- phases ------------------------------------------------------------------------------
