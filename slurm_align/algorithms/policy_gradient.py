@@ -17,7 +17,7 @@ and the loss normalisers are all-reduced over the DP ranks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -25,12 +25,14 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from slurm_align.algorithms import advantages as A
 from slurm_align.algorithms import ppo_math
+from slurm_align.algorithms import rollout_correction
 from slurm_align.algorithms.losses import token_logprobs
 from slurm_align.algorithms.policy_loss import LossTerms, aggregate, clipped_policy_loss, denominator
 from slurm_align.algorithms.rejection_sampling import keep_best
 from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, gather_response, response_positions
 from slurm_align.algorithms.trainer import optimizer_step
 from slurm_align.config.run import RunConfig
+from slurm_align.generation.params import logprob_temperature
 from slurm_align.models.forward import run_schedule
 from slurm_align.profiling import phases as P
 from slurm_align.rewards.rule import RuleReward
@@ -66,37 +68,77 @@ def combine_rewards(run: RunConfig, model_score: torch.Tensor | None, rule_score
 
 
 # -- advantages ------------------------------------------------------------------------------
+Estimator = Callable[[RunConfig, RolloutBatch, Any, float], "tuple[torch.Tensor, torch.Tensor]"]
+"""(run, batch, dp_group, kl_coef) -> (advantages, returns), both [B, T] over response tokens.
+kl_coef is ppo.kl_coef when the KL sits in the reward, else 0."""
+
+ESTIMATORS: dict[str, Estimator] = {}
+"""Advantage estimators by the name an AlgorithmSpec gives (config/algorithms.py)."""
+
+
+def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
+    def deco(fn: Estimator) -> Estimator:
+        if name in ESTIMATORS and ESTIMATORS[name] is not fn:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ESTIMATORS[name] = fn
+        return fn
+    return deco
+
+
+@register_estimator("gae")
+def _gae(run: RunConfig, batch: RolloutBatch, dp_group, kl_coef: float):
+    mask = batch.mask
+    rewards = ppo_math.kl_penalized_rewards(batch["reward"].float(), batch["logprobs"], batch["ref_logprobs"],
+                                            mask, kl_coef)
+    adv, returns = ppo_math.gae(rewards, batch["values"], mask, run.ppo.gamma, run.ppo.lam)
+    return ppo_math.masked_whiten(adv, mask, dp_group), returns
+
+
+@register_estimator("reinforce_pp")
+def _reinforce_pp(run: RunConfig, batch: RolloutBatch, dp_group, kl_coef: float):
+    mask, score, logp, ref = batch.mask, batch["reward"].float(), batch["logprobs"], batch["ref_logprobs"]
+    adv = A.reinforce_pp(score, logp, ref, mask, kl_coef, group=dp_group)
+    rewards = ppo_math.kl_penalized_rewards(score, logp, ref, mask, kl_coef)
+    return adv, rewards.flip(1).cumsum(1).flip(1) * mask
+
+
+def _group_returns(batch: RolloutBatch, kl_coef: float) -> torch.Tensor:
+    # With the KL in the reward, a sample's return is its score minus its summed KL penalty.
+    return batch["reward"].float() - kl_coef * ((batch["logprobs"] - batch["ref_logprobs"]) * batch.mask).sum(1)
+
+
+@register_estimator("grpo")
+def _grpo(run: RunConfig, batch: RolloutBatch, dp_group, kl_coef: float):
+    seq = _group_returns(batch, kl_coef)
+    per_sample = A.grpo(seq, batch["group"], normalize_std=run.rl.normalize_group_std)
+    return A.per_token(per_sample, batch.mask), A.per_token(seq, batch.mask)
+
+
+@register_estimator("rloo")
+def _rloo(run: RunConfig, batch: RolloutBatch, dp_group, kl_coef: float):
+    seq = _group_returns(batch, kl_coef)
+    return A.per_token(A.rloo(seq, batch["group"]), batch.mask), A.per_token(seq, batch.mask)
+
+
 def estimate_advantages(run: RunConfig, batch: RolloutBatch, dp_group) -> dict[str, float]:
     """Sets the per-token columns 'advantages' and 'returns' (and 'values' = 0 for the estimators
     without a critic) and the per-sample 'train' weight (0 for a group dropped by the equal-reward
-    filter; rejection sampling: 1 only for each group's best sample). Needs the columns reward,
-    group, logprobs, ref_logprobs (values for GAE). Returns metrics (summed over DP)."""
-    est, ppo = run.advantage_estimator, run.ppo
-    if run.algorithm == "rejection_sampling":
+    filter; best-of-n (loss 'sft', rejection sampling): 1 only for each group's best sample), and
+    the rollout-correction weights (rollout_correction.WEIGHTS; not for the SFT loss). The
+    estimator is the run's registered algorithm's (ESTIMATORS). Needs the columns reward, group,
+    logprobs, ref_logprobs (values for GAE), rollout_logprobs for a correction. Returns metrics
+    (summed over DP)."""
+    spec = run.spec
+    if spec.loss == "sft":
         s = all_reduce_sums(keep_best(batch), dp_group)
         return {"kept_rewards": s["kept_reward_sum"] / max(s["kept"], 1.0)}
-    mask = batch.mask
-    score, logp, ref = batch["reward"].float(), batch["logprobs"], batch["ref_logprobs"]
-    kl_coef = ppo.kl_coef if run.kl_in_reward else 0.0
+    if spec.estimator not in ESTIMATORS:
+        raise ValueError(f"algorithm {run.algorithm!r}: advantage estimator {spec.estimator!r} is not registered "
+                         f"(registered: {', '.join(ESTIMATORS)}; see register_estimator)")
+    mask, score = batch.mask, batch["reward"].float()
+    adv, returns = ESTIMATORS[spec.estimator](run, batch, dp_group, run.ppo.kl_coef if run.kl_in_reward else 0.0)
     metrics = {}
-    if est == "gae":
-        rewards = ppo_math.kl_penalized_rewards(score, logp, ref, mask, kl_coef)
-        adv, returns = ppo_math.gae(rewards, batch["values"], mask, ppo.gamma, ppo.lam)
-        adv = ppo_math.masked_whiten(adv, mask, dp_group)
-    elif est == "reinforce_pp":
-        adv = A.reinforce_pp(score, logp, ref, mask, kl_coef, group=dp_group)
-        rewards = ppo_math.kl_penalized_rewards(score, logp, ref, mask, kl_coef)
-        returns = rewards.flip(1).cumsum(1).flip(1) * mask
-    elif est in ("grpo", "rloo"):
-        # With the KL in the reward, a sample's return is its score minus its summed KL penalty.
-        seq = score - kl_coef * ((logp - ref) * mask).sum(1)
-        groups = batch["group"]
-        per_sample = A.grpo(seq, groups, normalize_std=run.rl.normalize_group_std) if est == "grpo" \
-            else A.rloo(seq, groups)
-        adv, returns = A.per_token(per_sample, mask), A.per_token(seq, mask)
-    else:
-        raise ValueError(f"no advantage estimator for algorithm {run.algorithm!r}")
-    if est != "gae":
+    if not spec.value_model:
         batch.set_tokens("values", torch.zeros_like(mask))
     train = torch.ones(batch.size)
     if run.rl.filter_equal_reward_groups:
@@ -108,6 +150,7 @@ def estimate_advantages(run: RunConfig, batch: RolloutBatch, dp_group) -> dict[s
     batch.set_tokens("advantages", adv)
     batch.set_tokens("returns", returns)
     batch.set_samples("train", train)
+    metrics.update(rollout_correction.apply(run.rollout_correction, batch, dp_group))
     return metrics
 
 
@@ -145,6 +188,8 @@ class PolicyUpdate:
         self.run, self.policy, self.optimizer, self.pctx, self.loss = run, policy, optimizer, pctx, loss
         self.terms = loss_terms(run)
         self.agg = "token-mean" if loss == "sft" else self.terms.agg
+        # The policy is scored at the sampling temperature, as pi_old and the engine's log-probs.
+        self.temperature = 1.0 if loss == "sft" else logprob_temperature(run.generation.temperature)
 
     def train(self, shard: RolloutBatch, step: int, tracer) -> dict[str, float]:
         run, dp = self.run, self.pctx.dp_group
@@ -175,23 +220,27 @@ class PolicyUpdate:
         self.optimizer.zero_grad(set_to_none=True)
         if part.size and norm > 0:
             part.set_samples("weight", weight)
+            corrected = self.loss == "policy" and rollout_correction.WEIGHTS in part.per_token
             micro = part.micro_batches(run.ppo.train_micro_batch_size, samples=["weight"],
-                                       per_token=["logprobs", "ref_logprobs", "advantages"])
+                                       per_token=["logprobs", "ref_logprobs", "advantages"]
+                                       + ([rollout_correction.WEIGHTS] if corrected else []))
             T = part.max_response
 
             def loss_fn(output, mb):
                 dev = output.device
                 mask = (mb["mask"] * mb["weight"][:, None]).to(dev)
-                logp = gather_response(token_logprobs(output, mb["tokens"], vocab), mb["prompt_lengths"],
-                                       mb["response_lengths"], T)
+                logp = gather_response(token_logprobs(output, mb["tokens"], vocab, self.temperature),
+                                       mb["prompt_lengths"], mb["response_lengths"], T)
                 if self.loss == "sft":
                     loss = aggregate(-logp, mask, "token-mean", norm)
                     totals["loss"] += float(loss)
                     totals["tokens"] += float(mask.sum())
                     return loss, {"loss": loss.detach()}
                 entropy = self._entropy(output, mb, T) if terms.entropy_coef > 0 else None
+                rc = mb[rollout_correction.WEIGHTS].to(dev) if corrected else None
                 loss, st = clipped_policy_loss(logp, mb["logprobs"].to(dev), mb["advantages"].to(dev), mask, terms,
-                                               ref_logp=mb["ref_logprobs"].to(dev), entropy=entropy, norm=norm)
+                                               ref_logp=mb["ref_logprobs"].to(dev), entropy=entropy, norm=norm,
+                                               weights=rc)
                 for k, v in (("loss", st.loss), ("ratio", st.ratio * st.tokens),
                              ("clipped", st.clipped_fraction * st.tokens), ("kl", st.kl * st.tokens),
                              ("tokens", st.tokens)):
@@ -206,5 +255,6 @@ class PolicyUpdate:
         vocab = self.run.model.vocab_size
         logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
         pos = response_positions(mb["prompt_lengths"], mb["response_lengths"], T)[0].to(output.device)
-        lp_all = torch.log_softmax(logits.float(), -1).gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        lp_all = torch.log_softmax(logits.float() / self.temperature, -1)
+        lp_all = lp_all.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
         return -(lp_all.exp() * lp_all).sum(-1)

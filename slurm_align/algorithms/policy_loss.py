@@ -90,15 +90,18 @@ class PolicyLossStats:
 
 def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                         mask: torch.Tensor, terms: LossTerms, *, ref_logp: torch.Tensor | None = None,
-                        entropy: torch.Tensor | None = None, norm: float | None = None
-                        ) -> tuple[torch.Tensor, PolicyLossStats]:
-    """-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) per token, r = exp(logp - old_logp),
-    aggregated by `terms.agg`; plus kl_loss_coef * KL(pi || ref) and minus entropy_coef * entropy,
-    aggregated the same way."""
+                        entropy: torch.Tensor | None = None, norm: float | None = None,
+                        weights: torch.Tensor | None = None) -> tuple[torch.Tensor, PolicyLossStats]:
+    """-w min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) per token, r = exp(logp - old_logp),
+    w the rollout-correction weight (constant; 1 without `weights`), aggregated by `terms.agg`
+    (a token with w = 0 still counts in the denominator); plus kl_loss_coef * KL(pi || ref) and
+    minus entropy_coef * entropy, aggregated the same way."""
     ratio = torch.exp(logp - old_logp)
     surr1 = ratio * advantages
     surr2 = ratio.clamp(1.0 - terms.eps_low, 1.0 + terms.eps_high) * advantages
     per_token = -torch.minimum(surr1, surr2)
+    if weights is not None:
+        per_token = per_token * weights.detach()
     kl = None
     if terms.kl_loss_coef > 0:
         if ref_logp is None:

@@ -39,14 +39,14 @@ from slurm_align.algorithms.evaluation import EvalSet, evaluate, greedy_params
 from slurm_align.algorithms.losses import next_token_logprobs
 from slurm_align.algorithms.policy_gradient import PolicyUpdate, Rewards, combine_rewards, estimate_advantages
 from slurm_align.algorithms.preemption import StopPoint
-from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
+from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, rollout_logprobs
 from slurm_align.balance.replica import open_prompt_source, replica_batches
 from slurm_align.config import RunConfig, load_run_config
 from slurm_align.critic.client import CriticClient
 from slurm_align.data.datasets import PromptDataset
 from slurm_align.generation import Engine, engine_from_config
 from slurm_align.generation.memory import TrainingStateOffload, generation_phase
-from slurm_align.generation.params import SamplingParams
+from slurm_align.generation.params import SamplingParams, logprob_temperature
 from slurm_align.generation.refit import refit_from_training
 from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_weights, save_checkpoint
 from slurm_align.models.forward import forward_logits
@@ -93,7 +93,7 @@ class PPOActor:
         self.start_step = start_step
         self.rewards, self.evalset = rewards, evalset
         self.update = PolicyUpdate(run, policy, optimizer, pctx,
-                                   loss="sft" if run.algorithm == "rejection_sampling" else "policy")
+                                   loss=run.spec.loss)
         self.pad_id = tokenizer.pad_id
 
     # -- phases ------------------------------------------------------------------------------
@@ -129,6 +129,7 @@ class PPOActor:
                 mb = RolloutBatch.from_sequences(prompts, out.responses(), self.pad_id, index=idx,
                                                  group=[i // k for i in idx], is_end=out.is_end.numpy(),
                                                  rank=[self.rank] * len(idx))
+                mb.set_tokens("rollout_logprobs", rollout_logprobs(out, mb.max_response))
                 rule = self.rewards.score(out.responses(), [int(order[i // k]) for i in idx])
                 if rule is not None:
                     mb.set_samples("rule_reward", rule)
@@ -148,10 +149,11 @@ class PPOActor:
         """Policy and reference log-probs of the shard's responses (every rank of the shard's
         model-parallel group gets them)."""
         mbs, vocab = self.run.ppo.train_micro_batch_size, self.run.model.vocab_size
+        temperature = logprob_temperature(self.run.generation.temperature)   # the engine's, too
 
         def response_logprobs() -> torch.Tensor:
             logits = forward_logits(self.policy, self.pctx, shard.tokens, vocab, micro_batch_size=mbs, broadcast=True)
-            return shard.from_positions(next_token_logprobs(logits, shard.tokens))
+            return shard.from_positions(next_token_logprobs(logits, shard.tokens, temperature))
 
         with self.tracer.span(P.LOGPROBS, step):
             shard.set_tokens("logprobs", response_logprobs())

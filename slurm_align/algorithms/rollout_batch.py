@@ -6,7 +6,9 @@ A RolloutBatch of B samples holds
     samples           per-sample columns [B]: index (unique within the step), group (the prompt's
                       group: GRPO's samples of one prompt), is_end, rank (generating rank), reward...
     per_token         per-response-token columns [B, T] float32, T = longest response, 0 on padding:
-                      logprobs, ref_logprobs, values, advantages, returns...
+                      logprobs, ref_logprobs, values, advantages, returns...; rollout_logprobs
+                      (the generating engine's log-probs of the tokens it sampled, NaN when
+                      the engine gave none) travels from generation to the store with the rest
 
 It owns the padding (one place), the mapping between sequence positions and response tokens,
 equal-shape micro-batches, and moving samples over the DP ranks (through a balance.Route).
@@ -64,6 +66,18 @@ def scatter_positions(per_token: torch.Tensor, prompt_lengths: torch.Tensor, res
     pos = torch.where(mask.bool(), pos, width + torch.arange(per_token.shape[1]).unsqueeze(0))
     out.scatter_(1, pos, per_token * mask.to(per_token.dtype))
     return out[:, :width]
+
+
+def rollout_logprobs(out: Any, T: int) -> torch.Tensor:
+    """The engine's per-token log-probs of a GenerationOutput as a [B, T] column (0 past each
+    response; NaN throughout when the engine returned none, so nothing mistakes them for real)."""
+    n = len(out.response_lengths)
+    if out.logprobs is None:
+        return torch.full((n, T), float("nan"))
+    lp = torch.zeros(n, T)
+    w = min(T, out.logprobs.shape[1])
+    lp[:, :w] = out.logprobs[:, :w].float()
+    return lp * response_positions(torch.ones(n, dtype=torch.int64), out.response_lengths, T)[1]
 
 
 def collective_device(group: Any) -> torch.device:

@@ -9,18 +9,17 @@ import torch
 
 from slurm_align.algorithms.trainer import Trainer
 from slurm_align.config import load_run_config
+from slurm_align.config.algorithms import REGISTRY
 from slurm_align.parallel.bootstrap import init_distributed
 from slurm_align.parallel.layout import initialize_model_parallel
 
-ALGORITHMS = {"sft": "slurm_align.algorithms.sft:SFT",
-              "rm": "slurm_align.algorithms.reward_model:RewardModel",
-              "dpo": "slurm_align.algorithms.dpo:DPO"}
-
 
 def algorithm_for(run):
-    if run.algorithm not in ALGORITHMS:
-        raise ValueError(f"train_main runs {', '.join(ALGORITHMS)}; config says algorithm={run.algorithm!r}")
-    module, cls = ALGORITHMS[run.algorithm].split(":")
+    """The registered one-component trainer of the run's algorithm (config/algorithms.py)."""
+    if run.spec.trainer is None:
+        trainers = ", ".join(a.name for a in REGISTRY.values() if a.trainer)
+        raise ValueError(f"train_main runs {trainers}; config says algorithm={run.algorithm!r}")
+    module, cls = run.spec.trainer.split(":")
     return getattr(importlib.import_module(module), cls)(run)
 
 

@@ -15,7 +15,7 @@ import yaml
 from slurm_align import resources
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.profile import ClusterProfile
-from slurm_align.config.run import ROLLOUT_ALGORITHMS, RunConfig
+from slurm_align.config.run import RunConfig
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -168,7 +168,7 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
     if not 0 <= run.seed <= SEED_MAX:
         problems.append(f"field 'seed': got {run.seed}; must be an integer from 0 to {SEED_MAX}")
     dp = run.actor.data_parallel
-    if run.algorithm in ROLLOUT_ALGORITHMS:
+    if run.spec.rollout:
         if run.ppo.num_rollout_samples % dp:
             problems.append(f"field 'ppo.num_rollout_samples': got {run.ppo.num_rollout_samples}; must be a "
                             f"multiple of actor.data_parallel={dp} (each DP rank trains an equal share, a "
@@ -186,7 +186,7 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
                         f"multiple of actor.data_parallel={dp}")
     if problems:
         raise ConfigError(problems, source)
-    if run.algorithm in ROLLOUT_ALGORITHMS and run.data.train_path is not None:
+    if run.spec.rollout and run.data.train_path is not None:
         check_prompt_lengths(run)
 
 

@@ -9,16 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+import importlib
 
+from pydantic import Field, field_validator, model_validator
+
+from slurm_align.config.algorithms import REGISTRY, AlgorithmSpec, algorithm_spec
 from slurm_align.config.base import StrictModel
 
-Algorithm = Literal["ppo", "sft", "rm", "dpo", "grpo", "rloo", "reinforce_pp", "rejection_sampling"]
 COMPONENTS = ("actor", "critic")
-ROLLOUT_ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "rejection_sampling")
-"""Algorithms that generate rollouts in the actor loop (the others are one-component trainers)."""
-ADVANTAGE_ESTIMATOR = {"ppo": "gae", "grpo": "grpo", "rloo": "rloo", "reinforce_pp": "reinforce_pp"}
-"""The advantage estimator each policy-gradient algorithm uses (slurm_align.algorithms.advantages)."""
 
 
 class TokenizerConfig(StrictModel):
@@ -280,6 +278,25 @@ class RLConfig(StrictModel):
     before training; how many were dropped is in the metrics (train_rollouts/dropped_groups)."""
 
 
+RolloutCorrectionMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
+"""The modes of algorithms/rollout_correction.py (one registered weight function each)."""
+
+
+class RolloutCorrectionConfig(StrictModel):
+    """Importance weights for the mismatch between the engine that sampled a rollout
+    (log pi_rollout, returned by the engine) and the trainer's policy at the start of the step
+    (log pi_old, recomputed): per response token, delta = log pi_old - log pi_rollout, and a
+    constant weight (no gradient) multiplies its policy-loss term."""
+
+    mode: RolloutCorrectionMode = "none"
+    """none: weight 1; token_truncate (TIS): min(exp(delta), C); token_mask: exp(delta) if
+    1/C <= exp(delta) <= C, else 0; sequence_truncate: min(exp(sum of the sequence's deltas), C)
+    on all its tokens; sequence_mask: the sequence's geometric-mean ratio g = exp(mean delta);
+    if 1/C <= g <= C then min(exp(delta), C) per token, else 0 for the whole sequence."""
+    threshold: float = Field(2.0, gt=1.0)
+    """C, the truncation / masking bound (> 1)."""
+
+
 class RewardConfig(StrictModel):
     """Where rewards come from: a reward model on the critic component, a rule, or both."""
 
@@ -419,11 +436,15 @@ class LoggingConfig(StrictModel):
 class RunConfig(StrictModel):
     """One run: algorithm, models, parallelism per component, hyper-parameters, switches."""
 
-    algorithm: Algorithm = "ppo"
-    """ppo (actor + critic hetjob); grpo, rloo, reinforce_pp (advantages without a value model)
-    and rejection_sampling (best of n samples per prompt, SFT on them): the actor alone with a
-    rule reward, actor + a reward-only critic component with a reward model; sft / rm / dpo
-    (one component)."""
+    plugins: list[str] = []
+    """Python modules imported before the rest of the config is checked, on the login node and
+    in every rank: they register algorithms (config.algorithms.register) and their estimators
+    (policy_gradient.register_estimator). Code you trust, as reward.rule is."""
+    algorithm: str = "ppo"
+    """A registered algorithm (config/algorithms.py): ppo (actor + critic hetjob); grpo, rloo,
+    reinforce_pp (advantages without a value model) and rejection_sampling (best of n samples per
+    prompt, SFT on them): the actor alone with a rule reward, actor + a reward-only critic
+    component with a reward model; sft / rm / dpo (one component)."""
     run_dir: Path | None = None
     """Run directory; default a new folder under ./runs/."""
     seed: int = 1234
@@ -449,6 +470,8 @@ class RunConfig(StrictModel):
     """Groups, KL placement and loss shape of the policy-gradient family."""
     reward: RewardConfig = RewardConfig()
     """Reward model, rule reward, or both."""
+    rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
+    """Importance-weight correction of the policy loss for engine/trainer mismatch."""
     eval: EvalConfig = EvalConfig()
     """Held-out task evaluation during rollout algorithms."""
     trainer: TrainerConfig = TrainerConfig()
@@ -459,6 +482,30 @@ class RunConfig(StrictModel):
     """Node scaling rule for `slurm-align sweep`."""
     logging: LoggingConfig = LoggingConfig()
     """Metrics to TensorBoard, W&B or MLflow (metrics.jsonl is always written)."""
+
+    @field_validator("plugins")
+    @classmethod
+    def _import_plugins(cls, names: list[str]) -> list[str]:
+        # Fields are checked in order: plugins come before `algorithm`, which one may register.
+        for name in names:
+            try:
+                importlib.import_module(name)
+            except ImportError as e:
+                raise ValueError(f"cannot import module {name!r}: {e}") from e
+        return names
+
+    @field_validator("algorithm")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        if name not in REGISTRY:
+            raise ValueError(f"algorithm {name!r} is not registered; allowed: {', '.join(REGISTRY)} "
+                             "(or register it in a module listed under plugins:)")
+        return name
+
+    @property
+    def spec(self) -> AlgorithmSpec:
+        """The registered algorithm this run uses."""
+        return algorithm_spec(self.algorithm)
 
     @model_validator(mode="after")
     def _layouts_fit_models(self):
@@ -480,21 +527,31 @@ class RunConfig(StrictModel):
 
     @model_validator(mode="after")
     def _rollout_options_fit(self):
-        if self.algorithm not in ROLLOUT_ALGORITHMS:
+        spec = self.spec
+        if not spec.rollout:
             return self
         n = self.rl.n_samples_per_prompt
-        if self.algorithm in ("grpo", "rloo", "rejection_sampling") and n < 2:
+        if n < spec.min_group_size:
             raise ValueError(f"rl.n_samples_per_prompt={n}: {self.algorithm} compares the samples of one prompt, "
-                             "so it needs at least 2")
+                             f"so it needs at least {spec.min_group_size}")
         if not self.reward.use_model and self.reward.rule is None:
             raise ValueError("reward: neither a reward model (reward.model) nor a rule (reward.rule) gives rewards")
-        if self.algorithm == "ppo" and self.rl.filter_equal_reward_groups:
-            raise ValueError("rl.filter_equal_reward_groups needs a group estimator (grpo, rloo, reinforce_pp), "
-                             "not ppo")
+        if not spec.group_filter and self.rl.filter_equal_reward_groups:
+            allowed = ", ".join(a.name for a in REGISTRY.values() if a.rollout and a.group_filter)
+            raise ValueError(f"rl.filter_equal_reward_groups needs a group estimator ({allowed}), "
+                             f"not {self.algorithm}")
         gbs, total = self.ppo.global_batch_size, self.rollouts_per_step
         if gbs is not None and (gbs > total or total % gbs):
             raise ValueError(f"ppo.global_batch_size={gbs} must divide the step's rollouts "
                              f"(ppo.num_rollout_samples x rl.n_samples_per_prompt = {total})")
+        rc = self.rollout_correction
+        if rc.mode != "none" and spec.loss != "policy":
+            raise ValueError(f"rollout_correction.mode={rc.mode!r}: {self.algorithm} trains with the SFT loss, "
+                             "which has no policy-loss term to weight; use mode 'none'")
+        if rc.mode != "none" and self.generation.engine == "trtllm" and self.generation.temperature != 1.0:
+            raise ValueError(f"rollout_correction.mode={rc.mode!r} with generation.engine='trtllm' needs "
+                             f"generation.temperature=1 (got {self.generation.temperature}): TensorRT-LLM reports "
+                             "log-probs without temperature scaling, so at another temperature it returns none")
         if self.eval.interval and self.eval.val_path is None:
             raise ValueError(f"eval.interval={self.eval.interval} needs eval.val_path (held-out prompts)")
         if self.eval.interval and (self.eval.scorer or self.reward.rule) is None:
@@ -506,7 +563,7 @@ class RunConfig(StrictModel):
         """Job components this run needs: actor and critic for PPO; for the other rollout
         algorithms the actor, plus a reward-only critic when a reward model scores; one for
         the trainers."""
-        if self.algorithm == "ppo" or (self.algorithm in ROLLOUT_ALGORITHMS and self.reward.use_model):
+        if self.spec.value_model or (self.spec.rollout and self.reward.use_model):
             return COMPONENTS
         return ("actor",)
 
@@ -514,7 +571,7 @@ class RunConfig(StrictModel):
     def critic_trains(self) -> bool:
         """Whether the critic component holds and trains a value model (PPO), or only serves
         the reward model (the other rollout algorithms)."""
-        return self.algorithm == "ppo"
+        return self.spec.value_model
 
     @property
     def rollouts_per_step(self) -> int:
@@ -524,12 +581,13 @@ class RunConfig(StrictModel):
     def kl_in_reward(self) -> bool:
         if self.rl.kl_in_reward is not None:
             return self.rl.kl_in_reward
-        return self.algorithm in ("ppo", "reinforce_pp")
+        return self.spec.kl_in_reward
 
     @property
     def advantage_estimator(self) -> str | None:
-        """gae, grpo, rloo or reinforce_pp (None for rejection sampling and the trainers)."""
-        return ADVANTAGE_ESTIMATOR.get(self.algorithm)
+        """gae, grpo, rloo or reinforce_pp, or a plugin's (None for rejection sampling and the
+        trainers)."""
+        return self.spec.estimator
 
     def parallel(self, component: str) -> ParallelConfig:
         return {"actor": self.actor, "critic": self.critic}[component]

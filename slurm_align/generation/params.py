@@ -15,6 +15,12 @@ class GenerationError(ValueError):
     """
 
 
+def logprob_temperature(temperature: float) -> float:
+    """The temperature at which engines and trainer score a policy's tokens: the sampling
+    temperature, or 1 for greedy decoding (temperature 0 has no distribution to score)."""
+    return temperature if temperature > 0.0 else 1.0
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens; one set per `generate` call (seeds are per sample, see `generate`)."""
@@ -35,8 +41,10 @@ class SamplingParams:
     """Default per-sample seeds are seed + sample index (pass `seeds` to generate() to make a
     sample's draws independent of its position in the batch)."""
     return_logprobs: bool = True
-    """Also return each response token's log-probability under the unfiltered model
-    distribution (temperature 1, no top-k/top-p, padding vocab excluded)."""
+    """Also return each response token's log-probability under the model's distribution at
+    this temperature (softmax(logits / temperature); temperature 1 when greedy), before top-k
+    and top-p, padding vocab excluded: the policy the trainer scores (its pi_old), so rollout
+    correction compares like with like (algorithms/rollout_correction.py)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -52,6 +60,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the returned log-probs: this one, or 1 for greedy decoding."""
+        return logprob_temperature(self.temperature)
 
     @classmethod
     def from_config(cls, gen_cfg: Any, *, eos_id: int | None, pad_id: int = 0, seed: int = 0) -> "SamplingParams":
@@ -132,7 +145,8 @@ class GenerationOutput:
     response_tokens: [n, max_len] int64, right-padded with pad_id past response_lengths.
     response_lengths: [n] int64; includes the EOS token when a sample ended on it.
     is_end: [n] bool; True when the sample emitted EOS, False when cut at max_new_tokens.
-    logprobs: [n, max_len] float32 (0 past the length) or None.
+    logprobs: [n, max_len] float32 (0 past the length) or None: each sampled token's log-prob
+    at the sampling temperature, before top-k/top-p (SamplingParams.return_logprobs).
     """
 
     response_tokens: torch.Tensor

@@ -56,9 +56,13 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def select_tokens(logits: torch.Tensor, params: SamplingParams, seeds: torch.Tensor, step: int,
                   vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Next tokens [B] (never >= vocab_size) and their log-probs under the raw distribution."""
+    """Next tokens [B] (never >= vocab_size) and their log-probs under softmax(logits / T), T the
+    sampling temperature (1 when greedy), before top-k/top-p: the distribution the trainer
+    recomputes as pi_old (losses.next_token_logprobs at the same temperature). Top-k/top-p
+    truncation is not in it (the trainer's policy has no truncation either)."""
     logits = logits[:, :vocab_size].float()
-    logp = torch.log_softmax(logits, -1) if params.return_logprobs else None
+    t = params.logprob_temperature
+    logp = torch.log_softmax(logits / t if t != 1.0 else logits, -1) if params.return_logprobs else None
     if params.greedy:
         tokens = logits.argmax(-1)
     else:

@@ -29,9 +29,11 @@ the job's PMIx world): worker_environ. TP must fit in a node.
 
 generate: one SamplingParams per prompt (its per-sample seed), token ids in, no tokenizer; EOS
 is a stop token kept in the output and end_id is -1 (nothing else ends a sample), is_end =
-finish_reason 'stop'. Per-token log-probs are returned for plain sampling (temperature 1, no
-top-k/top-p), where the sampling distribution TensorRT-LLM reports is the unfiltered one
-GenerationOutput defines; otherwise None (PPO recomputes them in the training forward anyway).
+finish_reason 'stop'. Per-token log-probs are returned when sampling at temperature 1 (any
+top-k/top-p): TensorRT-LLM 1.2's TorchSampler reports log_softmax of the raw logits (no
+temperature, no top-k/top-p masking), which is GenerationOutput's distribution (temperature T,
+before top-k/top-p) only at T = 1; otherwise, or when a step lacks the sampled token's entry,
+None (rollout correction then has nothing to compare; config validation refuses that).
 Every rank of the replica returns the same output (broadcast from the requester).
 """
 
@@ -269,8 +271,8 @@ class TrtllmEngine:
         # Deferred: tensorrt_llm is an optional GPU-only package (see import_tensorrt_llm).
         from tensorrt_llm import SamplingParams as TrtSamplingParams
 
-        plain = not params.greedy and (params.temperature, params.top_k, params.top_p) == (1.0, 0, 1.0)
-        want_lp = params.return_logprobs and plain
+        # Its log-probs ignore temperature and top-k/top-p masking: ours only at temperature 1.
+        want_lp = params.return_logprobs and not params.greedy and params.temperature == 1.0
         stop = [params.eos_id] if params.eos_id is not None else None
         greedy = params.greedy  # top_k 1; TensorRT-LLM's top_k 0 / top_p 1 mean "all", as ours
         per_sample = [TrtSamplingParams(max_tokens=params.max_new_tokens, seed=s, end_id=-1, stop_token_ids=stop,

@@ -23,7 +23,7 @@ import jinja2
 from slurm_align import __version__, resources
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.profile import ClusterProfile
-from slurm_align.config.run import ROLLOUT_ALGORITHMS, RunConfig
+from slurm_align.config.run import RunConfig
 from slurm_align.rundir import RunDir
 
 # What may stand in an #SBATCH value: no spaces, quotes, newlines or shell metacharacters.
@@ -55,7 +55,7 @@ class Entry:
     def launcher(self, run: RunConfig, component: str) -> str:
         if self.name:
             return self.name
-        return component if run.algorithm in ROLLOUT_ALGORITHMS else "train"
+        return component if run.spec.rollout else "train"
 
     def program(self, run: RunConfig, component: str) -> list[str]:
         """What follows `python -u`: `-m slurm_align.launchers.<name>`, or an injected script."""

@@ -82,11 +82,17 @@ class SweepPoint:
 
     @property
     def batch(self) -> int:
-        return self.run.ppo.num_rollout_samples if self.run.algorithm == "ppo" else self.run.trainer.global_batch_size
+        return _batch(self.run)
 
     @property
     def name(self) -> str:
         return f"nodes{self.nodes}"
+
+
+def _batch(run: RunConfig) -> int:
+    """The batch a weak-scaling sweep scales: the registered algorithm's sweep_batch field."""
+    section, field = run.spec.sweep_batch.split(".")
+    return getattr(getattr(run, section), field)
 
 
 def plan_point(run: RunConfig, profile: ClusterProfile, nodes: int, base_nodes: int, mode: str) -> SweepPoint:
@@ -94,7 +100,7 @@ def plan_point(run: RunConfig, profile: ClusterProfile, nodes: int, base_nodes: 
     if mode not in ("weak", "strong"):
         raise ConfigError.at("--mode", mode, "allowed: weak, strong")
     comps = {"actor": nodes}
-    if run.algorithm == "ppo":
+    if run.spec.value_model:
         comps["critic"] = critic_nodes_for(nodes, run.sweep.actor_to_critic_nodes)
     resources = dict(profile.components)
     update: dict = {}
@@ -106,15 +112,13 @@ def plan_point(run: RunConfig, profile: ClusterProfile, nodes: int, base_nodes: 
         par = run.parallel(comp)
         update[comp] = par.model_copy(update={"data_parallel": _data_parallel(run, comp, res.ranks, n)})
     if mode == "weak":
-        base = run.ppo.num_rollout_samples if run.algorithm == "ppo" else run.trainer.global_batch_size
+        base = _batch(run)
         if (base * nodes) % base_nodes:
             raise ConfigError.at("--nodes", nodes, f"weak scaling needs batch {base} x {nodes} / {base_nodes} "
                                  "to be whole: use node counts that are multiples of the smallest")
         scaled = base * nodes // base_nodes
-        if run.algorithm == "ppo":
-            update["ppo"] = run.ppo.model_copy(update={"num_rollout_samples": scaled})
-        else:
-            update["trainer"] = run.trainer.model_copy(update={"global_batch_size": scaled})
+        section, field = run.spec.sweep_batch.split(".")   # the algorithm's batch field
+        update[section] = getattr(run, section).model_copy(update={field: scaled})
     new_run = run.model_copy(update=update)
     new_profile = profile.model_copy(update={"components": resources})
     return SweepPoint(nodes, comps.get("critic", 0), new_run, new_profile)

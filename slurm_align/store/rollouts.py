@@ -7,7 +7,8 @@ concurrently) and then the commit, one row of the index:
     tokens   int32   (steps, width)   prompt tokens (all samples, concatenated) | response tokens |
                                       per-sample prompt_length | length | rank | is_end
     values   float32 (steps, width)   per response token: logprobs | ref_logprobs | values |
-                                      advantages | returns (TOKEN_FIELDS), then reward per sample
+                                      advantages | returns | rollout_logprobs (TOKEN_FIELDS),
+                                      then reward per sample
     index    int64   (steps, 5)       step, samples, prompt tokens, response tokens of each row,
                                       committed (1; rows past the committed steps hold 0)
 
@@ -31,15 +32,17 @@ import zarr
 from slurm_align.store.atomic import AtomicLocalStore
 from slurm_align.store.ragged import create, ensure_shape, next_pow2, pack, put_chunk, write_row
 
-TOKEN_FIELDS = ("logprobs", "ref_logprobs", "values", "advantages", "returns")
-"""Per response token, float32."""
+TOKEN_FIELDS = ("logprobs", "ref_logprobs", "values", "advantages", "returns", "rollout_logprobs")
+"""Per response token, float32. logprobs: the trainer's (pi_old, at the start of the step);
+rollout_logprobs: the generating engine's (NaN where the engine gave none), so the
+engine/trainer mismatch of a run can be analysed afterwards."""
 SAMPLE_FIELDS = {"reward": np.float32, "is_end": np.bool_, "rank": np.int32}
 """Per sample, given by the caller (length and step are filled in by the store)."""
 SAMPLE_INTS = ("prompt_length", "length", "rank", "is_end")
 """Per-sample integers at the end of a `tokens` row, in this order."""
 INDEX = ("step", "num_samples", "num_prompt_tokens", "num_response_tokens", "committed")
 """Columns of the `index` array."""
-FORMAT = "slurm-align-rollouts/2"
+FORMAT = "slurm-align-rollouts/3"   # 3: rollout_logprobs added
 _INDEX_CHUNK = 256
 _ROWS = 8   # initial step capacity (doubles as needed)
 
