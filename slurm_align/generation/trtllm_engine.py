@@ -250,7 +250,15 @@ class TrtllmEngine:
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         uuid = get_device_uuid(index)  # the key a worker looks its handles up by (its GPU's UUID)
         if not self._loaded:  # first refit, or after free(): the requester creates the LLM
-            gpus = self.comm.allgather(physical_gpu(index)) if self.comm is not None else [physical_gpu(index)]
+            try:
+                mine_gpu: Any = physical_gpu(index)
+            except GenerationError as e:  # passed on, so that every rank of the replica refuses
+                mine_gpu = ("error", str(e))
+            gpus = self.comm.allgather(mine_gpu) if self.comm is not None else [mine_gpu]
+            errors = [g[1] for g in gpus if isinstance(g, tuple)]
+            if errors:
+                raise GenerationError(errors[0])
+            check_replica_gpus(gpus, self.tp_size)  # on every rank: all refuse together, none waits
             if self.is_requester:
                 self._llm = self._create_llm(gpus)
             self.asleep.clear()
@@ -308,7 +316,6 @@ class TrtllmEngine:
         # enable_block_reuse off: prompts are not shared across steps, and reused blocks would
         # hold KV computed with the previous weights.
         kv = KvCacheConfig(free_gpu_memory_fraction=self.options.kv_cache_fraction, enable_block_reuse=False)
-        check_replica_gpus(gpus, self.tp_size)
         with worker_environ(gpus):
             if not ray.is_initialized():  # a private instance (the LLM attaches to it, leaves it running)
                 ray.init(**ray_init_kwargs(len(gpus), self.options.ray_temp_dir))
