@@ -55,7 +55,7 @@ print(f"[oldest] in {__import__('sys').prefix}: torch {torch.__version__}, trans
       f"tokenizers {tokenizers.__version__}, slurm_align from {slurm_align.__file__}")
 PYEOF
 start=$SECONDS
-PYTHONPATH=$REPO nice -n 10 "$PY" -m pytest -x -q -p no:cacheprovider -m "not gpu and not slurm" "${TESTS[@]}" 2>&1 |
+PYTHONPATH=$REPO nice -n 10 "$PY" -m pytest -q -p no:cacheprovider -m "not gpu and not slurm" "${TESTS[@]}" 2>&1 |
     tee "$VENV/pytest.log" | tail -n 15
 rc=${PIPESTATUS[0]}
 summary=$(grep -E '[0-9]+ (passed|failed)' "$VENV/pytest.log" | tail -n 1)
