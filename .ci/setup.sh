@@ -31,11 +31,14 @@ fi
 PY=.venv/bin/python
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q -c .ci/constraints.txt)
 
-# torch first, from its CPU build on local disk; the constraints file keeps it pinned after.
+# torch first, from its CPU build on local disk; the constraints file keeps it pinned after
+# (its version is read from there: one place for CI's exact versions).
+TORCH="$(sed -n 's/^torch==\([^ #]*\).*/\1/p' .ci/constraints.txt)"
+[[ -n "$TORCH" ]] || { say "ERROR: .ci/constraints.txt pins no torch==VERSION"; exit 1; }
 torch_version="$($PY -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true)"
-if [[ "$torch_version" != 2.13.0* ]]; then
-    say "pip install torch==2.13.0 (CPU build; found: ${torch_version:-none})"
-    "${PIP[@]}" torch==2.13.0
+if [[ "$torch_version" != "$TORCH"* ]]; then
+    say "pip install torch==$TORCH (CPU build; found: ${torch_version:-none})"
+    "${PIP[@]}" "torch==$TORCH"
 else
     say "torch $torch_version present"
 fi
@@ -46,12 +49,15 @@ stamp=.venv/.slurm-align-setup
 want="$(cat setup.cfg pyproject.toml .ci/constraints.txt | sha256sum | cut -d' ' -f1) $REPO"
 installed_from="$($PY -c 'import slurm_align, os; print(os.path.dirname(os.path.dirname(slurm_align.__file__)))' 2>/dev/null || true)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" || "$installed_from" != "$REPO" ]]; then
-    say "pip install -e '.[test]' (torch pinned to 2.13.0)"
+    say "pip install -e '.[test]' (versions from .ci/constraints.txt, torch $TORCH)"
     MPICC="${MPICC:-mpicc}" "${PIP[@]}" -e '.[test]'
     echo "$want" > "$stamp"
 else
     say "slurm-align installed (editable, $REPO) and up to date"
 fi
 torch_version="$($PY -c 'import importlib.metadata as m; print(m.version("torch"))')"
-[[ "$torch_version" == 2.13.0* ]] || { say "ERROR: torch became $torch_version"; exit 1; }
+[[ "$torch_version" == "$TORCH"* ]] || { say "ERROR: torch became $torch_version"; exit 1; }
+# The CPU build (no CUDA runtime inside): a CUDA build here would mean the pin was bypassed.
+$PY -c 'import sys, torch; sys.exit(torch.version.cuda is not None)' ||
+    { say "ERROR: torch $torch_version is a CUDA build; CI runs the CPU build"; exit 1; }
 say "ready: $($PY --version), torch $torch_version, Slurm $(dpkg-query -W -f='${Version}' slurmctld)"

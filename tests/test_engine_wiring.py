@@ -77,5 +77,6 @@ def test_trtllm_gets_the_device_and_the_generation_layout(monkeypatch, refold):
     (shape, layout, kwargs), = calls
     assert shape == GptShape.from_model_config(run.model)
     assert layout == Layout(refold) and pctx.asked == [refold]   # TP comes from this layout
-    assert kwargs == {"device": "cuda:1"}
+    # TensorRT-LLM's max_input_len from the run's lengths (its default, 1024, refuses longer prompts)
+    assert kwargs == {"device": "cuda:1", "max_input_len": run.model.max_seq_len - run.generation.max_new_tokens}
     assert "tensorrt_llm" not in sys.modules

@@ -15,11 +15,16 @@ from __future__ import annotations
 import ast
 import json
 import os
+import sys
+import types
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from slurm_align.models import te_names
+from tests.test_generation_trtllm import QWEN, megatron_full  # imported before any fake tensorrt_llm
 
 REPO = Path(__file__).resolve().parents[1]
 # GPU_API_FIXTURE: signatures extracted from installed packages instead (run_gpu_checks.sh).
@@ -31,7 +36,9 @@ GPU_SOURCES = ("slurm_align/generation/trtllm_engine.py", "slurm_align/models/gp
                "slurm_align/models/cpu_compat.py")
 INSTANCES = {"self._llm": "tensorrt_llm.llmapi.llm.LLM"}  # expressions holding a TensorRT-LLM object
 KWARGS_FIELDS = {"tensorrt_llm.llmapi.llm.LLM": ("tensorrt_llm.llmapi.llm_args.TorchLlmArgs", {"backend"})}
-RPC_TARGET = {"tensorrt_llm.llmapi.llm.LLM._collective_rpc": "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"}
+# _collective_rpc's method runs on TensorRT-LLM's Ray worker: its extension class first, then the worker itself
+RPC_TARGET = {"tensorrt_llm.llmapi.llm.LLM._collective_rpc": ("tensorrt_llm.llmapi.rlhf_utils.WorkerExtension",
+                                                              "tensorrt_llm.executor.ray_gpu_worker.RayGPUWorker")}
 ATTRIBUTE_READS = {"c": "tensorrt_llm.executor.result.CompletionOutput"}  # engine._collect's completion
 
 
@@ -104,7 +111,9 @@ def _check_rpc(key: str, call: ast.Call, where: str) -> list[str]:
     method = call.args[0] if call.args else next((k.value for k in call.keywords if k.arg == "method"), None)
     if not isinstance(method, ast.Constant):
         return [f"{where}: the worker method of {key} must be a literal to be checked"]
-    remote = f"{RPC_TARGET[key]}.{method.value}"
+    owners = RPC_TARGET[key]
+    remote = next((f"{o}.{method.value}" for o in owners if f"{o}.{method.value}" in OBJECTS),
+                  f"{owners[0]}.{method.value}")
     args = next((k.value for k in call.keywords if k.arg == "args"), call.args[1] if len(call.args) > 1 else None)
     fake = ast.Call(func=ast.Name("remote"), args=list(args.elts) if isinstance(args, ast.Tuple) else [], keywords=[])
     if args is not None and not isinstance(args, ast.Tuple):
@@ -163,10 +172,12 @@ def test_the_gpu_calls_are_found():
 
 @pytest.mark.parametrize("old, new, message", [
     ("max_tokens=params.max_new_tokens", "max_new_tokens=params.max_new_tokens", "no parameter 'max_new_tokens'"),
-    ("orchestrator_type=\"ray\"", "orchestrator=\"ray\"", "'orchestrator' is not one"),
+    ("orchestrator_type=ORCHESTRATOR", "orchestrator=ORCHESTRATOR", "'orchestrator' is not one"),
     ("free_gpu_memory_fraction=", "free_gpu_mem_fraction=", "no parameter 'free_gpu_mem_fraction'"),
     ('_collective_rpc("update_weights", args=(None,))', '_collective_rpc("update_weight", args=(None,))',
      "WorkerExtension.update_weight is not in"),
+    ('_collective_rpc("wakeup", args=(wake,))', '_collective_rpc("wakeup", args=(wake, True))',
+     "RayGPUWorker.wakeup takes 1 positional arguments, given 2"),
     ("use_tqdm=False)", "use_tqdm=False, **{})", "cannot be checked"),
     ("return LLM(model=str(self.workdir), ", "return LLM(", "requires ['model']"),
 ])
@@ -229,3 +240,197 @@ def test_extract_api_reads_signatures_fields_and_flags_a_change(tmp_path):
     changed["megatron"]["objects"][key]["params"][0]["name"] = "random_seed"
     (tmp_path / "fixture.json").write_text(json.dumps(changed))
     assert extract_api.main(["--package", "megatron=installed", "--check", "--out", str(tmp_path / "fixture.json")]) == 1
+
+
+# -- literal values and the order of the engine's calls ----------------------------------------
+TRT = FIXTURE["tensorrt_llm"]
+ENGINE_SRC = GPU_SOURCES[0]
+
+
+def _module_constants(tree: ast.Module) -> dict:
+    out = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            try:
+                out[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    return out
+
+
+def literal_problems(source: str) -> list[str]:
+    """Our literal arguments to LLM(...) against the choices the release accepts, and the memory
+    tags against its ExecutorMemoryType values."""
+    tree = ast.parse(source)
+    consts = _module_constants(tree)
+    names = _imports(tree)
+    problems = []
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and _target(n.func, names) == "tensorrt_llm.LLM"]
+    if len(calls) != 1:
+        return [f"expected one LLM(...) call, found {len(calls)}"]
+    kwargs = {k.arg: k.value for k in calls[0].keywords}
+    for field, spec in TRT["literals"].items():
+        arg = field.split(".", 1)[1]
+        if arg not in kwargs:
+            problems.append(f"LLM(...) does not pass {arg} (its default {spec['default']!r} is not what we need)")
+            continue
+        v = kwargs[arg]
+        value = consts.get(v.id) if isinstance(v, ast.Name) else ast.literal_eval(v)
+        if value not in spec["choices"]:
+            problems.append(f"{arg}={value!r}: TensorRT-LLM accepts {spec['choices']}")
+    for flag in ("enable_sleep",):
+        if not (isinstance(kwargs.get(flag), ast.Constant) and kwargs[flag].value is True):
+            problems.append(f"LLM(...) must pass {flag}=True")
+    for arg in ("max_input_len", "max_num_tokens"):  # their defaults (1024, ...) refuse long prompts
+        if arg not in kwargs:
+            problems.append(f"LLM(...) must pass {arg} (default {TRT['defaults'].get('TorchLlmArgs.' + arg)})")
+    tags = TRT["memory_tags"]
+    for const in ("WEIGHT_TAGS", "CACHE_TAGS"):
+        bad = [t for t in consts.get(const, ()) if t not in tags["values"] or t.startswith("_no_capture")]
+        if bad:
+            problems.append(f"{const}: {bad} are not releasable memory tags ({tags['values']})")
+    if set(tags["weights"]) - set(consts.get("WEIGHT_TAGS", ())) or "kv_cache" not in consts.get("CACHE_TAGS", ()):
+        problems.append("WEIGHT_TAGS must hold the weight tags and CACHE_TAGS the KV cache")
+    return problems
+
+
+def test_our_literal_values_are_ones_tensorrt_llm_accepts():
+    assert literal_problems(_source(ENGINE_SRC)) == []
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ('SAMPLER = "TRTLLMSampler"', 'SAMPLER = "TrtllmSampler"', "sampler_type='TrtllmSampler'"),
+    ('LOAD_FORMAT = "dummy"', 'LOAD_FORMAT = "random"', "load_format='random'"),
+    ('ALLREDUCE = "NCCL"', 'ALLREDUCE = "nccl"', "allreduce_strategy='nccl'"),
+    ('CACHE_TAGS = ("kv_cache",', 'CACHE_TAGS = ("kv_caches",', "not releasable memory tags"),
+    ("sampler_type=SAMPLER, ", "", "does not pass sampler_type"),
+    ("enable_sleep=True, allreduce", "enable_sleep=False, allreduce", "enable_sleep=True"),
+    ("max_input_len=self.max_input_len, ", "", "must pass max_input_len"),
+])
+def test_a_wrong_literal_fails_the_check(old, new, message):
+    src = _source(ENGINE_SRC)
+    assert old in src, f"the engine no longer contains {old!r}: update this test"
+    assert any(message in p for p in literal_problems(src.replace(old, new, 1))), literal_problems(src.replace(old, new, 1))
+
+
+class FakeLLM:
+    """Records what the engine asks of TensorRT-LLM's LLM, in order; answers generate()."""
+
+    def __init__(self, log: list, **kwargs):
+        self.log, self.kwargs, self.buckets = log, kwargs, []
+
+    def _collective_rpc(self, method, args=None):
+        (arg,) = args
+        if method == "update_weights":
+            if arg is None:
+                self.log.append("update_weights:None")
+            else:
+                (uuid, entries), = arg.items()
+                self.buckets.append({n: t.clone() for n, (_, t) in entries})
+                storages = {ptr for _, ((ptr, _offset), _t) in entries}
+                self.log.append(f"update_weights:bucket:{len(storages)}-storage")
+        else:
+            self.log.append(f"{method}:{','.join(arg)}")
+
+    def generate(self, prompts, sampling_params=None, use_tqdm=True):
+        self.log.append("generate")
+        self.sampling = sampling_params
+        return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=[3, 4], finish_reason="length", logprobs=None)])
+                for _ in prompts]
+
+    def shutdown(self):
+        self.log.append("shutdown")
+
+
+@pytest.fixture
+def fake_trtllm(monkeypatch):
+    """tensorrt_llm and ray replaced by recorders (only the names the engine imports)."""
+    import slurm_align.generation.trtllm_engine as eng
+
+    log, made = [], {}
+
+    def make_llm(**kwargs):
+        made["llm"] = FakeLLM(log, **kwargs)
+        made["env"] = dict(os.environ)   # what TensorRT-LLM's Ray workers would copy
+        return made["llm"]
+
+    trt = types.ModuleType("tensorrt_llm")
+    trt.LLM = make_llm
+    trt.SamplingParams = lambda **kw: SimpleNamespace(**kw)
+    llmapi = types.ModuleType("tensorrt_llm.llmapi")
+    llmapi.KvCacheConfig = lambda **kw: SimpleNamespace(**kw)
+    torch_mod = types.ModuleType("tensorrt_llm._torch")
+    utils = types.ModuleType("tensorrt_llm._torch.utils")
+    utils.get_device_uuid = lambda index: f"GPU-fake-{index}"
+    ray = types.ModuleType("ray")
+    ray.is_initialized = lambda: "ray_init" in made
+    ray.init = lambda **kw: made.update(ray_init=kw, ray_env=dict(os.environ))
+    for name, mod in {"tensorrt_llm": trt, "tensorrt_llm.llmapi": llmapi, "tensorrt_llm._torch": torch_mod,
+                      "tensorrt_llm._torch.utils": utils, "ray": ray}.items():
+        monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(eng, "import_tensorrt_llm", lambda: trt)
+    # a view's "handle": its storage's address and its offset (CUDA IPC shares a storage once)
+    monkeypatch.setattr(eng, "reduce_tensor", lambda t: ((t.untyped_storage().data_ptr(), t.storage_offset()), t))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")   # the fake GPU the engine is on
+    return log, made
+
+
+def test_refit_generate_sleep_call_order_with_a_fake_llm(fake_trtllm, tmp_path):
+    """wake weights -> update buckets (one storage each) -> final None -> wake KV cache ->
+    generate -> sleep; the buckets hold every HF tensor, equal to the mapping's."""
+    from slurm_align.generation.params import SamplingParams
+    from slurm_align.generation.trtllm_engine import ALL_TAGS, CACHE_TAGS, WEIGHT_TAGS, TrtllmEngine
+    from slurm_align.generation.trtllm_mapping import hf_weights
+
+    log, made = fake_trtllm
+    engine = TrtllmEngine(QWEN, "cpu", bucket_mib=0, workdir=str(tmp_path))  # one layer per bucket
+    full = megatron_full(QWEN, 0)
+    prompts = [torch.tensor([1, 2, 3])]
+    engine.refit(full)
+    llm = made["llm"]
+    first = list(log)
+    assert first[-1] == "update_weights:None" and not any(e.startswith(("wakeup", "sleep")) for e in first)
+    engine.generate(prompts, SamplingParams(max_new_tokens=2), seeds=[7])
+    engine.sleep()
+    log.clear()
+    llm.buckets.clear()
+    engine.refit(full)
+    engine.generate(prompts, SamplingParams(max_new_tokens=2), seeds=[7])
+    engine.sleep()
+    n_buckets = QWEN.num_layers + 1   # a bucket per layer (budget 0), and the rest
+    assert log == [f"wakeup:{','.join(WEIGHT_TAGS)}", *["update_weights:bucket:1-storage"] * n_buckets,
+                   "update_weights:None", f"wakeup:{','.join(CACHE_TAGS)}", "generate", f"sleep:{','.join(ALL_TAGS)}"]
+    want = hf_weights(full, QWEN, torch.bfloat16)
+    got = {n: t for b in llm.buckets for n, t in b.items()}
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    for b in llm.buckets:   # whole layers per bucket
+        assert len({n.split(".")[2] for n in b if n.startswith("model.layers.")}) <= 1
+    kw = llm.kwargs
+    assert (kw["sampler_type"], kw["enable_sleep"], kw["load_format"]) == ("TRTLLMSampler", True, "dummy")
+    assert kw["max_input_len"] == QWEN.max_seq_len and kw["max_num_tokens"] >= kw["max_input_len"]
+    assert [p.seed for p in llm.sampling] == [7]
+    with pytest.raises(Exception, match="asleep"):
+        engine.generate(prompts, SamplingParams(max_new_tokens=2))
+
+
+def test_generation_phase_puts_the_engine_to_sleep_before_training_state_returns(fake_trtllm, tmp_path):
+    from slurm_align.generation.memory import generation_phase
+    from slurm_align.generation.trtllm_engine import TrtllmEngine
+
+    log, _ = fake_trtllm
+    engine = TrtllmEngine(QWEN, "cpu", workdir=str(tmp_path))
+
+    class Offload:
+        def offload(self):
+            log.append("offload")
+
+        def reload(self):
+            log.append("reload")
+
+    with generation_phase(engine, Offload(), free_engine_after=False):
+        engine.refit(megatron_full(QWEN, 0))
+    assert log[0] == "offload" and log[-2:] == ["sleep:" + ",".join(__import__(
+        "slurm_align.generation.trtllm_engine", fromlist=["ALL_TAGS"]).ALL_TAGS), "reload"]

@@ -160,6 +160,19 @@ def check_run_dir(path: Path) -> None:
         raise ConfigError.at("--run-dir", str(path), f"{target} is not writable")
 
 
+def trtllm_tp_fits_a_node(run: RunConfig, profile: ClusterProfile) -> list[str]:
+    """TensorRT-LLM's replica (one LLM over actor.tensor_parallel GPUs, CUDA IPC refit from the
+    same GPUs) must sit on one node: TP larger than the profile's GPUs per node is refused."""
+    res = profile.components.get("actor")
+    tp = run.actor.tensor_parallel
+    if run.generation.engine != "trtllm" or res is None or not res.gpus_per_node or tp <= res.gpus_per_node:
+        return []
+    return [f"field 'actor.tensor_parallel': got {tp} with generation.engine 'trtllm'; profile '{profile.name}' "
+            f"gives the actor {res.gpus_per_node} GPU(s) per node, and a TensorRT-LLM replica's TP ranks must share "
+            f"one node (its workers and the CUDA IPC refit are node-local): use tensor_parallel <= "
+            f"{res.gpus_per_node}, or generation.engine 'torch'"]
+
+
 def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path | None = None) -> None:
     """Values that pass type validation but that the job cannot run with, found at submit time:
     each consumer's limits (seeds, batch splits over data-parallel ranks, engines, sequence
@@ -181,6 +194,7 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
         if run.generation.engine == "trtllm" and res is not None and not res.gpus_per_node:
             problems.append(f"field 'generation.engine': got 'trtllm'; TensorRT-LLM needs GPUs, but profile "
                             f"'{profile.name}' gives the actor gpus_per_node=0 (use 'torch' on CPU)")
+        problems += trtllm_tp_fits_a_node(run, profile)
     elif run.trainer.global_batch_size % dp:
         problems.append(f"field 'trainer.global_batch_size': got {run.trainer.global_batch_size}; must be a "
                         f"multiple of actor.data_parallel={dp}")

@@ -43,4 +43,8 @@ def engine_from_config(run_cfg, device: torch.device | str = "cpu", layout: Any 
     """The policy's generation engine for a RunConfig: generation.engine, except that the
     switch `switches.kv_cache_engine: false` selects the naive baseline (the ablation)."""
     kind = run_cfg.generation.engine if run_cfg.switches.kv_cache_engine else "naive"
-    return make_engine(kind, GptShape.from_model_config(run_cfg.model), device, layout)
+    shape = GptShape.from_model_config(run_cfg.model)
+    if kind == "trtllm":  # the longest prompt the run admits (checked at submit: check_prompt_lengths)
+        longest = max(1, run_cfg.model.max_seq_len - run_cfg.generation.max_new_tokens)
+        return make_engine(kind, shape, device, layout, max_input_len=longest)
+    return make_engine(kind, shape, device, layout)

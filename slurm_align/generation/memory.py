@@ -1,5 +1,5 @@
 """Memory switches around generation: optimizer state and gradients to host while generating,
-the engine freed while training.
+the engine freed (or asleep) while training.
 
 On a GPU the device copies are released (host buffers are pinned and allocated once); on CPU
 everything already lives in host memory, so offload only drops gradients (kept in the host
@@ -51,6 +51,10 @@ class TrainingStateOffload:
                     setattr(p, attr, None)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+            # The device copies are released only to torch's caching allocator until this: a
+            # generation engine in other processes (TensorRT-LLM's workers) sees the memory free
+            # only once it is returned to the driver.
+            torch.cuda.empty_cache()
         self.bytes_moved, self.offloaded = moved, True
 
     @torch.no_grad()
@@ -75,8 +79,10 @@ class TrainingStateOffload:
 
 @contextlib.contextmanager
 def generation_phase(engine, offload: TrainingStateOffload | None, *, free_engine_after: bool = True) -> Iterator[None]:
-    """Training state on host while generating; the engine's memory released afterwards
-    (the next refit rebuilds it)."""
+    """Training state on host while generating; afterwards, before the training state comes
+    back, the engine's memory is released: free() (the next refit rebuilds it), or, with
+    free_engine_after=False, sleep() where the engine has one (TensorRT-LLM: weights and KV
+    cache released, woken by the next refit) so that its memory never coexists with training's."""
     if offload is not None:
         offload.offload()
     try:
@@ -84,5 +90,7 @@ def generation_phase(engine, offload: TrainingStateOffload | None, *, free_engin
     finally:
         if free_engine_after:
             engine.free()
+        elif callable(getattr(engine, "sleep", None)):
+            engine.sleep()
         if offload is not None:
             offload.reload()

@@ -5,27 +5,41 @@ backend, the path current RL toolkits refit in place (../shared/TRTLLM.md, part 
 TensorRT-LLM call made here is checked on CPU against signatures extracted from the release's
 sources (tests/test_gpu_api_conformance.py); running it needs a GPU (tests/gpu/run_gpu_checks.sh).
 
-Refit, colocated (the generation workers share the training ranks' GPUs):
+Refit, colocated (the generation workers share the training ranks' GPUs), per bucket of
+whole layers (TrtllmOptions.bucket_mib):
 1. every rank of a generation replica (the TP ranks of one refolded DP replica: layout.mp_comm)
-   turns the full state dict refit_from_training gave it into HF-named full tensors
-   (trtllm_mapping.hf_weights) on its own GPU, in the engine dtype, a bucket of whole layers
-   at a time (the extra memory is one bucket, not the model);
-2. each rank makes CUDA IPC handles of them (torch's reduce_tensor), keyed by its GPU's UUID,
-   and the replica's requester (mp_comm rank 0) gathers them;
+   converts only that bucket's megatron tensors to HF names (trtllm_mapping.hf_bucket) and packs
+   them, in the engine dtype, into ONE flat buffer on its own GPU: the extra GPU memory is one
+   bucket, never a second model;
+2. each rank makes CUDA IPC handles of views into that buffer (one cudaIpcMemHandle per bucket:
+   torch shares a view as its storage's handle + offset, and the receiver opens a storage once),
+   keyed by its GPU's UUID; the replica's requester (mp_comm rank 0) gathers them;
 3. the requester calls LLM._collective_rpc("update_weights", (handles,)): TensorRT-LLM's own
-   WorkerExtension (ray_worker_extension_cls) rebuilds the tensors in the worker on that GPU
-   and reloads them through the model's loader (which takes each worker's TP slice); a last
-   call with None finalizes (post-load processing, prefix cache reset);
-4. a barrier on mp_comm: staged tensors live until every worker has copied them.
+   WorkerExtension (ray_worker_extension_cls) opens the handles of ITS GPU's UUID and reloads the
+   tensors through the model's loader (which takes its TP slice of each full tensor); a last call
+   with None finalizes (post-load processing, prefix cache reset);
+4. a barrier on mp_comm: the staging buffer lives until every worker has copied it.
 The first refit also creates the LLM, from a config.json only (trtllm_mapping.hf_config) with
 load_format="dummy" (nothing read from disk); step 3 then puts the real weights in.
+
+Memory around training (enable_sleep=True, TensorRT-LLM's virtual-memory tags): sleep() releases
+every tag (weights, KV cache, sampler and executor buffers) before the train phase
+(memory.generation_phase calls it); the next refit wakes the weights (WEIGHT_TAGS) first, updates
+them, and only then wakes the KV cache and the rest (CACHE_TAGS), so the KV cache never coexists
+with the refit's staging bucket and the training state. The KV cache is sized when the LLM is
+created, inside the generation phase: the optimizer state and gradients are on the host then
+(TrainingStateOffload, which empties torch's cache so TensorRT-LLM's worker processes see the
+memory), and kv_cache_fraction is a share of the memory free at that moment. The training
+process's own generation-time needs (its parameters: already allocated; one refit bucket) must
+fit in the rest: the default 0.5 leaves half of the free memory for them; raise it when the
+training model is small next to the GPU, lower it when refit buckets are large.
 
 Why Ray: in 1.2 `_collective_rpc` (hence update_weights) is served only by the Ray
 orchestrator; the default MPI orchestrator has no path to push weights into its workers. Each
 requester starts a private local Ray instance, and creates the LLM (whose workers copy this
 process's environment), in an environment that shows exactly its replica's GPUs and none of
 the job's MPI/PMIx/Slurm variables (a worker importing tensorrt_llm would otherwise try to join
-the job's PMIx world): worker_environ. TP must fit in a node.
+the job's PMIx world): generation/ray_env.py. TP must fit in a node (refused at submit).
 
 generate: one SamplingParams per prompt (its per-sample seed), token ids in, no tokenizer; EOS
 is a stop token kept in the output and end_id is -1 (nothing else ends a sample), is_end =
@@ -44,10 +58,9 @@ import json
 import os
 import tempfile
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
@@ -55,13 +68,22 @@ from torch.multiprocessing.reductions import reduce_tensor
 from slurm_align.config.run import ModelConfig
 from slurm_align.generation.base import pack_prompts
 from slurm_align.generation.params import GenerationError, GenerationOutput, GptShape, SamplingParams
-from slurm_align.generation.trtllm_mapping import hf_config, hf_model_type, hf_weights
+from slurm_align.generation.ray_env import check_replica_gpus, parse_visible_devices, ray_init_kwargs, worker_environ
+from slurm_align.generation.trtllm_mapping import check_full_names, hf_bucket, hf_config, hf_model_type
 
 PINNED_VERSION = "1.2.1"
 WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
-# Prefixes a Ray worker must not inherit: the job's MPI/PMIx/Slurm world, and our rendezvous
-# (MASTER_ADDR/PORT), which TensorRT-LLM's workers set for their own process group.
-_LAUNCHER_ENV = ("PMI", "PMIX", "MPI", "OMPI", "SLURM", "MASTER_")
+# Literal choices passed to TensorRT-LLM, each checked against the values the release accepts
+# (tests/fixtures/gpu_api.json "literals"; tests/test_gpu_api_conformance.py).
+SAMPLER = "TRTLLMSampler"      # honours SamplingParams.seed per request ("auto" = TorchSampler: one generator)
+LOAD_FORMAT = "dummy"          # create from config.json alone; the refit brings the weights
+ORCHESTRATOR = "ray"           # the only orchestrator serving _collective_rpc (update_weights, sleep)
+ALLREDUCE = "NCCL"             # TensorRT-LLM's own all-reduce hurt convergence with several rollout instances
+# TensorRT-LLM 1.2's memory tags (ExecutorMemoryType): the weights, then what generation needs.
+WEIGHT_TAGS = ("model", "draft_model")
+CACHE_TAGS = ("kv_cache", "sampler", "drafter", "guided_decoder", "spec_resource_manager", "model_extra",
+              "executor_extra")
+ALL_TAGS = WEIGHT_TAGS + CACHE_TAGS
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _LAYER_PREFIX_PARTS = 3  # "model.layers.N." groups a layer's tensors into one bucket
 
@@ -74,19 +96,33 @@ class TrtllmOptions:
     """Weights and activations: 'bfloat16' (default) or 'float16'."""
     max_batch_size: int = 256
     """Requests TensorRT-LLM schedules at once."""
-    kv_cache_fraction: float = 0.3
-    """Share of the GPU memory left free after the weights that the KV cache takes (the training
-    model shares the GPU)."""
+    kv_cache_fraction: float = 0.5
+    """Share of the GPU memory free when the LLM is created (training state offloaded, weights
+    loaded) that the KV cache takes; the rest stays for the training process's generation-time
+    needs (see the module docstring)."""
     bucket_mib: int = 512
     """Refit: staged weights per update_weights call (whole layers; at least one layer)."""
+    max_input_len: int | None = None
+    """Longest prompt TensorRT-LLM accepts (its default, 1024, refuses longer ones). Default: the
+    run's max_seq_len - max_new_tokens (engine_from_config), else the model's max_seq_len."""
+    max_num_tokens: int | None = None
+    """Tokens per scheduler iteration (a prompt's whole prefill must fit). Default: 8192, or
+    max_input_len when that is larger."""
     workdir: str | None = None
     """Where config.json of the generation model goes (default: a fresh temp folder)."""
+    ray_temp_dir: str | None = None
+    """Ray's temp dir (sockets, session logs); default a fresh /tmp/sa-ray-* of this engine's own,
+    never the node's shared /tmp/ray. Keep it short: Ray's socket paths must fit 107 bytes."""
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise GenerationError(f"trtllm dtype={self.dtype!r}: allowed {sorted(_DTYPES)}")
         if not 0.0 < self.kv_cache_fraction < 1.0:
             raise GenerationError(f"trtllm kv_cache_fraction={self.kv_cache_fraction}: must be in (0, 1)")
+        for name in ("max_input_len", "max_num_tokens"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise GenerationError(f"trtllm {name}={v}: must be a positive number of tokens")
 
 
 def import_tensorrt_llm() -> Any:
@@ -118,38 +154,22 @@ def model_config_of(shape: GptShape | ModelConfig) -> ModelConfig:
 
 def physical_gpu(index: int) -> str:
     """This process's cuda:<index> as its parent's ordinal (what CUDA_VISIBLE_DEVICES lists),
-    so that processes started with another environment find the same GPU."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    return visible.split(",")[index].strip() if visible else str(index)
-
-
-@contextmanager
-def worker_environ(gpus: list[str]) -> Iterator[None]:
-    """os.environ as Ray's daemons and TensorRT-LLM's Ray workers must get it (both copy this
-    process's environment): only the replica's GPUs visible, no launcher variables (a worker
-    importing tensorrt_llm would otherwise try to join the job's PMIx world). Variables that
-    TensorRT-LLM sets for itself inside the block (TLLM_DISABLE_MPI...) are kept after it."""
-    saved = dict(os.environ)
-    inside = {k: v for k, v in saved.items() if not k.startswith(_LAUNCHER_ENV)}
-    inside["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-    os.environ.clear()
-    os.environ.update(inside)
-    try:
-        yield
-    finally:
-        added = {k: v for k, v in os.environ.items() if k not in inside and k != "CUDA_VISIBLE_DEVICES"}
-        os.environ.clear()
-        os.environ.update(saved)
-        os.environ.update(added)
+    so that processes started with another environment find the same GPU; UUID forms refused."""
+    visible = parse_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), index + 1)
+    if index >= len(visible):
+        raise GenerationError(f"cuda:{index} is not among CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}")
+    return visible[index]
 
 
 def layer_buckets(names: Sequence[str], nbytes: dict[str, int], budget: int) -> list[list[str]]:
-    """Names grouped into buckets of whole layers (a layer's q/k/v and gate/up go together, as
-    the fused modules load them), each up to `budget` bytes unless one layer alone is larger."""
+    """Names (HF `model.layers.N.` or megatron `decoder.layers.N.`) grouped into buckets of whole
+    layers (a layer's q/k/v and gate/up go together, as the fused modules load them), each up to
+    `budget` bytes unless one layer alone is larger."""
     groups: dict[str, list[str]] = {}
     for n in names:
         parts = n.split(".")
-        key = ".".join(parts[:_LAYER_PREFIX_PARTS]) if n.startswith("model.layers.") else "rest"
+        layered = n.startswith(("model.layers.", "decoder.layers."))
+        key = ".".join(parts[:_LAYER_PREFIX_PARTS]) if layered else "rest"
         groups.setdefault(key, []).append(n)
     buckets: list[list[str]] = [[]]
     size = 0
@@ -161,6 +181,21 @@ def layer_buckets(names: Sequence[str], nbytes: dict[str, int], budget: int) -> 
         buckets[-1].extend(group)
         size += g
     return buckets
+
+
+def pack_bucket(tensors: dict[str, torch.Tensor], device: torch.device,
+                dtype: torch.dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One flat buffer on `device` holding every tensor of a bucket in `dtype`, and a view of it
+    per name (what the IPC handles are made of: one storage, hence one CUDA IPC handle)."""
+    total = sum(t.numel() for t in tensors.values())
+    flat = torch.empty(total, dtype=dtype, device=device)
+    views, offset = {}, 0
+    for name, t in tensors.items():
+        view = flat[offset: offset + t.numel()].view(t.shape)
+        view.copy_(t, non_blocking=True)
+        views[name] = view
+        offset += t.numel()
+    return flat, views
 
 
 class TrtllmEngine:
@@ -183,8 +218,17 @@ class TrtllmEngine:
         self.comm = layout.mp_comm if layout is not None and self.tp_size > 1 else None
         self.is_requester = self.comm is None or self.comm.Get_rank() == 0
         self.workdir = Path(self.options.workdir or tempfile.mkdtemp(prefix="slurm_align_trtllm_"))
+        self.max_input_len = self.options.max_input_len or self.shape.max_seq_len
+        if self.max_input_len > self.shape.max_seq_len:
+            raise GenerationError(f"trtllm max_input_len={self.max_input_len} > the model's max_seq_len="
+                                  f"{self.shape.max_seq_len}")
+        self.max_num_tokens = self.options.max_num_tokens or max(8192, self.max_input_len)
+        if self.max_num_tokens < self.max_input_len:
+            raise GenerationError(f"trtllm max_num_tokens={self.max_num_tokens} < max_input_len="
+                                  f"{self.max_input_len}: a prompt's prefill must fit in one iteration")
         self._llm: Any = None
         self._loaded = False
+        self.asleep: set[str] = set()   # TensorRT-LLM memory tags released (sleep) and not woken yet
 
     @classmethod
     def for_layout(cls, shape: GptShape | ModelConfig, layout: Any, device: torch.device | str = "cuda",
@@ -197,37 +241,71 @@ class TrtllmEngine:
 
     # -- refit -------------------------------------------------------------------------------
     def refit(self, full_state_dict: dict[str, torch.Tensor]) -> float:
-        """Collective over the replica: new weights into the LLM in place (created the first time)."""
+        """Collective over the replica: new weights into the LLM in place (created the first time).
+        Order: wake the weights, update them bucket by bucket, finalize, wake the KV cache."""
         t0 = time.perf_counter()
         import_tensorrt_llm()
         # Deferred: tensorrt_llm is an optional GPU-only package (see import_tensorrt_llm).
         from tensorrt_llm._torch.utils import get_device_uuid
 
-        weights = hf_weights(full_state_dict, self.model_cfg)  # CPU or device views, full precision
+        names = check_full_names(full_state_dict, self.model_cfg)
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
         uuid = get_device_uuid(index)  # the key a worker looks its handles up by (its GPU's UUID)
         if not self._loaded:  # first refit, or after free(): the requester creates the LLM
-            gpus = self.comm.allgather(physical_gpu(index)) if self.comm is not None else [physical_gpu(index)]
+            try:
+                mine_gpu: Any = physical_gpu(index)
+            except GenerationError as e:  # passed on, so that every rank of the replica refuses
+                mine_gpu = ("error", str(e))
+            gpus = self.comm.allgather(mine_gpu) if self.comm is not None else [mine_gpu]
+            errors = [g[1] for g in gpus if isinstance(g, tuple)]
+            if errors:
+                raise GenerationError(errors[0])
+            check_replica_gpus(gpus, self.tp_size)  # on every rank: all refuse together, none waits
             if self.is_requester:
                 self._llm = self._create_llm(gpus)
+            self.asleep.clear()
+        self._wake(WEIGHT_TAGS)
         budget = self.options.bucket_mib << 20
-        nbytes = {k: v.numel() * self.torch_dtype.itemsize for k, v in weights.items()}
-        for names in layer_buckets(list(weights), nbytes, budget):
-            staged = {k: weights[k].to(self.device, self.torch_dtype, non_blocking=True).contiguous() for k in names}
+        nbytes = {k: full_state_dict[k].numel() * self.torch_dtype.itemsize for k in names}
+        for bucket in layer_buckets(names, nbytes, budget):
+            hf = hf_bucket(full_state_dict, bucket, self.model_cfg)
+            flat, views = pack_bucket(hf, self.device, self.torch_dtype)
+            del hf  # converted copies (on the training device) go before the next bucket
             torch.cuda.synchronize(self.device)
-            mine = (uuid, [(k, reduce_tensor(t)) for k, t in staged.items()])
+            mine = (uuid, [(k, reduce_tensor(v)) for k, v in views.items()])
             shares = self.comm.gather(mine, root=0) if self.comm is not None else [mine]
             if self.is_requester:
                 self._llm._collective_rpc("update_weights", args=(dict(shares),))
             if self.comm is not None:
-                self.comm.Barrier()  # every worker has copied this bucket: staged may go
-            del staged
+                self.comm.Barrier()  # every worker has copied this bucket: the buffer may go
+            del views, flat
         if self.is_requester:
             self._llm._collective_rpc("update_weights", args=(None,))  # finalize
+        self._wake(CACHE_TAGS)
         if self.comm is not None:
             self.comm.Barrier()
         self._loaded = True
+        torch.cuda.empty_cache()  # the staging buffers' memory back to the driver (the workers')
         return time.perf_counter() - t0
+
+    def _wake(self, tags: tuple[str, ...]) -> None:
+        """Materialize the released tags among `tags` (a tag never released is left alone)."""
+        wake = [t for t in tags if t in self.asleep]
+        if wake and self.is_requester:
+            self._llm._collective_rpc("wakeup", args=(wake,))
+        self.asleep -= set(wake)
+
+    def sleep(self) -> None:
+        """Release the LLM's GPU memory (weights, KV cache, buffers) for the train phase; the next
+        refit wakes it. Collective over the replica."""
+        if not self._loaded or self.asleep >= set(ALL_TAGS):
+            return
+        if self.is_requester:
+            self._llm._collective_rpc("sleep", args=(list(ALL_TAGS),))
+        self.asleep = set(ALL_TAGS)
+        if self.comm is not None:
+            self.comm.Barrier()
+        torch.cuda.empty_cache()
 
     def _create_llm(self, gpus: list[str]) -> Any:
         # Deferred: tensorrt_llm and ray are optional GPU-only packages (see import_tensorrt_llm).
@@ -237,17 +315,18 @@ class TrtllmEngine:
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         (self.workdir / "config.json").write_text(json.dumps(hf_config(self.model_cfg), indent=1))
+        # enable_block_reuse off: prompts are not shared across steps, and reused blocks would
+        # hold KV computed with the previous weights.
         kv = KvCacheConfig(free_gpu_memory_fraction=self.options.kv_cache_fraction, enable_block_reuse=False)
         with worker_environ(gpus):
             if not ray.is_initialized():  # a private instance (the LLM attaches to it, leaves it running)
-                ray.init(address="local", num_gpus=len(gpus), include_dashboard=False, log_to_driver=False)
+                ray.init(**ray_init_kwargs(len(gpus), self.options.ray_temp_dir))
             return LLM(model=str(self.workdir), skip_tokenizer_init=True, tensor_parallel_size=self.tp_size,
-                       dtype=self.options.dtype, orchestrator_type="ray", ray_worker_extension_cls=WORKER_EXTENSION,
-                       load_format="dummy", max_batch_size=self.options.max_batch_size,
-                       max_seq_len=self.shape.max_seq_len, kv_cache_config=kv,
-                       # TensorRT-LLM's own all-reduce hurt convergence with several rollout
-                       # instances (its AsyncLLM forces NCCL for RL for that reason).
-                       allreduce_strategy="NCCL")
+                       dtype=self.options.dtype, orchestrator_type=ORCHESTRATOR,
+                       ray_worker_extension_cls=WORKER_EXTENSION, load_format=LOAD_FORMAT,
+                       max_batch_size=self.options.max_batch_size, max_seq_len=self.shape.max_seq_len,
+                       max_input_len=self.max_input_len, max_num_tokens=self.max_num_tokens,
+                       kv_cache_config=kv, sampler_type=SAMPLER, enable_sleep=True, allreduce_strategy=ALLREDUCE)
 
     def free(self) -> None:
         """Shut the LLM down (weights and KV cache); the next refit creates it again."""
@@ -255,14 +334,15 @@ class TrtllmEngine:
             self._llm.shutdown()
             self._llm = None
         self._loaded = False
+        self.asleep.clear()
         torch.cuda.empty_cache()
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams,
                  seeds: Sequence[int] | torch.Tensor | None = None) -> GenerationOutput:
         """Collective over the replica (every rank passes the same prompts)."""
-        if not self._loaded:
-            raise GenerationError("TrtllmEngine: no weights; call refit(full_state_dict) first")
+        if not self._loaded or self.asleep:
+            raise GenerationError("TrtllmEngine: no weights (or asleep); call refit(full_state_dict) first")
         batch = pack_prompts(prompts, self.shape, params, seeds, torch.device("cpu"))  # checks + seeds
         out = self._generate(prompts, params, batch.seeds.tolist()) if self.is_requester else None
         return self.comm.bcast(out, root=0) if self.comm is not None else out

@@ -76,6 +76,30 @@ def hf_weights(full: dict[str, torch.Tensor], cfg: ModelConfig,
     return out
 
 
+def hf_bucket(full: dict[str, torch.Tensor], names: list[str], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """HF-named tensors of the megatron tensors `names` only (one refit bucket): converting a
+    bucket at a time keeps the converted copy to one bucket, not a second model."""
+    model_type = hf_model_type(cfg)
+    table = sources(cfg, model_type, value_head=False, score_head=False)
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        out.update(to_hf(table[name], full[name].detach(), cfg, model_type))
+    return out
+
+
+def check_full_names(full: dict[str, torch.Tensor], cfg: ModelConfig) -> list[str]:
+    """The megatron names of `full` in the model's order; a GenerationError when they do not
+    match the model (the same check hf_weights makes, without converting anything)."""
+    model_type = hf_model_type(cfg)
+    table = sources(cfg, model_type, value_head=False, score_head=False)
+    got = {k for k in full if not k.endswith("_extra_state")}
+    missing, extra = sorted(set(table) - got), sorted(got - set(table))
+    if missing or extra:
+        raise GenerationError(f"full state dict does not match the {model_type} model: "
+                              f"missing {missing[:5]}, unexpected {extra[:5]}")
+    return list(table)
+
+
 def trtllm_tp_slice(hf_name: str, t: torch.Tensor, tp_size: int, tp_rank: int) -> torch.Tensor:
     """The part of an attention/MLP tensor that TP worker `tp_rank` of `tp_size` holds."""
     module = hf_name.rsplit(".", 2)[-2]

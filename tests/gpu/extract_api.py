@@ -45,6 +45,8 @@ TARGETS: dict[str, dict[str, tuple[str, ...]]] = {
         "tensorrt_llm.executor.result.CompletionOutput": ("fields",),
         "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension.update_weights": ("callable",),
         "tensorrt_llm._torch.utils.get_device_uuid": ("callable",),
+        "tensorrt_llm.executor.ray_gpu_worker.RayGPUWorker.sleep": ("callable",),
+        "tensorrt_llm.executor.ray_gpu_worker.RayGPUWorker.wakeup": ("callable",),
     },
     "transformer_engine": {
         "transformer_engine.pytorch.module.layernorm_linear.LayerNormLinear": ("callable", "registers"),
@@ -214,6 +216,28 @@ def extract(src: Source, key: str, kinds: tuple[str, ...]) -> dict:
     return out
 
 
+def literal_choices(src: Source) -> dict[str, list]:
+    """The Literal[...] choices and enum values our literal arguments are checked against, as the
+    package states them (compared with the fixture's "literals" by --check)."""
+    out: dict[str, list] = {}
+    text = src.read("tensorrt_llm/llmapi/llm_args.py") or ""
+    tree = ast.parse(text) if text else ast.Module(body=[], type_ignores=[])
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name in ("SamplerType", "LoadFormat"):
+            out[node.name] = [t.id for n in node.body if isinstance(n, ast.Assign) for t in n.targets
+                              if isinstance(t, ast.Name)]
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and \
+                node.target.id in ("orchestrator_type", "allreduce_strategy"):
+            out[node.target.id] = sorted({c.value for c in ast.walk(node.annotation)
+                                          if isinstance(c, ast.Constant) and isinstance(c.value, str)})
+    vm = src.read("tensorrt_llm/_torch/virtual_memory.py") or ""
+    for node in ast.walk(ast.parse(vm)) if vm else []:
+        if isinstance(node, ast.ClassDef) and node.name == "ExecutorMemoryType":
+            out["ExecutorMemoryType"] = [n.value.value for n in node.body if isinstance(n, ast.Assign)
+                                         and isinstance(n.value, ast.Constant)]
+    return out
+
+
 def reexported(src: Source, public: str) -> bool:
     """Whether `a.b.Name` is importable as written: Name bound in a/b/__init__.py (or a/b.py)."""
     module, name = public.rsplit(".", 1)
@@ -235,6 +259,8 @@ def package_entry(package: str, src: Source, note: str | None) -> dict:
     missing = [a for a in aliases if not reexported(src, a)]
     entry = {"version": src.version(), "source": note or f"extracted with ast from {src.spec}",
              "aliases": aliases, "objects": objects}
+    if package == "tensorrt_llm":
+        entry["literals_read"] = literal_choices(src)
     if missing:
         entry["aliases_not_reexported"] = missing
     return entry
@@ -257,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"--package {package}: allowed {sorted(TARGETS)}")
         entry = package_entry(package, Source(package, spec), notes.get(package))
         if not args.check:
-            fixture[package] = entry
+            keep = {k: v for k, v in fixture.get(package, {}).items()
+                    if k in ("literals", "defaults", "memory_tags", "literals_source")}
+            fixture[package] = {**entry, **keep}
             continue
         want = fixture.get(package, {}).get("objects", {})
         diff = [k for k in entry["objects"] if entry["objects"][k] != want.get(k)]
@@ -265,6 +293,20 @@ def main(argv: list[str] | None = None) -> int:
         for k in diff:
             print(f"{package} {entry['version']}: {k}\n  fixture: {json.dumps(want.get(k))}\n"
                   f"  package: {json.dumps(entry['objects'][k])}", file=report)
+        lits = entry.get("literals_read", {})
+        want_lits = fixture.get(package, {}).get("literals", {})
+        for key, short in (("TorchLlmArgs.sampler_type", "SamplerType"), ("TorchLlmArgs.orchestrator_type",
+                                                                          "orchestrator_type"),
+                           ("TorchLlmArgs.allreduce_strategy", "allreduce_strategy")):
+            if short in lits and key in want_lits:
+                wanted = sorted(c for c in want_lits[key]["choices"] if c is not None)
+                if sorted(lits[short]) != wanted:
+                    diff.append(key)
+                    print(f"{package}: {key} choices {lits[short]} in the package, {wanted} in the fixture", file=report)
+        tags = lits.get("ExecutorMemoryType")
+        if tags is not None and sorted(tags) != sorted(fixture.get(package, {}).get("memory_tags", {}).get("values", [])):
+            diff.append("memory_tags")
+            print(f"{package}: memory tags {tags} in the package differ from the fixture's", file=report)
         for a in entry.get("aliases_not_reexported", []):
             print(f"{package}: {a} is not re-exported where our code imports it", file=report)
         print(report.getvalue() or f"{package} {entry['version']}: matches the fixture", end="" if diff else "\n")

@@ -11,7 +11,8 @@ tensor parallel TP, its TensorRT-LLM engine refitted in place from the training 
 - EOS: a token the model does emit is made the EOS: that sample stops on it, is_end, length
   counts it; samples that never emit it run to max_new_tokens with is_end False;
 - per-sample seeds: a sample draws the same tokens alone or in a batch;
-- in place: new training weights -> a second refit -> the new reference's tokens;
+- sleep (weights and KV cache released: free GPU memory grows), then in place: new training
+  weights -> a second refit (waking weights, then KV cache) -> the new reference's tokens;
 - free and reload: free(), refit, the same tokens again.
 Prints TRTLLM_OK on every rank.
 """
@@ -104,8 +105,12 @@ def main() -> None:
     assert batch.logprobs is not None, "plain sampling returned no per-token log-probs"
     assert bool(torch.isfinite(batch.logprobs).all() and (batch.logprobs <= 0).all())
 
+    # asleep for a "training step": weights and KV cache released, GPU memory back
+    free_before = torch.cuda.mem_get_info()[0]
+    engine.sleep()
+    assert torch.cuda.mem_get_info()[0] > free_before, "sleep released no GPU memory"
     full = set_weights(1.0, 2)  # a "training step": every weight moves
-    second = refit_from_training(engine, chunks, pctx).seconds  # in place
+    second = refit_from_training(engine, chunks, pctx).seconds  # wakes weights, refits in place, wakes KV cache
     want2 = reference_greedy(cfg, full, prompts, 16)
     again = engine.generate(prompts, greedy)
     assert [r.tolist() for r in again.responses()] == want2 != want

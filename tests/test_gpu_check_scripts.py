@@ -1,0 +1,160 @@
+"""The GPU check's scripts on a CPU machine: run_gpu_checks.sh says "no GPU" at once and installs
+nothing; gpu_checks.py's checks pass on CPU (the same code the GPU machine runs on CUDA);
+make_wheelhouse.sh brings exactly what a target lacks, installable offline, and refuses to go
+over its size limit (it uses the package registry, as it does where it is meant to run)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+from packaging.tags import Tag, sys_tags
+from packaging.utils import canonicalize_name, parse_wheel_filename
+
+from tests.gpu.make_wheelhouse import SKIP, read_have
+from tests.gpu.reqs import setup_requirements
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = ("tests/gpu/run_gpu_checks.sh", "tests/gpu/make_wheelhouse.sh", "benchmarks/check_oldest_supported.sh",
+           ".ci/setup.sh")
+HAS_GPU_DEVICE = any(Path("/dev").glob("nvidia[0-9]*"))
+
+
+def run(cmd: list[str], env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`env` entries set to None are removed."""
+    full = {k: v for k, v in {**os.environ, **(env or {})}.items() if v is not None}
+    return subprocess.run(cmd, cwd=REPO, env=full, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("hide", [False, True], ids=["no-device", "CUDA_VISIBLE_DEVICES-empty"])
+def test_run_gpu_checks_without_a_gpu_says_so_and_installs_nothing(tmp_path, hide):
+    if HAS_GPU_DEVICE and not hide:
+        pytest.skip("this machine has an NVIDIA device")
+    calls = tmp_path / "calls"
+    fake_python = tmp_path / "python"  # records every call: none may happen (no pip, no torch probe)
+    fake_python.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\nexit 1\n")
+    fake_python.chmod(0o755)
+    wheelhouse = tmp_path / "wheels"
+    wheelhouse.mkdir()
+    (wheelhouse / "zarr-3.0.10-py3-none-any.whl").write_bytes(b"")
+    env = {"GPU_CHECK_LOG": str(tmp_path / "log"), "CUDA_VISIBLE_DEVICES": "" if hide else None}
+    proc = run(["bash", "tests/gpu/run_gpu_checks.sh", "--wheelhouse", str(wheelhouse), "--python", str(fake_python)],
+               env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("no GPU: ") and ("CUDA_VISIBLE_DEVICES" in lines[0]) == hide
+    assert lines[-1] == "torch_gpu_tok_s=NA refit_s=NA grpo_step_s=NA trtllm_tok_s=NA"
+    assert not calls.exists() and not (tmp_path / "log").exists()
+    assert not (REPO / ".gpu-deps").exists()
+
+
+def test_run_gpu_checks_refuses_unknown_arguments():
+    proc = run(["bash", "tests/gpu/run_gpu_checks.sh", "--wheel-house", "x"], timeout=60)
+    assert proc.returncode == 2 and "allowed: --wheelhouse DIR, --python PY" in proc.stderr
+
+
+def test_the_scripts_pass_shellcheck():
+    shellcheck = Path(sys.executable).with_name("shellcheck")
+    proc = run([str(shellcheck), *SCRIPTS], timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_gpu_checks_pass_on_cpu(tmp_path):
+    """The GPU machine's single-process checks, run here on CPU (gloo instead of NCCL)."""
+    proc = run([sys.executable, "-W", "ignore", "tests/gpu/gpu_checks.py", "--device", "cpu",
+                "--out", str(tmp_path / "f.json")], {"OMP_NUM_THREADS": "1"}, timeout=400)
+    checks = dict(line.split()[1:3] for line in proc.stdout.splitlines() if line.startswith("CHECK "))
+    assert checks == {"nccl": "OK", "megatron_local": "OK", "megatron_te": "SKIP", "kv_engine_bf16": "OK",
+                      "refit": "OK", "grpo_step": "OK"}, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0
+    last = proc.stdout.strip().splitlines()[-1].split()
+    assert [kv.split("=")[0] for kv in last] == ["torch_gpu_tok_s", "refit_s", "grpo_step_s"]
+    assert all(kv.split("=")[1] != "NA" for kv in last)
+
+
+def _wheel_requires(path: Path) -> list[Requirement]:
+    from tests.gpu.make_wheelhouse import wheel_requires
+
+    return [Requirement(r) for r in wheel_requires(path)[2]]
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory):
+    """A wheelhouse for THIS interpreter's platform (so it can be installed here, offline),
+    against the GPU machine's package list, install_requires only (the test extra adds wandb's
+    20 MiB; the same code path)."""
+    out = tmp_path_factory.mktemp("wh") / "wheels"
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    proc = run(["bash", "tests/gpu/make_wheelhouse.sh", str(out), "--python-version", py, "--extras", ""],
+               {"PYTHON": sys.executable}, timeout=600)
+    if proc.returncode and "Could not" in proc.stderr and "resolve" in proc.stderr.lower():
+        pytest.skip(f"the package registry is not reachable: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return out, proc.stdout
+
+
+@pytest.mark.slow  # the package registry: tens of seconds
+def test_make_wheelhouse_brings_exactly_what_the_target_lacks(wheelhouse):
+    out, stdout = wheelhouse
+    have = read_have(REPO / "tests/gpu/gpu_machine_packages.txt")
+    wheels = {canonicalize_name(parse_wheel_filename(w.name)[0]): w for w in out.glob("*.whl")}
+    direct_reqs = setup_requirements()["install_requires"]
+    direct = {canonicalize_name(r.name) for r in direct_reqs}
+    asked = {}  # name -> the extras anyone asks of it (numcodecs[crc32c] brings crc32c)
+    for r in [*direct_reqs, *(d for w in wheels.values() for d in _wheel_requires(w))]:
+        if r.marker is None or r.marker.evaluate({"extra": ""}):
+            asked.setdefault(canonicalize_name(r.name), {""}).update(r.extras)
+    assert direct - set(have) - set(SKIP) <= set(wheels)   # every requirement the target lacks ...
+    assert not set(wheels) & (set(have) | set(SKIP))       # ... and nothing it has or cannot take
+    assert {"megatron-core", "pydantic", "zarr", "numcodecs", "submitit"} <= set(wheels)
+    reached = set()
+    for name, w in wheels.items():                         # closed: every dependency is there
+        for r in _wheel_requires(w):
+            dep = canonicalize_name(r.name)
+            if r.marker is None or any(r.marker.evaluate({"extra": e}) for e in asked.get(name, {""})):
+                assert dep in wheels or dep in have or dep in SKIP, f"{name} needs {r}"
+                reached.add(dep)
+    assert set(wheels) <= reached | direct, f"not needed: {set(wheels) - reached - direct}"  # exact: no extras
+    here = set(sys_tags())
+    for w in wheels.values():                              # built for the target (here: this interpreter)
+        assert set(parse_wheel_filename(w.name)[3]) & here, w.name
+        zipfile.ZipFile(w).testzip()
+    total = sum(w.stat().st_size for w in wheels.values())
+    assert total <= 60 * 2**20 and f"{len(wheels)} wheels" in stdout
+    manifest = (out / "MANIFEST.txt").read_text()
+    assert "skipped nvidia-pytriton" in manifest and all(w.name in manifest for w in wheels.values())
+    assert Tag("cp312", "cp312", "manylinux_2_28_x86_64")  # the default target's tag is well-formed
+
+
+@pytest.mark.slow  # the package registry: tens of seconds
+def test_the_wheelhouse_installs_offline_beside_the_environment(wheelhouse, tmp_path):
+    """run_gpu_checks.sh's install: --no-index --no-deps --target, nothing in the environment touched."""
+    out, _ = wheelhouse
+    target = tmp_path / "deps"
+    wheels = sorted(str(w) for w in out.glob("*.whl"))
+    proc = run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-index",
+                "--find-links", str(out), "--no-deps", "--target", str(target), *wheels], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    code = "import zarr, submitit, pydantic, megatron.core; print(zarr.__file__); print(megatron.core.__file__)"
+    proc = run([sys.executable, "-c", code], {"PYTHONPATH": str(target)}, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert all(line.startswith(str(target)) for line in proc.stdout.split())
+
+
+@pytest.mark.slow  # the package registry: tens of seconds
+def test_make_wheelhouse_refuses_over_its_limit(tmp_path):
+    # the target has everything but submitit: a small download, then over a tiny limit
+    have = tmp_path / "have.txt"
+    names = {canonicalize_name(r.name) for r in setup_requirements()["install_requires"]} - {"submitit"}
+    have.write_text("\n".join(sorted(names | {"typing-extensions"})) + "\n")
+    out = tmp_path / "wheels"
+    proc = run(["bash", "tests/gpu/make_wheelhouse.sh", str(out), "--have", str(have), "--extras", "",
+                "--max-mib", "0.01"], {"PYTHON": sys.executable}, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
+    assert "REFUSED" in proc.stderr and "over the limit of 0.01 MiB" in proc.stderr and "submitit" in proc.stderr
+    assert not out.exists()
