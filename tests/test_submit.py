@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -134,3 +136,48 @@ def test_status_names_the_rank_that_failed_first(tmp_path, launcher, rank, why):
     failed = failing_rank(rd, "critic", lines=2)
     assert (failed.component, failed.rank, failed.why) == ("critic", rank, why)
     assert failed.log == logs / f"rank{rank}.log" and failed.tail == (logs / f"rank{rank}.log").read_text().splitlines()[-2:]
+
+
+def _scontrol_fields(job_id: str, name: str) -> list[str]:
+    """A field of every component of a job, as Slurm stored it (`scontrol show job`)."""
+    text = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True).stdout
+    # a field runs to the next " Key=" on its line (the values here hold no such text)
+    return [m.group(1).rstrip() for m in re.finditer(rf"(?m)^\s*{name}=(.*?)(?= [A-Z][A-Za-z/:]*=|$)", text)]
+
+
+@pytest.mark.slurm
+def test_sbatch_reads_values_back_exactly(slurm_cluster, tmp_path):
+    """Free-text #SBATCH values (features with & | [], a comment with spaces and #) reach Slurm
+    unchanged: submitted held (never run) and read back with scontrol."""
+    comment = "two words # and a 'quote' \"too\""
+    prof = load_profile("local-slurm", [
+        "components.actor.sbatch_extra.constraint=gpu&hbm80g",
+        "components.critic.sbatch_extra.constraint='[rack1|rack2]'",
+        f"sbatch_extra.comment={json.dumps(comment)}", "sbatch_extra.hold=''"])
+    job = launch_run(load_run_config(EXAMPLE), prof, tmp_path / "run", entry=Entry("report"))
+    try:
+        assert _scontrol_fields(job.job_id, "Features") == ["gpu&hbm80g", "[rack1|rack2]"]
+        assert _scontrol_fields(job.job_id, "Comment") == [comment, comment]
+    finally:
+        subprocess.run(["scancel", job.job_id], check=False)
+
+
+def test_injection_through_the_run_dir_is_refused_and_nothing_submitted(tmp_path):
+    """`--run-dir $'/tmp/x\\ntouch /tmp/PWNED #'` once rendered a script line; now submit refuses it,
+    names the field and the value, writes nothing and never calls sbatch (a fake one records calls)."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    calls = tmp_path / "sbatch_calls"
+    (fake / "sbatch").write_text(f"#!/bin/sh\necho called >> {calls}\necho 1\n")
+    (fake / "sbatch").chmod(0o755)
+    pwned = tmp_path / "PWNED"
+    run_dir = f"{tmp_path}/x\ntouch {pwned} #"
+    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
+    proc = subprocess.run([sys.executable, "-m", "slurm_align.cli", "submit", str(EXAMPLE), "--profile", "local-slurm",
+                           "--run-dir", run_dir, "--entry", "report"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode != 0
+    msg = " ".join((proc.stdout + proc.stderr).split())
+    assert "--run-dir" in msg and "control characters" in msg and "touch" in msg, msg
+    assert not calls.exists() and not pwned.exists()
+    assert not any(p.name.startswith("x") for p in tmp_path.iterdir())

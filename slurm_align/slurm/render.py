@@ -4,9 +4,10 @@ The script runs in the run directory and starts each rank as `python -m slurm_al
 the package installed where the job runs (a venv, or the container of a container profile) is
 what runs, never a path into the submitting machine's source tree.
 
-Every profile value reaches the script either shell-quoted (exports, commands) or checked
-against a strict character set (#SBATCH lines, which sbatch reads itself): a value such as
-`x; rm -rf ~` can never run. Secrets appear by name only.
+Every profile value reaches the script shell-quoted (exports, commands, and #SBATCH values, which
+sbatch unquotes the same way), Slurm names are checked against a strict character set, and no
+value may hold a control character (a newline would start a script line of its own): a value such
+as `x; rm -rf ~` can never run. Secrets appear by name only.
 """
 
 from __future__ import annotations
@@ -26,8 +27,52 @@ from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import ROLLOUT_ALGORITHMS, RunConfig
 from slurm_align.rundir import RunDir
 
-# What may stand in an #SBATCH value: no spaces, quotes, newlines or shell metacharacters.
-_SBATCH_VALUE = re.compile(r"^[A-Za-z0-9_.,:@%/+=\-\[\]]*$")
+# Slurm names (partition, account, qos) and sizes (time, mem): no spaces, quotes or shell
+# metacharacters (no real name has them, and a typo with them is better caught here).
+_NAME_VALUE = re.compile(r"^[A-Za-z0-9_.,:@%/+=\-\[\]]*$")
+# No rendered value may hold a control character: a newline would end a comment or an #SBATCH
+# line and start a script line of its own (shell injection), and sbatch stops reading directives
+# at the first non-comment line.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def refuse_control_characters(field: str, value: object, source: str | None = None) -> None:
+    text = str(value)
+    if _CONTROL.search(text):
+        raise ConfigError.at(field, text, "control characters (newline, tab, escape, ...) are not allowed: "
+                             "the value is written into the job script", source=source)
+
+
+def _walk(prefix: str, value: object):
+    """(dotted field, text) for every string in a dumped model, lists indexed."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _walk(f"{prefix}.{k}" if prefix else str(k), v)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _walk(f"{prefix}[{i}]", v)
+    elif isinstance(value, (str, Path)):
+        yield prefix, str(value)
+
+
+def check_rendered_values(profile: ClusterProfile, run_dir: Path, entry: "Entry") -> None:
+    """Every value that reaches the script, checked before anything is written or submitted."""
+    refuse_control_characters("--run-dir", run_dir)
+    for field, text in _walk("", profile.model_dump(mode="json")):
+        refuse_control_characters(field, text, source=f"profile '{profile.name}'")
+    for comp, args in (entry.extra_args or {}).items():
+        for i, arg in enumerate(args):
+            refuse_control_characters(f"entry.extra_args.{comp}[{i}]", arg)
+    for comp, path in (entry.scripts or {}).items():
+        refuse_control_characters(f"entry.scripts.{comp}", path)
+    if profile.kind == "slurm":
+        for ch, why in (("\\", "sbatch drops a backslash from #SBATCH values, so --output would name "
+                                "another path"),
+                        ("%", "sbatch reads % in --output as a pattern (%j, %N, ...), so the log would "
+                              "go to another path")):
+            if ch in str(run_dir):
+                raise ConfigError.at("--run-dir", str(run_dir), f"may not contain {ch!r} on a Slurm "
+                                     f"profile: {why}")
 
 
 @dataclass(frozen=True)
@@ -36,6 +81,7 @@ class ComponentScript:
     ranks: int
     sbatch: list[str]      # "--key=value" flags for this component's #SBATCH lines
     start: list[str]       # already-quoted launcher prefix (srun ... / mpirun ...)
+    env: list[str]         # already-quoted NAME=value for this component's launcher line
     command: list[str]     # the rank's command, quoted by the template
 
 
@@ -71,15 +117,25 @@ class Entry:
         return list((self.extra_args or {}).get(component, []))
 
 
-def _flag(key: str, value: object, field: str, profile: ClusterProfile) -> str:
+def _flag(key: str, value: object, field: str, profile: ClusterProfile, *, name: bool = False) -> str:
+    """One `--key=value` for an #SBATCH line, written so that sbatch reads the value back exactly.
+
+    sbatch splits a directive like a shell does: single and double quotes group (and are removed),
+    a backslash escapes (and is removed, even inside single quotes), unquoted `#` after a space
+    ends the line. So free text (constraint `gpu&hbm80g`, `[rack1|rack2]`, a comment with spaces)
+    is shell-quoted, and a backslash is refused (checked with `scontrol show job`, Slurm 22.05;
+    tests/test_render.py::test_sbatch_reads_values_back_exactly)."""
     text = str(value)
-    if not _SBATCH_VALUE.match(text):
+    source = f"profile '{profile.name}'"
+    if name and not _NAME_VALUE.match(text):
         raise ConfigError.at(
             field, text,
-            "sbatch values may only hold letters, digits and _ . , : @ % / + = - [ ] "
-            "(no spaces, quotes or shell metacharacters)",
-            source=f"profile '{profile.name}'")
-    return f"--{key}={text}" if text != "" else f"--{key}"
+            "Slurm names and sizes may only hold letters, digits and _ . , : @ % / + = - [ ] "
+            "(no spaces, quotes or shell metacharacters)", source=source)
+    if "\\" in text:
+        raise ConfigError.at(field, text, "sbatch drops a backslash from #SBATCH values (even quoted); "
+                             "write the value without one", source=source)
+    return f"--{key}={shlex.quote(text)}" if text != "" else f"--{key}"
 
 
 def _component_flags(profile: ClusterProfile, comp: str) -> list[str]:
@@ -88,37 +144,75 @@ def _component_flags(profile: ClusterProfile, comp: str) -> list[str]:
     flags = []
     partition = res.partition or profile.partition
     if partition:
-        flags.append(_flag("partition", partition, f"{path}.partition" if res.partition else "partition", profile))
-    for key, value, field in (("account", profile.account, "account"), ("qos", profile.qos, "qos"),
-                              ("constraint", profile.constraint, "constraint")):
+        flags.append(_flag("partition", partition, f"{path}.partition" if res.partition else "partition",
+                           profile, name=True))
+    for key, value in (("account", profile.account), ("qos", profile.qos)):
         if value:
-            flags.append(_flag(key, value, field, profile))
-    flags.append(_flag("time", res.time or profile.time, f"{path}.time" if res.time else "time", profile))
+            flags.append(_flag(key, value, key, profile, name=True))
+    if profile.constraint:
+        flags.append(_flag("constraint", profile.constraint, "constraint", profile))
+    flags.append(_flag("time", profile.time, "time", profile, name=True))   # one limit for the whole job
     flags.append(f"--nodes={res.nodes}")
     flags.append(f"--ntasks-per-node={res.tasks_per_node}")
     flags.append(f"--cpus-per-task={res.cpus_per_task}")
     if res.gpus_per_node:
         flags.append(f"--gpus-per-node={res.gpus_per_node}")
     if res.mem is not None:
-        flags.append(_flag("mem", res.mem, f"{path}.mem", profile))
+        flags.append(_flag("mem", res.mem, f"{path}.mem", profile, name=True))
     for key, value in profile.sbatch_extra.items():
         flags.append(_flag(key, value, f"sbatch_extra.{key}", profile))
+    for key, value in res.sbatch_extra.items():
+        flags.append(_flag(key, value, f"{path}.sbatch_extra.{key}", profile))
     return flags
 
 
+def _refuse_array_on_hetjob(profile: ClusterProfile, components: list[str]) -> None:
+    """Slurm has no job arrays of heterogeneous jobs (sbatch refuses the pair)."""
+    fields = [("sbatch_extra.array", profile.sbatch_extra)] + [
+        (f"components.{c}.sbatch_extra.array", profile.resources(c).sbatch_extra) for c in components]
+    for field, extra in fields:
+        if "array" in extra:
+            raise ConfigError.at(field, extra["array"], "a job array cannot be a heterogeneous job (Slurm "
+                                 f"supports neither); this run has {len(components)} components "
+                                 f"({', '.join(components)}): submit one job per array index instead "
+                                 "(e.g. `slurm-align sweep`)", source=f"profile '{profile.name}'")
+
+
 def _start_prefix(profile: ClusterProfile, comp: str, het_group: int | None) -> list[str]:
+    """The launcher in front of a component's ranks, each word already shell-quoted.
+
+    srun gets the CPU count itself: since Slurm 22.05 it no longer inherits sbatch's
+    --cpus-per-task (each rank would get one core). `--wait` is always written so a site's
+    WaitTime does not kill a rank still saving after the others ended."""
     res = profile.resources(comp)
     if profile.kind == "local":
         return [shlex.quote(profile.mpirun), "--oversubscribe", "--bind-to", "none", "-n", str(res.ranks)]
     prefix = ["srun"]
     if het_group is not None:
         prefix.append(f"--het-group={het_group}")
-    prefix += [f"--mpi={profile.mpi}", "--kill-on-bad-exit=1"]
+    prefix += [f"--mpi={profile.mpi}", "--kill-on-bad-exit=1", f"--wait={profile.srun_wait_s}",
+               f"--cpus-per-task={res.cpus_per_task}", shlex.quote(f"--cpu-bind={res.cpu_bind}")]
+    if res.gpus_per_task is not None:
+        prefix.append(f"--gpus-per-task={res.gpus_per_task}")
+    if res.gpu_bind is not None:
+        prefix.append(shlex.quote(f"--gpu-bind={res.gpu_bind}"))
     if profile.container:
         prefix.append(shlex.quote(f"--container-image={profile.container.image}"))
         if profile.container.mounts:
             prefix.append(shlex.quote(f"--container-mounts={','.join(profile.container.mounts)}"))
+    prefix += [shlex.quote(opt) for opt in res.srun_extra]
     return prefix
+
+
+def _component_env(profile: ClusterProfile, comp: str) -> list[str]:
+    """Variables set on this component's launcher line only (they differ per component)."""
+    res = profile.resources(comp)
+    env = {}
+    if profile.kind == "slurm":
+        env["SRUN_CPUS_PER_TASK"] = res.cpus_per_task   # for any srun the ranks start themselves
+    if "OMP_NUM_THREADS" not in profile.env:   # the profile's own value wins
+        env["OMP_NUM_THREADS"] = res.cpus_per_task
+    return [f"{k}={shlex.quote(str(v))}" for k, v in env.items()]
 
 
 def _emulated_env(run: RunConfig, profile: ClusterProfile) -> str:
@@ -162,6 +256,7 @@ def job_python(profile: ClusterProfile) -> str:
 
 def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry: Entry = Entry()) -> str:
     """The whole job script for this run on this profile (nothing is written or submitted)."""
+    check_rendered_values(profile, Path(run_dir), entry)
     rd = RunDir(Path(run_dir).resolve())
     python = job_python(profile)
     hetjob = profile.kind == "slurm" and len(run.components) > 1
@@ -176,8 +271,11 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
             ranks=res.ranks,
             sbatch=_component_flags(profile, comp) if profile.kind == "slurm" else [],
             start=_start_prefix(profile, comp, i if hetjob else None),
+            env=_component_env(profile, comp),
             command=[python, "-u", *entry.program(run, comp), "--run-dir", str(rd.root), *entry.args(comp)],
         ))
+    if hetjob:
+        _refuse_array_on_hetjob(profile, list(run.components))
     job_name = re.sub(r"[^A-Za-z0-9_.-]", "_", f"sa-{run.algorithm}-{rd.root.name}")[:64]
     return _environment().get_template(template_name(run, profile)).render(
         version=__version__,

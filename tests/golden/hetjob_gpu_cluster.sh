@@ -9,7 +9,7 @@
 #SBATCH --partition=gpu
 #SBATCH --account=my-project
 #SBATCH --qos=normal
-#SBATCH --constraint=h100
+#SBATCH --constraint='gpu&hbm80g'
 #SBATCH --time=04:00:00
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=8
@@ -22,7 +22,7 @@
 #SBATCH --partition=gpu
 #SBATCH --account=my-project
 #SBATCH --qos=normal
-#SBATCH --constraint=h100
+#SBATCH --constraint='gpu&hbm80g'
 #SBATCH --time=04:00:00
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8
@@ -31,10 +31,12 @@
 #SBATCH --mem=0
 #SBATCH --exclusive
 
-set -euo pipefail
+# Exit codes: 0 completed (or stopped and requeued), 1 a component failed,
+# 75 stopped at a checkpoint and not requeued (`slurm-align status` shows STOPPED).
+set -eo pipefail
 export NCCL_IB_SL=1
+set -u   # only now: Lmod's `module` and many set-up scripts read unset variables
 export NCCL_DEBUG=WARN
-export OMP_NUM_THREADS=8
 # secret WANDB_API_KEY: inherited from the submitting shell by name, never written here
 if [[ -z "${WANDB_API_KEY+x}" ]]; then echo "slurm-align: secret variable WANDB_API_KEY is not set in the job environment" >&2; exit 1; fi
 export WANDB_API_KEY
@@ -76,7 +78,8 @@ trap 'request_stop TERM' TERM
 mkdir -p /scratch/runs/golden/logs/actor
 # shellcheck disable=SC2016  # $rank and $@ expand on each rank, not here
 SLURM_ALIGN_COMPONENT=actor SLURM_ALIGN_LOG_DIR=/scratch/runs/golden/logs/actor \
-  srun --het-group=0 --mpi=pmix --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/nemo:25.04 --container-mounts=/lustre/datasets:/data:ro,/lustre/users/me:/work \
+  SRUN_CPUS_PER_TASK=12 OMP_NUM_THREADS=12 \
+  srun --het-group=0 --mpi=pmix --kill-on-bad-exit=1 --wait=0 --cpus-per-task=12 --cpu-bind=cores --gpus-per-task=1 --gpu-bind=closest --container-image=nvcr.io/nvidia/nemo:25.04 --container-mounts=/lustre/datasets:/data:ro,/lustre/users/me:/work \
   bash -c 'rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
   slurm-align-rank /opt/venv/bin/python -u -m slurm_align.launchers.report --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/actor/launcher.log 2>&1 &
 pids+=("$!")
@@ -86,7 +89,8 @@ names+=(actor)
 mkdir -p /scratch/runs/golden/logs/critic
 # shellcheck disable=SC2016  # $rank and $@ expand on each rank, not here
 SLURM_ALIGN_COMPONENT=critic SLURM_ALIGN_LOG_DIR=/scratch/runs/golden/logs/critic \
-  srun --het-group=1 --mpi=pmix --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/nemo:25.04 --container-mounts=/lustre/datasets:/data:ro,/lustre/users/me:/work \
+  SRUN_CPUS_PER_TASK=12 OMP_NUM_THREADS=12 \
+  srun --het-group=1 --mpi=pmix --kill-on-bad-exit=1 --wait=0 --cpus-per-task=12 --cpu-bind=cores --container-image=nvcr.io/nvidia/nemo:25.04 --container-mounts=/lustre/datasets:/data:ro,/lustre/users/me:/work \
   bash -c 'rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
   slurm-align-rank /opt/venv/bin/python -u -m slurm_align.launchers.report --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/critic/launcher.log 2>&1 &
 pids+=("$!")

@@ -19,7 +19,10 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task=1
 
-set -euo pipefail
+# Exit codes: 0 completed (or stopped and requeued), 1 a component failed,
+# 75 stopped at a checkpoint and not requeued (`slurm-align status` shows STOPPED).
+set -eo pipefail
+set -u   # only now: Lmod's `module` and many set-up scripts read unset variables
 export OMP_NUM_THREADS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -61,7 +64,8 @@ trap 'request_stop TERM' TERM
 mkdir -p /scratch/runs/golden/logs/actor
 # shellcheck disable=SC2016  # $rank and $@ expand on each rank, not here
 SLURM_ALIGN_COMPONENT=actor SLURM_ALIGN_LOG_DIR=/scratch/runs/golden/logs/actor \
-  srun --het-group=0 --mpi=pmix --kill-on-bad-exit=1 \
+  SRUN_CPUS_PER_TASK=1 \
+  srun --het-group=0 --mpi=pmix --kill-on-bad-exit=1 --wait=0 --cpus-per-task=1 --cpu-bind=cores \
   bash -c 'rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
   slurm-align-rank /opt/venv/bin/python -u -m slurm_align.launchers.report --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/actor/launcher.log 2>&1 &
 pids+=("$!")
@@ -71,7 +75,8 @@ names+=(actor)
 mkdir -p /scratch/runs/golden/logs/critic
 # shellcheck disable=SC2016  # $rank and $@ expand on each rank, not here
 SLURM_ALIGN_COMPONENT=critic SLURM_ALIGN_LOG_DIR=/scratch/runs/golden/logs/critic \
-  srun --het-group=1 --mpi=pmix --kill-on-bad-exit=1 \
+  SRUN_CPUS_PER_TASK=1 \
+  srun --het-group=1 --mpi=pmix --kill-on-bad-exit=1 --wait=0 --cpus-per-task=1 --cpu-bind=cores \
   bash -c 'rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
   slurm-align-rank /opt/venv/bin/python -u -m slurm_align.launchers.report --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/critic/launcher.log 2>&1 &
 pids+=("$!")
