@@ -14,6 +14,7 @@ import pytest
 
 from slurm_align import REPO_ROOT
 from slurm_align.config import load_profile, load_run_config
+from slurm_align.config.errors import ConfigError
 from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.render import Entry
 
@@ -165,14 +166,9 @@ def test_sbatch_reads_values_back_exactly(slurm_cluster, tmp_path):
 def test_injection_through_the_run_dir_is_refused_and_nothing_submitted(tmp_path):
     """`--run-dir $'/tmp/x\\ntouch /tmp/PWNED #'` once rendered a script line; now submit refuses it,
     names the field and the value, writes nothing and never calls sbatch (a fake one records calls)."""
-    fake = tmp_path / "bin"
-    fake.mkdir()
-    calls = tmp_path / "sbatch_calls"
-    (fake / "sbatch").write_text(f"#!/bin/sh\necho called >> {calls}\necho 1\n")
-    (fake / "sbatch").chmod(0o755)
+    env, calls = _fake_sbatch(tmp_path)
     pwned = tmp_path / "PWNED"
     run_dir = f"{tmp_path}/x\ntouch {pwned} #"
-    env = {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}
     proc = subprocess.run([sys.executable, "-m", "slurm_align.cli", "submit", str(EXAMPLE), "--profile", "local-slurm",
                            "--run-dir", run_dir, "--entry", "report"], capture_output=True, text=True, env=env,
                           timeout=120)
@@ -181,3 +177,65 @@ def test_injection_through_the_run_dir_is_refused_and_nothing_submitted(tmp_path
     assert "--run-dir" in msg and "control characters" in msg and "touch" in msg, msg
     assert not calls.exists() and not pwned.exists()
     assert not any(p.name.startswith("x") for p in tmp_path.iterdir())
+
+
+# --- which profile, and paths the compute nodes must see ------------------------------------------
+def _fake_sbatch(tmp_path: Path) -> tuple[dict, Path]:
+    """PATH with an sbatch that only records that it was called (nothing may reach it)."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    calls = tmp_path / "sbatch_calls"
+    (fake / "sbatch").write_text(f"#!/bin/sh\necho called >> {calls}\necho 1\n")
+    (fake / "sbatch").chmod(0o755)
+    return {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}, calls
+
+
+def test_hostname_pattern_picks_the_profile(tmp_path, monkeypatch):
+    from slurm_align.slurm.choose import choose_profile
+
+    mine = tmp_path / "profiles"
+    mine.mkdir()
+    (mine / "bigiron.yaml").write_text("kind: slurm\npartition: gpu\nhostname_pattern: '^login[0-9]+\\.bigiron\\.'\n")
+    monkeypatch.setenv("SLURM_ALIGN_PROFILE_PATH", str(mine))
+    assert choose_profile(None, hostname="login3.bigiron.example.org", has_sbatch=True).name == "bigiron"
+    assert choose_profile(None, hostname="laptop", has_sbatch=False).name == "local"
+    assert choose_profile("local-slurm", hostname="login3.bigiron.example.org").name == "local-slurm"
+    with pytest.raises(ConfigError) as info:
+        choose_profile(None, hostname="login3.othercluster", has_sbatch=True)
+    msg = str(info.value)
+    assert "'--profile'" in msg and "login3.othercluster" in msg and "(login) node" in msg
+    assert "bigiron" in msg and "local-slurm" in msg   # the profiles to choose from
+
+
+def test_submit_without_profile_on_a_slurm_machine_is_refused(tmp_path):
+    env, calls = _fake_sbatch(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "slurm_align.cli", "submit", str(EXAMPLE), "--run-dir",
+                           str(tmp_path / "run"), "--entry", "report"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    msg = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2, msg
+    assert "hostname_pattern" in msg and "available: " in msg and "local-slurm" in msg, msg
+    assert not calls.exists() and not (tmp_path / "run").exists()
+
+
+def test_slurm_profile_refuses_node_local_run_dir_and_interpreter(tmp_path):
+    """tmp_path is under /tmp: fine for the one-host test cluster (shared_tmp: true), refused for a
+    Slurm profile without it, naming the field, the value and the reason, before anything is written."""
+    prof = load_profile("local-slurm", ["shared_tmp=false", "python=/tmp/venv/bin/python"])
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError) as info:
+        launch_run(load_run_config(EXAMPLE), prof, run_dir, entry=Entry("report"))
+    msg = str(info.value)
+    assert "'--run-dir'" in msg and str(run_dir) in msg and "each node's own" in msg
+    assert "'python'" in msg and "/tmp/venv/bin/python" in msg and "shared_tmp" in msg
+    assert not run_dir.exists()
+
+
+def test_run_root_holds_new_run_directories(tmp_path, monkeypatch):
+    monkeypatch.setenv("I19_SCRATCH", str(tmp_path / "scratch"))
+    proc = _cli("render", str(EXAMPLE), "--profile", "local-slurm", "-P", "run_root=$I19_SCRATCH/slurm-align")
+    assert proc.returncode == 0, proc.stderr
+    assert f"for run {tmp_path}/scratch/slurm-align/ppo-" in proc.stdout
+    monkeypatch.delenv("I19_SCRATCH")
+    proc = _cli("render", str(EXAMPLE), "--profile", "local-slurm", "-P", "run_root=$I19_SCRATCH/slurm-align")
+    assert proc.returncode == 2 and "run_root" in proc.stderr and "not set" in proc.stderr, proc.stderr

@@ -271,9 +271,11 @@ class PPOActor:
                 self.tracer.step_done(step)
                 last = step == run.ppo.num_steps
                 saved = bool((run.ppo.save_interval and step % run.ppo.save_interval == 0) or last)
+                # Metrics before the checkpoint: a checkpoint then always has its step's metrics
+                # (a stop at Slurm's TERM keeps the newest checkpoint; a resume drops later lines).
+                self.log(metrics, progress.console)
                 if saved:
                     self.save_checkpoint(step)
-                self.log(metrics, progress.console)
                 progress.update(task, completed=step)
                 if stop is not None and stop.after_step(step, last=last, saved=saved, save=self.save_checkpoint):
                     return True

@@ -191,7 +191,17 @@ class ClusterProfile(StrictModel):
     sbatch_extra: dict[str, str] = {}
     """Extra `#SBATCH --key=value` lines for the whole job."""
     hostname_pattern: str | None = None
-    """Regex matched against the login node's hostname to pick this profile automatically."""
+    """Regex searched in the login node's hostname: without --profile, the first profile whose
+    pattern matches is taken (slurm_align.slurm.choose). On a machine with sbatch and no match,
+    submit refuses rather than run on the login node."""
+    run_root: str | None = None
+    """Folder for new run directories when --run-dir is not given (e.g. '$SCRATCH/slurm-align';
+    $VARS and ~ are expanded at submit); default ./runs. It must be on a file system every node
+    sees."""
+    shared_tmp: bool = False
+    """The compute nodes share /tmp (and the other usually node-local folders) with the submitting
+    machine: only true for a one-host cluster such as the local test cluster. False: a 'slurm'
+    profile refuses a run directory or interpreter under /tmp, /var/tmp, /dev/shm, /run, /local."""
     signal_grace_s: int = Field(300, ge=0, le=65535)
     """Seconds before the time limit at which Slurm warns the job (`#SBATCH --signal=B:USR2@N`):
     the actor ranks then agree on a stop point at the next step boundary and every role saves

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from slurm_align.algorithms.preemption import ignore_stop_signal
+from slurm_align.algorithms.preemption import critic_survives_term, ignore_stop_signal
 from slurm_align.config import load_run_config
 from slurm_align.config.run import RunConfig
 from slurm_align.critic.channel import Command, CommandChannel
@@ -147,6 +147,7 @@ def main(run_dir: str | Path) -> int:
     run = load_run_config(rd.config)
     env = init_distributed()
     ignore_stop_signal()   # the actor decides when to stop and saves the critic
+    critic_survives_term(rd)   # Slurm's preemption TERM: serve on until the actor has saved
     try:
         return run_critic(run, rd, env)
     except BaseException:

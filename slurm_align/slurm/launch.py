@@ -32,7 +32,8 @@ from slurm_align.rundir import RunDir, create_run_secret, write_atomic
 from slurm_align.slurm import state as job_state
 from slurm_align.slurm.capacity import check_fits_cluster
 from slurm_align.slurm.executor import HetjobExecutor
-from slurm_align.slurm.render import Entry, render_script
+from slurm_align.slurm.choose import check_shared_paths
+from slurm_align.slurm.render import Entry, job_python, render_script
 
 
 @dataclass
@@ -227,6 +228,7 @@ def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow
     run = resolve_input_paths(run).model_copy(update={"run_dir": rd.root})
     check_runnable(run, profile)
     script = render_script(run, profile, rd.root, entry)   # raises ConfigError on bad values
+    check_shared_paths(profile, rd.root, job_python(profile))
     check_fits_cluster(profile, run.components)            # after render: values are checked then
     _check_not_running(rd)
 

@@ -24,11 +24,32 @@ export SLURM_ALIGN_COMPONENTS=actor
 
 cd /scratch/runs/golden
 
-# A requeued job runs this script again: clear what the previous start left behind.
-rm -f "$SLURM_ALIGN_RUN_DIR"/logs/*/exit_code "$SLURM_ALIGN_RUN_DIR/logs/first_failure" \
-  "$SLURM_ALIGN_RUN_DIR/stop_requested" "$SLURM_ALIGN_RUN_DIR/stopped_step"
+# A requeued job (by this script or by Slurm itself: preemption, a node failure) runs this script
+# again: clear what the previous start left behind, the critic's address first (its host:port
+# may belong to another process by now; the actor accepts only an address of this start).
+export SLURM_ALIGN_START="${SLURM_JOB_ID:-local-$$}:${SLURM_RESTART_COUNT:-0}"
+rm -f "$SLURM_ALIGN_RUN_DIR/critic_address.json" "$SLURM_ALIGN_RUN_DIR"/logs/*/exit_code \
+  "$SLURM_ALIGN_RUN_DIR/logs/first_failure" "$SLURM_ALIGN_RUN_DIR/stop_requested" \
+  "$SLURM_ALIGN_RUN_DIR/stopped_step" "$SLURM_ALIGN_RUN_DIR/stopped_by"
 # shellcheck disable=SC2329  # called from the traps below
 event() { echo "{\"event\": \"$1\", \"time\": $(date +%s.%N)${2:+, $2}}" >>"$SLURM_ALIGN_RUN_DIR/preemption.jsonl"; }
+# Requeues are counted by Slurm (SLURM_RESTART_COUNT: every requeue, Slurm's own included), and
+# max_requeues holds for all of them: past it this start ends at once as STOPPED.
+restarts="${SLURM_RESTART_COUNT:-0}"
+echo "$restarts" >"$SLURM_ALIGN_RUN_DIR/.requeue_count.tmp"
+mv "$SLURM_ALIGN_RUN_DIR/.requeue_count.tmp" "$SLURM_ALIGN_RUN_DIR/requeue_count"
+if (( restarts > 0 )); then
+  event started "\"restart_count\": $restarts"
+fi
+if (( restarts > 0 )); then
+  echo "slurm-align: this job was requeued $restarts times, more than max_requeues=0 (requeue false); it ends here (resume: slurm-align submit --resume $SLURM_ALIGN_RUN_DIR)" >&2
+  IFS=, read -r -a all_components <<<"$SLURM_ALIGN_COMPONENTS"
+  for name in "${all_components[@]}"; do
+    mkdir -p "$SLURM_ALIGN_RUN_DIR/logs/$name"
+    echo 75 >"$SLURM_ALIGN_RUN_DIR/logs/$name/exit_code"
+  done
+  exit 75
+fi
 
 pids=()
 names=()
