@@ -239,3 +239,28 @@ def test_run_root_holds_new_run_directories(tmp_path, monkeypatch):
     monkeypatch.delenv("I19_SCRATCH")
     proc = _cli("render", str(EXAMPLE), "--profile", "local-slurm", "-P", "run_root=$I19_SCRATCH/slurm-align")
     assert proc.returncode == 2 and "run_root" in proc.stderr and "not set" in proc.stderr, proc.stderr
+
+
+def test_network_interface_gives_the_critic_and_rendezvous_address(monkeypatch):
+    """profile network.interface: the job script exports it (and NCCL/GLOO_SOCKET_IFNAME); the critic
+    binds to that interface's address and torch's rendezvous advertises it; a name the node does
+    not have is refused listing the interfaces it has."""
+    from slurm_align.config.run import RunConfig
+    from slurm_align.critic.main import bind_host
+    from slurm_align.parallel.bootstrap import INTERFACE_ENV, BootstrapError, _local_address, interface_address
+
+    text = _render_with(["network.interface=lo"])
+    assert "export SLURM_ALIGN_NET_IFNAME=lo\nexport NCCL_SOCKET_IFNAME=lo\nexport GLOO_SOCKET_IFNAME=lo\n" in text
+    assert interface_address("lo") == "127.0.0.1"
+    monkeypatch.setenv(INTERFACE_ENV, "lo")
+    assert bind_host(RunConfig()) == "127.0.0.1" and _local_address(multi_node=True) == "127.0.0.1"
+    assert bind_host(RunConfig(critic_server={"bind_host": "127.0.0.2"})) == "127.0.0.2"   # explicit wins
+    with pytest.raises(BootstrapError, match=r"'nosuch0'.*this node has: .*lo 127.0.0.1"):
+        interface_address("nosuch0")
+
+
+def _render_with(profile_set: list[str]) -> str:
+    from slurm_align.slurm.render import render_script
+
+    return render_script(load_run_config(EXAMPLE), load_profile("local-slurm", profile_set), Path("/scratch/r"),
+                         Entry("report"))

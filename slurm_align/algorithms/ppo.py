@@ -377,6 +377,7 @@ def main(run_dir: str | Path) -> int:
         stop.resumed(actor.start_step, find_latest(rd.checkpoints("actor")))
         actor.run_loop(stop)
     except BaseException:
+        stop.exit_if_stopped_by_term()   # a peer's stop at Slurm's TERM broke a collective: not a failure
         # The other ranks would wait forever in their next collective: print why, then take
         # the whole component down so the job fails at once.
         traceback.print_exc()

@@ -42,6 +42,7 @@ import os
 import signal
 import threading
 import time
+from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, Callable
 
@@ -79,6 +80,11 @@ def block_term() -> bool:
     there is a cancel. True when blocked."""
     if "SLURM_JOB_ID" not in os.environ:
         return False
+    # multiprocessing's resource tracker UNBLOCKS SIGINT and SIGTERM in the calling thread after
+    # it has started its process (CPython bpo-33613), which megatron's checkpoint writer does at
+    # the first save (measured: the actor's main thread then died of Slurm's TERM). Start it now,
+    # then block: later calls find it running and leave the mask alone.
+    resource_tracker.ensure_running()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     return True
 
@@ -186,6 +192,15 @@ class StopPoint:
             print(f"SIGTERM received (Slurm preempts or ends the job): stopped at the checkpoint of step "
                   f"{step}; the step in flight is redone after the restart", flush=True)
         os._exit(0)   # every rank, at once: the others got the same TERM (srun kills none that exit 0)
+
+    def exit_if_stopped_by_term(self) -> None:
+        """Call where a rank failed: when rank 0 has already stopped the run at Slurm's TERM (its
+        exit broke this rank's collective before this rank's own TERM was handled), exit 0 as
+        the others did instead of failing the job."""
+        if self._terminated or (self.rd.stopped_step.exists() and self.rd.stopped_by.exists()
+                                and self.rd.stopped_by.read_text().strip() == "TERM"):
+            print(f"rank {self.rank}: the run stopped at Slurm's SIGTERM; exiting", flush=True)
+            os._exit(0)
 
     def resumed(self, start_step: int, checkpoint: Path | None) -> None:
         """Rank 0 says where a resumed run goes on from (the log line users look for)."""

@@ -142,6 +142,14 @@ class ContainerConfig(StrictModel):
     """Bind mounts 'src:dst[:flags]'."""
 
 
+class NetworkConfig(StrictModel):
+    interface: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]+$")
+    """Network interface of the high-speed network on the compute nodes (e.g. 'ib0', 'hsn0'):
+    the critic binds to its address (else to Slurm's NodeAddr, often the management Ethernet),
+    torch's rendezvous uses it, and NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME are set to it
+    (unless `env` sets them)."""
+
+
 class ClusterProfile(StrictModel):
     """How to run on one cluster (or locally)."""
 
@@ -173,6 +181,8 @@ class ClusterProfile(StrictModel):
     `python -m slurm_align.launchers.<name>`."""
     container: ContainerConfig | None = None
     """Run each component in this container (pyxis)."""
+    network: NetworkConfig = NetworkConfig()
+    """Which network the job's own traffic uses."""
     env: dict[str, str] = {}
     """Plain environment variables exported in the job (values are shell-quoted)."""
     secret_env: list[str] = []

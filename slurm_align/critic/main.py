@@ -7,6 +7,7 @@ ranks follow. All ranks exit when the actor sends critic_shutdown (or the job en
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -24,7 +25,7 @@ from slurm_align.critic.worker import CriticWorker
 from slurm_align.models.checkpoint import find_latest, load_weights, verify_checkpoint
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.weights import full_state_dict, load_full_state_dict
-from slurm_align.parallel.bootstrap import init_distributed
+from slurm_align.parallel.bootstrap import INTERFACE_ENV, init_distributed, interface_address
 from slurm_align.parallel.layout import initialize_model_parallel
 from slurm_align.profiling import phases
 from slurm_align.profiling.timers import Tracer
@@ -121,8 +122,12 @@ def resume_step(rd: RunDir) -> int | None:
 
 
 def bind_host(run: RunConfig) -> str:
+    """critic_server.bind_host, else the address of the profile's network.interface on this node
+    (the high-speed network), else the node's address as Slurm knows it (NodeAddr)."""
     if run.critic_server.bind_host:
         return run.critic_server.bind_host
+    if os.environ.get(INTERFACE_ENV):
+        return interface_address(os.environ[INTERFACE_ENV])
     return HetEnv.from_environ().address("critic")
 
 

@@ -40,6 +40,10 @@ export NCCL_DEBUG=WARN
 # secret WANDB_API_KEY: inherited from the submitting shell by name, never written here
 if [[ -z "${WANDB_API_KEY+x}" ]]; then echo "slurm-align: secret variable WANDB_API_KEY is not set in the job environment" >&2; exit 1; fi
 export WANDB_API_KEY
+# the high-speed network (profile network.interface): the critic, torch's rendezvous, NCCL, gloo
+export SLURM_ALIGN_NET_IFNAME=ib0
+export NCCL_SOCKET_IFNAME=ib0
+export GLOO_SOCKET_IFNAME=ib0
 export SLURM_ALIGN_RUN_DIR=/scratch/runs/golden
 export SLURM_ALIGN_COMPONENTS=actor,critic
 
