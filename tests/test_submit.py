@@ -264,3 +264,23 @@ def _render_with(profile_set: list[str]) -> str:
 
     return render_script(load_run_config(EXAMPLE), load_profile("local-slurm", profile_set), Path("/scratch/r"),
                          Entry("report"))
+
+
+@pytest.mark.slurm
+def test_preflight_fails_the_job_at_once_naming_node_and_reason(slurm_cluster, tmp_path):
+    """An interpreter that does not exist on the compute nodes: the pre-flight step fails the job
+    before any rank starts (bounded: well within the component's hold), and `status` names the
+    component, the node and the reason."""
+    run_dir = tmp_path / "run"
+    hold = Entry("report", {"actor": ["--hold-s", "300"], "critic": ["--hold-s", "300"]})
+    prof = load_profile("local-slurm", ["python=/nonexistent/venv/bin/python"])
+    job = launch_run(load_run_config(EXAMPLE), prof, run_dir, entry=hold)
+    assert job.wait(timeout_s=120, poll_s=0.5) == "FAILED"
+    status = json.loads(_cli("status", str(run_dir), "--json").stdout)
+    failed = status["failed"]
+    assert failed["component"] == "actor" and failed["rank"] is None, status
+    assert "pre-flight failed on node n" in failed["why"] and "/nonexistent/venv/bin/python" in failed["why"], failed
+    assert "cannot import slurm_align" in failed["why"]
+    assert not (run_dir / "reports").exists(), "no rank may start after a failed pre-flight"
+    text = _cli("status", str(run_dir)).stdout
+    assert "actor failed first" in " ".join(text.split()) and "before any rank started" in " ".join(text.split())

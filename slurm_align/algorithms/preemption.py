@@ -23,8 +23,9 @@ waits for the signal (`sigwait`):
 - on the actor's ranks a TERM stops the run at once at its newest complete checkpoint (the step in
   flight cannot finish: the critic's Triton model backends die of the same TERM, see
   StopPoint._on_term); rank 0 writes stopped_step and `stopped_by` = TERM, every rank exits 0, and
-  the script leaves the requeue to Slurm (it requeues a preempted job itself; a second
-  `scontrol requeue` would count twice). With save_interval 1 at most one step is redone;
+  the script requeues the job (with requeue true) as for the warning: a job that ends within
+  GraceTime is not requeued by Slurm itself (measured: FAILED, Restarts=0). With save_interval 1
+  at most one step is redone;
 - the critic's own ranks live on after a TERM until the actor has stopped (stopped_step), then
   exit 0;
 - where the job is being torn down anyway (logs/first_failure or logs/cancelled exists: the script
@@ -112,34 +113,44 @@ def on_term(callback: Callable[[], None]) -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: callback())
 
 
-def critic_survives_term(rd: RunDir, limit_s: float = 900.0, poll_s: float = 0.2) -> None:
-    """For the critic (every rank): a TERM from Slurm's preemption is not the end yet. The actor
-    still needs the critic to finish its step and to save the value model; exit once it has
-    (stopped_step), or at once when the job is being torn down, or after `limit_s` without
-    either. Only where `block_term` blocked TERM (under Slurm): tritonserver, started after it,
-    inherits the block and lives on too."""
+def critic_survives_term(rd: RunDir, limit_s: float = 900.0, poll_s: float = 0.2) -> list[Callable[[], None]]:
+    """For the critic (every rank): a TERM from Slurm's preemption is not the end yet. Exit once
+    the actor has stopped (stopped_step), or at once when the job is being torn down, or after
+    `limit_s` without either. Only where `block_term` blocked TERM (under Slurm).
+
+    Returns a list the caller appends clean-ups to (the server's stop): they run before the exit.
+    They must: tritonserver, started with TERM blocked, would outlive the critic and keep its
+    port (measured: the requeued start's critic then could not bind it)."""
+    cleanups: list[Callable[[], None]] = []
     if not term_blocked():
-        return
+        return cleanups
     started = threading.Event()
+
+    def leave(code: int) -> None:
+        for fn in reversed(cleanups):
+            try:
+                fn()
+            except Exception as exc:   # exiting anyway: say why the clean-up failed
+                print(f"critic: clean-up at SIGTERM failed: {exc!r}", flush=True)
+        os._exit(code)
 
     def wait_for_actor() -> None:
         t0 = time.monotonic()
         while not (rd.stopped_step.exists() or job_ending(rd)) and time.monotonic() - t0 < limit_s:
             time.sleep(poll_s)
         saved = rd.stopped_step.exists()
-        print(f"critic: SIGTERM received; {'the actor saved' if saved else 'the job is ending'}: exiting",
+        print(f"critic: SIGTERM received; {'the actor stopped' if saved else 'the job is ending'}: exiting",
               flush=True)
-        os._exit(0 if saved else TERM_EXIT_CODE)
+        leave(0 if saved else TERM_EXIT_CODE)
 
     def on_signal() -> None:
-        if job_ending(rd) or rd.stopped_step.exists():
-            os._exit(0 if rd.stopped_step.exists() else TERM_EXIT_CODE)
         if not started.is_set():
             started.set()
-            print("critic: SIGTERM received (preemption?): serving on until the actor has saved", flush=True)
+            print("critic: SIGTERM received (preemption?): serving on until the actor has stopped", flush=True)
             threading.Thread(target=wait_for_actor, name="term-wait", daemon=True).start()
 
     on_term(on_signal)
+    return cleanups
 
 
 def ignore_stop_signal() -> None:

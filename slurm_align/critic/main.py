@@ -152,9 +152,9 @@ def main(run_dir: str | Path) -> int:
     run = load_run_config(rd.config)
     env = init_distributed()
     ignore_stop_signal()   # the actor decides when to stop and saves the critic
-    critic_survives_term(rd)   # Slurm's preemption TERM: serve on until the actor has saved
+    on_exit = critic_survives_term(rd)   # Slurm's preemption TERM: serve on until the actor stopped
     try:
-        return run_critic(run, rd, env)
+        return run_critic(run, rd, env, on_exit)
     except BaseException:
         # The other ranks wait for rank 0's next command (or rank 0 for their part of a
         # collective) forever: print why, then take the whole component down at once.
@@ -164,7 +164,7 @@ def main(run_dir: str | Path) -> int:
         raise
 
 
-def run_critic(run: RunConfig, rd: RunDir, env) -> int:
+def run_critic(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) -> int:
     pctx = initialize_model_parallel(env, run.critic.tensor_parallel, run.critic.pipeline_parallel)
     models = build_models(run, pctx)
     swap = ModelSwap(models, keep_resident=run.switches.keep_critic_models_resident)
@@ -181,6 +181,8 @@ def run_critic(run: RunConfig, rd: RunDir, env) -> int:
         server = CriticServer.for_run(rd, bind_host(run), run.critic_server.port,
                                       ServerLimits(max_seq_len=mcfg.max_seq_len, vocab_size=mcfg.vocab_size))
         server.start()
+        if on_exit is not None:
+            on_exit.append(server.stop)   # a TERM exit stops tritonserver too (it would keep the port)
         print(f"critic: serving on {server.host}:{server.port} ({env.world_size} ranks, "
               f"TP={pctx.tp_size} PP={pctx.pp_size} DP={pctx.dp_size})", flush=True)
         try:

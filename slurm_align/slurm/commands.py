@@ -125,7 +125,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"`slurm-align submit --resume {job.run_dir.root}`", highlight=False)
     if st.failed is not None:
         f = st.failed
-        out.print(f"[red]{f.component} failed first[/] (rank {f.rank}: {f.why}); last lines of {f.log}:")
+        where = "before any rank started" if f.rank is None else f"rank {f.rank}"
+        out.print(f"[red]{f.component} failed first[/] ({where}: {f.why}); last lines of {f.log}:")
         for line in f.tail:
             out.print(f"  {line}", highlight=False, markup=False)
     return 0

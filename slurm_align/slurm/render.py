@@ -83,6 +83,8 @@ class ComponentScript:
     start: list[str]       # already-quoted launcher prefix (srun ... / mpirun ...)
     env: list[str]         # already-quoted NAME=value for this component's launcher line
     command: list[str]     # the rank's command, quoted by the template
+    python: str = ""       # the interpreter the ranks run
+    preflight: list[str] = ()   # already-quoted srun prefix of the component's pre-flight step
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,24 @@ def _start_prefix(profile: ClusterProfile, comp: str, het_group: int | None) -> 
     return prefix
 
 
+def _preflight_prefix(profile: ClusterProfile, comp: str, het_group: int | None) -> list[str]:
+    """srun for the pre-flight: one task per node of the component, in the ranks' environment
+    (the same container), failing at once."""
+    if profile.kind != "slurm":
+        return []
+    res = profile.resources(comp)
+    prefix = ["SRUN_CPUS_PER_TASK=1", "srun"]
+    if het_group is not None:
+        prefix.append(f"--het-group={het_group}")
+    prefix += [f"--nodes={res.nodes}", "--ntasks-per-node=1", "--cpus-per-task=1", "--kill-on-bad-exit=1",
+               "--wait=0", "--mpi=none"]
+    if profile.container:
+        prefix.append(shlex.quote(f"--container-image={profile.container.image}"))
+        if profile.container.mounts:
+            prefix.append(shlex.quote(f"--container-mounts={','.join(profile.container.mounts)}"))
+    return prefix
+
+
 def _component_env(profile: ClusterProfile, comp: str) -> list[str]:
     """Variables set on this component's launcher line only (they differ per component)."""
     res = profile.resources(comp)
@@ -272,6 +292,8 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
             sbatch=_component_flags(profile, comp) if profile.kind == "slurm" else [],
             start=_start_prefix(profile, comp, i if hetjob else None),
             env=_component_env(profile, comp),
+            python=python,
+            preflight=_preflight_prefix(profile, comp, i if hetjob else None),
             command=[python, "-u", *entry.program(run, comp), "--run-dir", str(rd.root), *entry.args(comp)],
         ))
     if hetjob:

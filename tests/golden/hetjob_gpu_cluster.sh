@@ -99,6 +99,30 @@ request_stop() {
 }
 trap 'request_stop USR2' USR2
 trap 'request_stop TERM' TERM
+# Pre-flight: every node of every component sees the run directory and can run slurm-align.
+mkdir -p /scratch/runs/golden/logs/actor
+# shellcheck disable=SC2016  # $1, $2 and the node name expand on the node, not here
+if ! SRUN_CPUS_PER_TASK=1 srun --het-group=0 --nodes=4 --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 --wait=0 --mpi=none --container-image=nvcr.io/nvidia/nemo:25.04 --container-mounts=/lustre/datasets:/data:ro,/lustre/users/me:/work \
+  bash -c 'node="${SLURMD_NODENAME:-$(hostname)}"; if [[ ! -d "$2" ]]; then echo "slurm-align pre-flight failed on node $node: run directory $2 is not visible there"; exit 3; fi; if ! out="$("$1" -c "import slurm_align" 2>&1)"; then echo "slurm-align pre-flight failed on node $node: $1 cannot import slurm_align: $(echo "$out" | tail -n 1)"; exit 4; fi' \
+  slurm-align-preflight /opt/venv/bin/python /scratch/runs/golden >>/scratch/runs/golden/logs/actor/preflight.log 2>&1; then
+  reason="$(grep -m 1 "pre-flight failed" /scratch/runs/golden/logs/actor/preflight.log || tail -n 1 /scratch/runs/golden/logs/actor/preflight.log)"
+  echo "slurm-align: component actor: $reason" >&2
+  echo actor >"$SLURM_ALIGN_RUN_DIR/logs/first_failure"
+  echo 1 >/scratch/runs/golden/logs/actor/exit_code
+  exit 1
+fi
+mkdir -p /scratch/runs/golden/logs/critic
+# shellcheck disable=SC2016  # $1, $2 and the node name expand on the node, not here
+if ! SRUN_CPUS_PER_TASK=1 srun --het-group=1 --nodes=2 --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 --wait=0 --mpi=none --container-image=nvcr.io/nvidia/nemo:25.04 --container-mounts=/lustre/datasets:/data:ro,/lustre/users/me:/work \
+  bash -c 'node="${SLURMD_NODENAME:-$(hostname)}"; if [[ ! -d "$2" ]]; then echo "slurm-align pre-flight failed on node $node: run directory $2 is not visible there"; exit 3; fi; if ! out="$("$1" -c "import slurm_align" 2>&1)"; then echo "slurm-align pre-flight failed on node $node: $1 cannot import slurm_align: $(echo "$out" | tail -n 1)"; exit 4; fi' \
+  slurm-align-preflight /opt/venv/bin/python /scratch/runs/golden >>/scratch/runs/golden/logs/critic/preflight.log 2>&1; then
+  reason="$(grep -m 1 "pre-flight failed" /scratch/runs/golden/logs/critic/preflight.log || tail -n 1 /scratch/runs/golden/logs/critic/preflight.log)"
+  echo "slurm-align: component critic: $reason" >&2
+  echo critic >"$SLURM_ALIGN_RUN_DIR/logs/first_failure"
+  echo 1 >/scratch/runs/golden/logs/critic/exit_code
+  exit 1
+fi
+
 # --- component actor: 32 rank(s), logs in /scratch/runs/golden/logs/actor/ ---
 mkdir -p /scratch/runs/golden/logs/actor
 # shellcheck disable=SC2016  # $rank and $@ expand on each rank, not here
