@@ -25,7 +25,8 @@ SHELLCHECK = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) o
 
 CASES = {
     # name: (profile, run-config overrides, profile overrides)
-    "hetjob_gpu_cluster": ("example-gpu-cluster", [], ["python=/opt/venv/bin/python"]),
+    "hetjob_gpu_cluster": ("example-gpu-cluster", ["data.train_path=/lustre/datasets/prompts.jsonl"],
+                           ["python=/opt/venv/bin/python", "container.setup=['source /opt/env.sh']"]),
     "hetjob_local_slurm": ("local-slurm", [], ["python=/opt/venv/bin/python"]),
     "plain_sft": ("local-slurm", ["algorithm=sft"], ["python=/opt/venv/bin/python", "account=proj-1"]),
 }
@@ -69,7 +70,8 @@ def test_hetjob_structure():
 def test_container_job_runs_the_installed_package_in_the_run_dir():
     """No path of the submitting machine's checkout reaches a container job: the ranks run the
     package installed in the container, by module, with the container's python3, in the run dir."""
-    text = render_script(load_run_config(EXAMPLE), load_profile("example-gpu-cluster"), RUN_DIR)
+    run = load_run_config(EXAMPLE, ["data.train_path=/lustre/datasets/prompts.jsonl"])
+    text = render_script(run, load_profile("example-gpu-cluster"), RUN_DIR)
     assert str(REPO_ROOT) not in text and sys.executable not in text
     assert f"cd {RUN_DIR}\n" in text
     for comp in ("actor", "critic"):
@@ -201,3 +203,22 @@ def test_srun_gets_cpus_binding_wait_and_extras():
     text = render_script(load_run_config(EXAMPLE), load_profile("local-slurm", ["components.actor.cpus_per_task=4"]),
                          RUN_DIR, Entry("report"))
     assert "export OMP_NUM_THREADS=1\n" in text and "OMP_NUM_THREADS=4" not in text
+
+
+def test_container_sees_the_run_and_its_inputs_at_their_own_paths():
+    """pyxis: the run dir and every input mounted at the same path (inputs read-only), the run dir
+    as working directory, one named container per component (the pre-flight imports it, the ranks
+    reuse it), home not mounted unless asked, container.setup sourced inside before each rank."""
+    run = load_run_config(EXAMPLE, ["data.train_path=/lustre/datasets/prompts.jsonl",
+                                    "model.init_checkpoint=/lustre/ckpt/sft"])
+    text = render_script(run, load_profile("example-gpu-cluster", ["container.setup=['source /opt/env.sh']"]),
+                         RUN_DIR, Entry("report"))
+    mounts = (f"--container-mounts={RUN_DIR}:{RUN_DIR},/lustre/ckpt/sft:/lustre/ckpt/sft:ro,"
+              "/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/lustre/datasets:/data:ro,"
+              "/lustre/users/me:/work")
+    for comp in ("actor", "critic"):
+        flags = f"--container-name=slurm-align-{comp} --container-workdir={RUN_DIR} {mounts} --no-container-mount-home"
+        assert text.count(flags) == 2, comp   # the pre-flight and the ranks
+    assert text.count('bash -c \'. "$SLURM_ALIGN_RUN_DIR/container_setup.sh"; ') == 4
+    home = render_script(run, load_profile("example-gpu-cluster", ["container.mount_home=true"]), RUN_DIR)
+    assert "--no-container-mount-home" not in home and "container_setup.sh" not in home

@@ -137,9 +137,18 @@ class ComponentResources(StrictModel):
 
 class ContainerConfig(StrictModel):
     image: str
-    """Container image (pyxis/enroot `--container-image`)."""
+    """Container image (pyxis/enroot `--container-image`): `REGISTRY#IMAGE:TAG` (imported on each
+    node) or the path of a squashfs file made once with `enroot import` (on a shared file system)."""
     mounts: list[str] = []
-    """Bind mounts 'src:dst[:flags]'."""
+    """Extra bind mounts 'src:dst[:flags]'. The run directory and every input path of the run
+    (data, checkpoints, HF folders, tokenizer files) are mounted at their own paths anyway."""
+    mount_home: bool = False
+    """Mount the user's home directory (pyxis's default); false: `--no-container-mount-home`, so
+    nothing in ~ (a login-node venv, ~/.local packages) leaks into the container."""
+    setup: list[str] = []
+    """Shell lines run inside the container before each rank (and the pre-flight) starts, e.g.
+    `source /opt/env.sh` (trusted: written by the profile's owner). Written to
+    RUN_DIR/container_setup.sh at submit."""
 
 
 class NetworkConfig(StrictModel):

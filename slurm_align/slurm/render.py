@@ -180,6 +180,51 @@ def _refuse_array_on_hetjob(profile: ClusterProfile, components: list[str]) -> N
                                  "(e.g. `slurm-align sweep`)", source=f"profile '{profile.name}'")
 
 
+CONTAINER_SETUP = "container_setup.sh"
+"""RUN_DIR file with the profile's container.setup lines, sourced inside the container."""
+
+
+def container_setup_text(profile: ClusterProfile) -> str | None:
+    if profile.container is None or not profile.container.setup:
+        return None
+    return "# Rendered by slurm-align from the profile's container.setup; sourced in the container.\n" + \
+        "".join(f"{line}\n" for line in profile.container.setup)
+
+
+def input_paths(run: RunConfig) -> list[Path]:
+    """Every file or folder the run reads (absolute), for the container's mounts."""
+    found = []
+    for section, names in (("data", ("train_path", "val_path")), ("model", ("init_checkpoint", "hf_path")),
+                           ("critic_model", ("init_checkpoint", "hf_path")), ("eval", ("val_path",))):
+        sub = getattr(run, section, None)
+        if sub is None:
+            continue
+        for name in names:
+            if getattr(sub, name, None) is not None:
+                found.append(Path(getattr(sub, name)).absolute())
+        tok = getattr(getattr(sub, "tokenizer", None), "path", None)
+        if tok is not None:
+            found.append(Path(tok).absolute())
+    return sorted(set(found))
+
+
+def _container_flags(profile: ClusterProfile, comp: str, run_dir: Path, inputs: list[Path]) -> list[str]:
+    """pyxis options: the image, named per component (imported once per node and reused by the
+    pre-flight and the ranks), the run directory as working directory, the run directory and the
+    inputs mounted at their own paths, home not mounted unless asked."""
+    c = profile.container
+    mounts = [f"{run_dir}:{run_dir}"] + [f"{p}:{p}:ro" for p in inputs] + list(c.mounts)
+    for m in mounts:
+        if "," in m:
+            raise ConfigError.at("container.mounts", m, "a mount path may not contain ',' (pyxis splits "
+                                 "--container-mounts at commas)", source=f"profile '{profile.name}'")
+    flags = [f"--container-image={c.image}", f"--container-name=slurm-align-{comp}",
+             f"--container-workdir={run_dir}", f"--container-mounts={','.join(mounts)}"]
+    if not c.mount_home:
+        flags.append("--no-container-mount-home")
+    return [shlex.quote(f) for f in flags]
+
+
 def _start_prefix(profile: ClusterProfile, comp: str, het_group: int | None) -> list[str]:
     """The launcher in front of a component's ranks, each word already shell-quoted.
 
@@ -198,10 +243,6 @@ def _start_prefix(profile: ClusterProfile, comp: str, het_group: int | None) -> 
         prefix.append(f"--gpus-per-task={res.gpus_per_task}")
     if res.gpu_bind is not None:
         prefix.append(shlex.quote(f"--gpu-bind={res.gpu_bind}"))
-    if profile.container:
-        prefix.append(shlex.quote(f"--container-image={profile.container.image}"))
-        if profile.container.mounts:
-            prefix.append(shlex.quote(f"--container-mounts={','.join(profile.container.mounts)}"))
     prefix += [shlex.quote(opt) for opt in res.srun_extra]
     return prefix
 
@@ -217,10 +258,6 @@ def _preflight_prefix(profile: ClusterProfile, comp: str, het_group: int | None)
         prefix.append(f"--het-group={het_group}")
     prefix += [f"--nodes={res.nodes}", "--ntasks-per-node=1", "--cpus-per-task=1", "--kill-on-bad-exit=1",
                "--wait=0", "--mpi=none"]
-    if profile.container:
-        prefix.append(shlex.quote(f"--container-image={profile.container.image}"))
-        if profile.container.mounts:
-            prefix.append(shlex.quote(f"--container-mounts={','.join(profile.container.mounts)}"))
     return prefix
 
 
@@ -280,6 +317,11 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
     rd = RunDir(Path(run_dir).resolve())
     python = job_python(profile)
     hetjob = profile.kind == "slurm" and len(run.components) > 1
+    inputs = input_paths(run)
+
+    def containers(comp: str) -> list[str]:
+        return _container_flags(profile, comp, rd.root, inputs) if profile.container and profile.kind == "slurm" else []
+
     components = []
     for i, comp in enumerate(run.components):
         if comp not in profile.components:
@@ -290,10 +332,10 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
             name=comp,
             ranks=res.ranks,
             sbatch=_component_flags(profile, comp) if profile.kind == "slurm" else [],
-            start=_start_prefix(profile, comp, i if hetjob else None),
+            start=_start_prefix(profile, comp, i if hetjob else None) + containers(comp),
             env=_component_env(profile, comp),
             python=python,
-            preflight=_preflight_prefix(profile, comp, i if hetjob else None),
+            preflight=_preflight_prefix(profile, comp, i if hetjob else None) + containers(comp),
             command=[python, "-u", *entry.program(run, comp), "--run-dir", str(rd.root), *entry.args(comp)],
         ))
     if hetjob:
@@ -308,4 +350,5 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
         profile=profile,
         components=components,
         emulate_env=_emulated_env(run, profile),
+        container_setup=container_setup_text(profile) is not None,
     )
