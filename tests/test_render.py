@@ -28,6 +28,7 @@ CASES = {
     "hetjob_gpu_cluster": ("example-gpu-cluster", ["data.train_path=/lustre/datasets/prompts.jsonl"],
                            ["python=/opt/venv/bin/python", "container.setup=['source /opt/env.sh']"]),
     "hetjob_local_slurm": ("local-slurm", [], ["python=/opt/venv/bin/python"]),
+    "single_local_slurm": ("local-slurm", [], ["python=/opt/venv/bin/python", "job_shape=single"]),
     "plain_sft": ("local-slurm", ["algorithm=sft"], ["python=/opt/venv/bin/python", "account=proj-1"]),
 }
 

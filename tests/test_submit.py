@@ -284,3 +284,22 @@ def test_preflight_fails_the_job_at_once_naming_node_and_reason(slurm_cluster, t
     assert not (run_dir / "reports").exists(), "no rank may start after a failed pre-flight"
     text = _cli("status", str(run_dir)).stdout
     assert "actor failed first" in " ".join(text.split()) and "before any rank started" in " ".join(text.split())
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_single_allocation_shape_runs_tiny_ppo_to_completion(slurm_cluster, tmp_path):
+    """job_shape single: one plain job (no hetjob) of 3 nodes; the actor's 2 ranks and the critic
+    run as sruns on disjoint node sets of it, find each other as in a hetjob, and the tiny PPO
+    completes with every step stored."""
+    from slurm_align.store.rollouts import RolloutStore
+    from tests.test_ppo import tiny_run
+
+    run_dir = tmp_path / "run"
+    job = launch_run(tiny_run(), load_profile("local-slurm", ["job_shape=single"]), run_dir)
+    script = (run_dir / "job.sbatch").read_text()
+    state = job.wait(timeout_s=600, poll_s=0.5)
+    assert state == "COMPLETED", "\n".join(p.read_text()[-2000:] for p in (run_dir / "logs").rglob("*.log"))
+    assert "#SBATCH hetjob" not in script and "--het-group" not in script
+    assert RolloutStore.open(run_dir / "rollouts.zarr", read_only=True).steps.tolist() == [1, 2]
+    assert 'srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist="$SLURM_ALIGN_NODELIST_0"' in script

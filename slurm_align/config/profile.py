@@ -190,6 +190,11 @@ class ClusterProfile(StrictModel):
     `python -m slurm_align.launchers.<name>`."""
     container: ContainerConfig | None = None
     """Run each component in this container (pyxis)."""
+    job_shape: Literal["hetjob", "single"] = "hetjob"
+    """'hetjob': one heterogeneous job, a component each. 'single': one plain job over all the
+    components' nodes, each component an srun on a node set of its own (for sites that count every
+    hetjob component against a QOS MaxJobs or disable heterogeneous jobs); addresses, preemption
+    and status work the same."""
     network: NetworkConfig = NetworkConfig()
     """Which network the job's own traffic uses."""
     env: dict[str, str] = {}

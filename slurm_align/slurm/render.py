@@ -23,7 +23,7 @@ import jinja2
 
 from slurm_align import __version__, resources
 from slurm_align.config.errors import ConfigError
-from slurm_align.config.profile import ClusterProfile
+from slurm_align.config.profile import ClusterProfile, ComponentResources
 from slurm_align.config.run import ROLLOUT_ALGORITHMS, RunConfig
 from slurm_align.rundir import RunDir
 
@@ -79,6 +79,7 @@ def check_rendered_values(profile: ClusterProfile, run_dir: Path, entry: "Entry"
 class ComponentScript:
     name: str
     ranks: int
+    nodes: int
     sbatch: list[str]      # "--key=value" flags for this component's #SBATCH lines
     start: list[str]       # already-quoted launcher prefix (srun ... / mpirun ...)
     env: list[str]         # already-quoted NAME=value for this component's launcher line
@@ -141,8 +142,32 @@ def _flag(key: str, value: object, field: str, profile: ClusterProfile, *, name:
 
 
 def _component_flags(profile: ClusterProfile, comp: str) -> list[str]:
-    res = profile.resources(comp)
-    path = f"components.{comp}"
+    return _resource_flags(profile, profile.resources(comp), f"components.{comp}")
+
+
+def _single_allocation(profile: ClusterProfile, components: list[str]) -> ComponentResources:
+    """`job_shape: single`: one allocation big enough for every component on nodes of its own
+    (nodes summed; per node the most tasks, CPUs per task and GPUs any component needs)."""
+    res = [profile.resources(c) for c in components]
+    for field in ("partition", "mem"):
+        values = {getattr(r, field) for r in res}
+        if len(values) > 1:
+            raise ConfigError.at(f"components.*.{field}", sorted(str(v) for v in values),
+                                 "job_shape 'single' is one job: every component needs the same value "
+                                 "(or use job_shape 'hetjob')", source=f"profile '{profile.name}'")
+    extra: dict[str, str] = {}
+    for c, r in zip(components, res):
+        for k, v in r.sbatch_extra.items():
+            if extra.setdefault(k, v) != v:
+                raise ConfigError.at(f"components.{c}.sbatch_extra.{k}", v, "job_shape 'single' is one job: "
+                                     f"another component sets {k}={extra[k]!r}", source=f"profile '{profile.name}'")
+    return ComponentResources(nodes=sum(r.nodes for r in res), tasks_per_node=max(r.tasks_per_node for r in res),
+                              gpus_per_node=max(r.gpus_per_node for r in res),
+                              cpus_per_task=max(r.cpus_per_task for r in res), mem=res[0].mem,
+                              partition=res[0].partition, sbatch_extra=extra)
+
+
+def _resource_flags(profile: ClusterProfile, res: ComponentResources, path: str) -> list[str]:
     flags = []
     partition = res.partition or profile.partition
     if partition:
@@ -225,6 +250,18 @@ def _container_flags(profile: ClusterProfile, comp: str, run_dir: Path, inputs: 
     return [shlex.quote(f) for f in flags]
 
 
+def _placement(profile: ClusterProfile, comp: str, het_group: int | None, single: int | None) -> list[str]:
+    """Which nodes a component's step runs on: its hetjob component, or in a single allocation
+    its own node set (exported by the script as SLURM_ALIGN_NODELIST_<i>)."""
+    if het_group is not None:
+        return [f"--het-group={het_group}"]
+    if single is not None:
+        res = profile.resources(comp)
+        return [f"--nodes={res.nodes}", f"--ntasks={res.ranks}", f"--ntasks-per-node={res.tasks_per_node}",
+                f'--nodelist="$SLURM_ALIGN_NODELIST_{single}"']
+    return []
+
+
 def _start_prefix(profile: ClusterProfile, comp: str, het_group: int | None) -> list[str]:
     """The launcher in front of a component's ranks, each word already shell-quoted.
 
@@ -235,8 +272,6 @@ def _start_prefix(profile: ClusterProfile, comp: str, het_group: int | None) -> 
     if profile.kind == "local":
         return [shlex.quote(profile.mpirun), "--oversubscribe", "--bind-to", "none", "-n", str(res.ranks)]
     prefix = ["srun"]
-    if het_group is not None:
-        prefix.append(f"--het-group={het_group}")
     prefix += [f"--mpi={profile.mpi}", "--kill-on-bad-exit=1", f"--wait={profile.srun_wait_s}",
                f"--cpus-per-task={res.cpus_per_task}", shlex.quote(f"--cpu-bind={res.cpu_bind}")]
     if res.gpus_per_task is not None:
@@ -247,7 +282,8 @@ def _start_prefix(profile: ClusterProfile, comp: str, het_group: int | None) -> 
     return prefix
 
 
-def _preflight_prefix(profile: ClusterProfile, comp: str, het_group: int | None) -> list[str]:
+def _preflight_prefix(profile: ClusterProfile, comp: str, het_group: int | None,
+                      index: int | None = None) -> list[str]:
     """srun for the pre-flight: one task per node of the component, in the ranks' environment
     (the same container), failing at once."""
     if profile.kind != "slurm":
@@ -256,7 +292,11 @@ def _preflight_prefix(profile: ClusterProfile, comp: str, het_group: int | None)
     prefix = ["SRUN_CPUS_PER_TASK=1", "srun"]
     if het_group is not None:
         prefix.append(f"--het-group={het_group}")
-    prefix += [f"--nodes={res.nodes}", "--ntasks-per-node=1", "--cpus-per-task=1", "--kill-on-bad-exit=1",
+    else:   # plain job (one component), or its own node set of a single allocation
+        prefix.append(f'--nodelist="$SLURM_ALIGN_NODELIST_{index}"' if index is not None else "")
+    prefix = [w for w in prefix if w]
+    prefix += [f"--nodes={res.nodes}", f"--ntasks={res.nodes}", "--ntasks-per-node=1", "--cpus-per-task=1",
+               "--kill-on-bad-exit=1",
                "--wait=0", "--mpi=none"]
     return prefix
 
@@ -300,7 +340,9 @@ def _environment() -> jinja2.Environment:
 def template_name(run: RunConfig, profile: ClusterProfile) -> str:
     if profile.kind == "local":
         return "local.sh.j2"
-    return "hetjob.sh.j2" if len(run.components) > 1 else "plain.sh.j2"
+    if len(run.components) == 1 or profile.job_shape == "single":
+        return "plain.sh.j2"
+    return "hetjob.sh.j2"
 
 
 def job_python(profile: ClusterProfile) -> str:
@@ -316,7 +358,9 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
     check_rendered_values(profile, Path(run_dir), entry)
     rd = RunDir(Path(run_dir).resolve())
     python = job_python(profile)
-    hetjob = profile.kind == "slurm" and len(run.components) > 1
+    several = profile.kind == "slurm" and len(run.components) > 1
+    hetjob = several and profile.job_shape == "hetjob"
+    single = several and profile.job_shape == "single"
     inputs = input_paths(run)
 
     def containers(comp: str) -> list[str]:
@@ -331,11 +375,17 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
         components.append(ComponentScript(
             name=comp,
             ranks=res.ranks,
-            sbatch=_component_flags(profile, comp) if profile.kind == "slurm" else [],
-            start=_start_prefix(profile, comp, i if hetjob else None) + containers(comp),
+            nodes=res.nodes,
+            sbatch=(_component_flags(profile, comp) if not single else
+                    _resource_flags(profile, _single_allocation(profile, list(run.components)), "components"))
+            if profile.kind == "slurm" else [],
+            start=_start_prefix(profile, comp, i if hetjob else None)[:1]
+            + _placement(profile, comp, i if hetjob else None, i if single else None)
+            + _start_prefix(profile, comp, i if hetjob else None)[1:] + containers(comp),
             env=_component_env(profile, comp),
             python=python,
-            preflight=_preflight_prefix(profile, comp, i if hetjob else None) + containers(comp),
+            preflight=_preflight_prefix(profile, comp, i if hetjob else None, i if single else None)
+            + containers(comp),
             command=[python, "-u", *entry.program(run, comp), "--run-dir", str(rd.root), *entry.args(comp)],
         ))
     if hetjob:
@@ -351,4 +401,5 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
         components=components,
         emulate_env=_emulated_env(run, profile),
         container_setup=container_setup_text(profile) is not None,
+        single=single,
     )

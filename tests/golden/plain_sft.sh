@@ -77,7 +77,7 @@ trap 'request_stop TERM' TERM
 # Pre-flight: every node of every component sees the run directory and can run slurm-align.
 mkdir -p /scratch/runs/golden/logs/actor
 # shellcheck disable=SC2016  # $1, $2 and the node name expand on the node, not here
-if ! SRUN_CPUS_PER_TASK=1 srun --nodes=2 --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 --wait=0 --mpi=none \
+if ! SRUN_CPUS_PER_TASK=1 srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 --wait=0 --mpi=none \
   bash -c 'node="${SLURMD_NODENAME:-$(hostname)}"; if [[ ! -d "$2" ]]; then echo "slurm-align pre-flight failed on node $node: run directory $2 is not visible there"; exit 3; fi; if ! out="$("$1" -c "import slurm_align" 2>&1)"; then echo "slurm-align pre-flight failed on node $node: $1 cannot import slurm_align: $(echo "$out" | tail -n 1)"; exit 4; fi' \
   slurm-align-preflight /opt/venv/bin/python /scratch/runs/golden >>/scratch/runs/golden/logs/actor/preflight.log 2>&1; then
   reason="$(grep -m 1 "pre-flight failed" /scratch/runs/golden/logs/actor/preflight.log || tail -n 1 /scratch/runs/golden/logs/actor/preflight.log)"
