@@ -1,15 +1,19 @@
-"""Preemption on a real Slurm cluster: how long from Slurm's warning to a saved checkpoint, to the
+"""Preemption on a real Slurm cluster: how long from Slurm's signal to a saved checkpoint, to the
 job requeued, and from the requeue to the first new step; and how much work was lost.
 
 Runs the tiny PPO hetjob (actor 2 ranks on 2 nodes, critic 1 rank) with `requeue: true` on the
-local test cluster that SLURM_CONF points at, sends the batch
-script USR2 (as `--signal=B:USR2@grace` does) once a step is done, and
-reads the stages' times from RUN_DIR/preemption.jsonl. lost_steps counts steps begun after the
-saved one (their spans, read before the requeued job starts): the stop point finishes the step
-in flight, so work lost is at most that step and data lost never.
+local test cluster that SLURM_CONF points at, in one or both ways a job is stopped:
+- usr2: the batch script gets USR2 (as `--signal=B:USR2@grace` sends it) once a step is done; the
+  stop point finishes the step in flight and saves it, so work lost is at most that step;
+- slurm: Slurm's own partition-priority preemption: the job runs on `preemptible`
+  (PreemptMode=REQUEUE, GraceTime), and once a step is done a job on `urgent` asks for its
+  nodes; Slurm TERMs every step, the actor stops at its newest checkpoint (save_interval 1), the
+  step in flight is lost and redone. The signal time is the urgent job's submission.
+The stages' times come from RUN_DIR/preemption.jsonl; lost_steps counts steps begun after the
+saved one (their spans, read before the requeued job starts). The last line is the slurm mode's.
 
     python -m tests.cluster up --workdir /tmp/sa-cluster   # prints export SLURM_CONF=...
-    python benchmarks/bench_preempt.py [--steps 4] [--out DIR]
+    python benchmarks/bench_preempt.py [--steps 4] [--mode usr2|slurm|both] [--out DIR]
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out", type=Path, default=None, help="run directory parent (default: a temp folder)")
+    ap.add_argument("--mode", choices=["usr2", "slurm", "both"], default="both",
+                    help="the script's USR2 warning, Slurm's own partition preemption, or both (slurm last)")
     args = ap.parse_args()
     if not os.environ.get("SLURM_CONF"):
         raise SystemExit("SLURM_CONF is not set: start the local test cluster with "
@@ -54,11 +60,33 @@ def main() -> None:
     run = load_run_config(EXAMPLE, [f"data.train_path={PROMPTS}", f"ppo.num_steps={args.steps}",
                                     "ppo.num_rollout_samples=8", "generation.max_new_tokens=8",
                                     "generation.prompt_batch_size=2", "ppo.train_micro_batch_size=2"])
-    rd = RunDir(out / "run")
-    job = launch_run(run, load_profile("local-slurm", ["requeue=true"]), rd.root)
-    wait_event(rd, "first_step")
-    t_signal = time.time()
-    subprocess.run(["scancel", "--signal=USR2", "--batch", job.job_id], check=True, timeout=30)
+    for mode in (["usr2", "slurm"] if args.mode == "both" else [args.mode]):
+        measure(run, mode, RunDir(out / f"run-{mode}"))
+
+
+def _job_nodes(job_id: str) -> str:
+    out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%N"], capture_output=True, text=True,
+                         check=True, timeout=30).stdout.split()
+    hosts = subprocess.run(["scontrol", "show", "hostnames", ",".join(out)], capture_output=True, text=True,
+                           check=True, timeout=30).stdout.split()
+    return ",".join(sorted(set(hosts)))
+
+
+def measure(run, mode: str, rd: RunDir) -> None:
+    if mode == "usr2":
+        job = launch_run(run, load_profile("local-slurm", ["requeue=true"]), rd.root)
+        wait_event(rd, "first_step")
+        t_signal = time.time()
+        subprocess.run(["scancel", "--signal=USR2", "--batch", job.job_id], check=True, timeout=30)
+    else:
+        run = run.model_copy(update={"ppo": run.ppo.model_copy(update={"save_interval": 1})})
+        job = launch_run(run, load_profile("local-slurm", ["partition=preemptible", "requeue=true"]), rd.root)
+        wait_event(rd, "first_step")
+        nodes = _job_nodes(job.job_id)
+        t_signal = time.time()
+        subprocess.run(["sbatch", "-p", "urgent", "--exclusive", "-N", str(len(nodes.split(","))),
+                        f"--nodelist={nodes}", "-o", str(rd.root.parent / "urgent-%j.out"), "--wrap", "sleep 1"],
+                       check=True, timeout=30, capture_output=True)
     saved = wait_event(rd, "saved")
     spans = read_traces(rd.traces).spans   # before the requeued job cuts the stores back
     begun_after = {int(s) for s in spans["step"][spans["component"] == "actor"] if s > saved["step"]}
@@ -67,10 +95,10 @@ def main() -> None:
     final = job.wait(timeout_s=900, poll_s=0.5)
     if final != "COMPLETED":
         raise SystemExit(f"job {job.job_id} ended {final}; logs in {rd.logs}")
-    print(f"run {rd.root}: stopped after step {saved['step']}, resumed at {first_new['step']}")
+    print(f"[{mode}] run {rd.root}: stopped after step {saved['step']}, resumed at {first_new['step']}")
     print(f"signal_to_saved_s={saved['time'] - t_signal:.2f} saved_to_requeued_s={requeued['time'] - saved['time']:.2f} "
-          f"requeued_to_first_step_s={first_new['time'] - requeued['time']:.2f} lost_steps={len(begun_after)}")
-
+          f"requeued_to_first_step_s={first_new['time'] - requeued['time']:.2f} lost_steps={len(begun_after)}",
+          flush=True)
 
 if __name__ == "__main__":
     main()

@@ -6,7 +6,11 @@ Usage (the job script does this on each rank): python -m slurm_align.launchers.a
 import argparse
 import sys
 
-from slurm_align.algorithms.ppo import main
+from slurm_align.algorithms.preemption import block_term
+
+block_term()   # before MPI, torch and their threads start: see slurm_align.algorithms.preemption
+
+from slurm_align.algorithms.ppo import main  # noqa: E402  (after block_term, on purpose)
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)

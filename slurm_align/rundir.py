@@ -91,8 +91,15 @@ class RunDir:
         return self.root / "stopped_step"
 
     @property
+    def stopped_by(self) -> Path:
+        """What stopped the actor: 'TERM' (Slurm ending the job's steps: preemption, cancel) or
+        'warning' (the job script's stop_requested, USR2)."""
+        return self.root / "stopped_by"
+
+    @property
     def requeue_count(self) -> Path:
-        """How often the job script requeued this submission."""
+        """How often this submission was requeued, by the job script or by Slurm itself
+        (SLURM_RESTART_COUNT, written by the job script at each start)."""
         return self.root / "requeue_count"
 
     @property
@@ -184,23 +191,50 @@ def read_run_secret(rd: RunDir) -> str:
     return secret
 
 
-def _address_tag(secret: str, host: str, port: int) -> str:
-    # Proves the address was published by a holder of this submission's secret: the actor never
-    # sends the secret to an address left over from an older job.
-    return hmac.new(secret.encode(), f"critic-address {host}:{port}".encode(), hashlib.sha256).hexdigest()
+START_ENV = "SLURM_ALIGN_START"
+"""Names the current start of the job: '<job id>:<restart count>' (the job script exports it;
+a requeue by the script or by Slurm itself is a new start of the same job id)."""
+
+
+def current_start() -> str:
+    return os.environ.get(START_ENV, "")
+
+
+def _address_tag(secret: str, host: str, port: int, start: str) -> str:
+    # Proves the address was published by a holder of this submission's secret during this start
+    # of the job: the actor never sends the secret to an address left over from an older job, or
+    # from the start before a requeue (whose host:port another process may hold by now).
+    return hmac.new(secret.encode(), f"critic-address {host}:{port} start {start}".encode(),
+                    hashlib.sha256).hexdigest()
 
 
 def publish_critic_address(rd: RunDir, host: str, port: int, secret: str) -> None:
-    write_atomic(rd.critic_address, json.dumps({"host": host, "port": port,
-                                                "tag": _address_tag(secret, host, port)}))
+    start = current_start()
+    write_atomic(rd.critic_address, json.dumps({"host": host, "port": port, "start": start,
+                                                "tag": _address_tag(secret, host, port, start)}))
+
+
+def critic_address_problem(rd: RunDir, secret: str) -> tuple[tuple[str, int] | None, str]:
+    """((host, port), "") for an address this run's critic published during the current start;
+    else (None, why not)."""
+    path = rd.critic_address
+    try:
+        data = json.loads(path.read_text())
+        host, port, tag = str(data["host"]), int(data["port"]), str(data["tag"])
+        start = str(data.get("start", ""))
+    except FileNotFoundError:
+        return None, f"no address published in {path} yet"
+    except (ValueError, KeyError, TypeError):
+        return None, f"no address published in {path} yet (the file there is not one)"
+    if not hmac.compare_digest(tag, _address_tag(secret, host, port, start)):
+        return None, f"no address published in {path} yet (the one there is from another submission)"
+    if start != current_start():
+        return None, (f"no address published in {path} yet (the one there, {host}:{port}, is from start "
+                      f"{start or '?'} of the job, this is start {current_start() or '?'}: not used)")
+    return (host, port), ""
 
 
 def read_critic_address(rd: RunDir, secret: str) -> tuple[str, int] | None:
-    """(host, port) published by this run's critic; None while there is none (or only a stale
-    or foreign one)."""
-    try:
-        data = json.loads(rd.critic_address.read_text())
-        host, port, tag = str(data["host"]), int(data["port"]), str(data["tag"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        return None
-    return (host, port) if hmac.compare_digest(tag, _address_tag(secret, host, port)) else None
+    """(host, port) published by this run's critic in this start of the job; None while there is
+    none (or only a stale or foreign one)."""
+    return critic_address_problem(rd, secret)[0]

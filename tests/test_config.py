@@ -145,7 +145,7 @@ def test_cli_reports_config_error_without_traceback(tmp_path):
 def test_run_dir_that_is_a_file_is_refused(tmp_path):
     afile = _write(tmp_path, "not-a-dir", "x")
     proc = subprocess.run(
-        [sys.executable, "-m", "slurm_align.cli", "submit", str(EXAMPLE), "--run-dir", str(afile),
+        [sys.executable, "-m", "slurm_align.cli", "submit", str(EXAMPLE), "--profile", "local", "--run-dir", str(afile),
          "--entry", "report"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and "--run-dir" in proc.stderr and "existing file" in proc.stderr

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import time
@@ -12,6 +14,7 @@ import pytest
 
 from slurm_align import REPO_ROOT
 from slurm_align.config import load_profile, load_run_config
+from slurm_align.config.errors import ConfigError
 from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.render import Entry
 
@@ -134,3 +137,169 @@ def test_status_names_the_rank_that_failed_first(tmp_path, launcher, rank, why):
     failed = failing_rank(rd, "critic", lines=2)
     assert (failed.component, failed.rank, failed.why) == ("critic", rank, why)
     assert failed.log == logs / f"rank{rank}.log" and failed.tail == (logs / f"rank{rank}.log").read_text().splitlines()[-2:]
+
+
+def _scontrol_fields(job_id: str, name: str) -> list[str]:
+    """A field of every component of a job, as Slurm stored it (`scontrol show job`)."""
+    text = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True).stdout
+    # a field runs to the next " Key=" on its line (the values here hold no such text)
+    return [m.group(1).rstrip() for m in re.finditer(rf"(?m)^\s*{name}=(.*?)(?= [A-Z][A-Za-z/:]*=|$)", text)]
+
+
+@pytest.mark.slurm
+def test_sbatch_reads_values_back_exactly(slurm_cluster, tmp_path):
+    """Free-text #SBATCH values (features with & | [], a comment with spaces and #) reach Slurm
+    unchanged: submitted held (never run) and read back with scontrol."""
+    comment = "two words # and a 'quote' \"too\""
+    prof = load_profile("local-slurm", [
+        "components.actor.sbatch_extra.constraint=gpu&hbm80g",
+        "components.critic.sbatch_extra.constraint='[rack1|rack2]'",
+        f"sbatch_extra.comment={json.dumps(comment)}", "sbatch_extra.hold=''"])
+    job = launch_run(load_run_config(EXAMPLE), prof, tmp_path / "run", entry=Entry("report"))
+    try:
+        assert _scontrol_fields(job.job_id, "Features") == ["gpu&hbm80g", "[rack1|rack2]"]
+        assert _scontrol_fields(job.job_id, "Comment") == [comment, comment]
+    finally:
+        subprocess.run(["scancel", job.job_id], check=False)
+
+
+def test_injection_through_the_run_dir_is_refused_and_nothing_submitted(tmp_path):
+    """`--run-dir $'/tmp/x\\ntouch /tmp/PWNED #'` once rendered a script line; now submit refuses it,
+    names the field and the value, writes nothing and never calls sbatch (a fake one records calls)."""
+    env, calls = _fake_sbatch(tmp_path)
+    pwned = tmp_path / "PWNED"
+    run_dir = f"{tmp_path}/x\ntouch {pwned} #"
+    proc = subprocess.run([sys.executable, "-m", "slurm_align.cli", "submit", str(EXAMPLE), "--profile", "local-slurm",
+                           "--run-dir", run_dir, "--entry", "report"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode != 0
+    msg = " ".join((proc.stdout + proc.stderr).split())
+    assert "--run-dir" in msg and "control characters" in msg and "touch" in msg, msg
+    assert not calls.exists() and not pwned.exists()
+    assert not any(p.name.startswith("x") for p in tmp_path.iterdir())
+
+
+# --- which profile, and paths the compute nodes must see ------------------------------------------
+def _fake_sbatch(tmp_path: Path) -> tuple[dict, Path]:
+    """PATH with an sbatch that only records that it was called (nothing may reach it)."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    calls = tmp_path / "sbatch_calls"
+    (fake / "sbatch").write_text(f"#!/bin/sh\necho called >> {calls}\necho 1\n")
+    (fake / "sbatch").chmod(0o755)
+    return {**os.environ, "PATH": f"{fake}:{os.environ['PATH']}"}, calls
+
+
+def test_hostname_pattern_picks_the_profile(tmp_path, monkeypatch):
+    from slurm_align.slurm.choose import choose_profile
+
+    mine = tmp_path / "profiles"
+    mine.mkdir()
+    (mine / "bigiron.yaml").write_text("kind: slurm\npartition: gpu\nhostname_pattern: '^login[0-9]+\\.bigiron\\.'\n")
+    monkeypatch.setenv("SLURM_ALIGN_PROFILE_PATH", str(mine))
+    assert choose_profile(None, hostname="login3.bigiron.example.org", has_sbatch=True).name == "bigiron"
+    assert choose_profile(None, hostname="laptop", has_sbatch=False).name == "local"
+    assert choose_profile("local-slurm", hostname="login3.bigiron.example.org").name == "local-slurm"
+    with pytest.raises(ConfigError) as info:
+        choose_profile(None, hostname="login3.othercluster", has_sbatch=True)
+    msg = str(info.value)
+    assert "'--profile'" in msg and "login3.othercluster" in msg and "(login) node" in msg
+    assert "bigiron" in msg and "local-slurm" in msg   # the profiles to choose from
+
+
+def test_submit_without_profile_on_a_slurm_machine_is_refused(tmp_path):
+    env, calls = _fake_sbatch(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "slurm_align.cli", "submit", str(EXAMPLE), "--run-dir",
+                           str(tmp_path / "run"), "--entry", "report"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    msg = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 2, msg
+    assert "hostname_pattern" in msg and "available: " in msg and "local-slurm" in msg, msg
+    assert not calls.exists() and not (tmp_path / "run").exists()
+
+
+def test_slurm_profile_refuses_node_local_run_dir_and_interpreter(tmp_path):
+    """tmp_path is under /tmp: fine for the one-host test cluster (shared_tmp: true), refused for a
+    Slurm profile without it, naming the field, the value and the reason, before anything is written."""
+    prof = load_profile("local-slurm", ["shared_tmp=false", "python=/tmp/venv/bin/python"])
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError) as info:
+        launch_run(load_run_config(EXAMPLE), prof, run_dir, entry=Entry("report"))
+    msg = str(info.value)
+    assert "'--run-dir'" in msg and str(run_dir) in msg and "each node's own" in msg
+    assert "'python'" in msg and "/tmp/venv/bin/python" in msg and "shared_tmp" in msg
+    assert not run_dir.exists()
+
+
+def test_run_root_holds_new_run_directories(tmp_path, monkeypatch):
+    monkeypatch.setenv("I19_SCRATCH", str(tmp_path / "scratch"))
+    proc = _cli("render", str(EXAMPLE), "--profile", "local-slurm", "-P", "run_root=$I19_SCRATCH/slurm-align")
+    assert proc.returncode == 0, proc.stderr
+    assert f"for run {tmp_path}/scratch/slurm-align/ppo-" in proc.stdout
+    monkeypatch.delenv("I19_SCRATCH")
+    proc = _cli("render", str(EXAMPLE), "--profile", "local-slurm", "-P", "run_root=$I19_SCRATCH/slurm-align")
+    assert proc.returncode == 2 and "run_root" in proc.stderr and "not set" in proc.stderr, proc.stderr
+
+
+def test_network_interface_gives_the_critic_and_rendezvous_address(monkeypatch):
+    """profile network.interface: the job script exports it (and NCCL/GLOO_SOCKET_IFNAME); the critic
+    binds to that interface's address and torch's rendezvous advertises it; a name the node does
+    not have is refused listing the interfaces it has."""
+    from slurm_align.config.run import RunConfig
+    from slurm_align.critic.main import bind_host
+    from slurm_align.parallel.bootstrap import INTERFACE_ENV, BootstrapError, _local_address, interface_address
+
+    text = _render_with(["network.interface=lo"])
+    assert "export SLURM_ALIGN_NET_IFNAME=lo\nexport NCCL_SOCKET_IFNAME=lo\nexport GLOO_SOCKET_IFNAME=lo\n" in text
+    assert interface_address("lo") == "127.0.0.1"
+    monkeypatch.setenv(INTERFACE_ENV, "lo")
+    assert bind_host(RunConfig()) == "127.0.0.1" and _local_address(multi_node=True) == "127.0.0.1"
+    assert bind_host(RunConfig(critic_server={"bind_host": "127.0.0.2"})) == "127.0.0.2"   # explicit wins
+    with pytest.raises(BootstrapError, match=r"'nosuch0'.*this node has: .*lo 127.0.0.1"):
+        interface_address("nosuch0")
+
+
+def _render_with(profile_set: list[str]) -> str:
+    from slurm_align.slurm.render import render_script
+
+    return render_script(load_run_config(EXAMPLE), load_profile("local-slurm", profile_set), Path("/scratch/r"),
+                         Entry("report"))
+
+
+@pytest.mark.slurm
+def test_preflight_fails_the_job_at_once_naming_node_and_reason(slurm_cluster, tmp_path):
+    """An interpreter that does not exist on the compute nodes: the pre-flight step fails the job
+    before any rank starts (bounded: well within the component's hold), and `status` names the
+    component, the node and the reason."""
+    run_dir = tmp_path / "run"
+    hold = Entry("report", {"actor": ["--hold-s", "300"], "critic": ["--hold-s", "300"]})
+    prof = load_profile("local-slurm", ["python=/nonexistent/venv/bin/python"])
+    job = launch_run(load_run_config(EXAMPLE), prof, run_dir, entry=hold)
+    assert job.wait(timeout_s=120, poll_s=0.5) == "FAILED"
+    status = json.loads(_cli("status", str(run_dir), "--json").stdout)
+    failed = status["failed"]
+    assert failed["component"] == "actor" and failed["rank"] is None, status
+    assert "pre-flight failed on node n" in failed["why"] and "/nonexistent/venv/bin/python" in failed["why"], failed
+    assert "cannot import slurm_align" in failed["why"]
+    assert not (run_dir / "reports").exists(), "no rank may start after a failed pre-flight"
+    text = _cli("status", str(run_dir)).stdout
+    assert "actor failed first" in " ".join(text.split()) and "before any rank started" in " ".join(text.split())
+
+
+@pytest.mark.slurm
+@pytest.mark.slow
+def test_single_allocation_shape_runs_tiny_ppo_to_completion(slurm_cluster, tmp_path):
+    """job_shape single: one plain job (no hetjob) of 3 nodes; the actor's 2 ranks and the critic
+    run as sruns on disjoint node sets of it, find each other as in a hetjob, and the tiny PPO
+    completes with every step stored."""
+    from slurm_align.store.rollouts import RolloutStore
+    from tests.test_ppo import tiny_run
+
+    run_dir = tmp_path / "run"
+    job = launch_run(tiny_run(), load_profile("local-slurm", ["job_shape=single"]), run_dir)
+    script = (run_dir / "job.sbatch").read_text()
+    state = job.wait(timeout_s=600, poll_s=0.5)
+    assert state == "COMPLETED", "\n".join(p.read_text()[-2000:] for p in (run_dir / "logs").rglob("*.log"))
+    assert "#SBATCH hetjob" not in script and "--het-group" not in script
+    assert RolloutStore.open(run_dir / "rollouts.zarr", read_only=True).steps.tolist() == [1, 2]
+    assert 'srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist="$SLURM_ALIGN_NODELIST_0"' in script

@@ -50,6 +50,28 @@ def test_plan_weak_and_strong():
     assert [p.run.trainer.global_batch_size for p in sft] == [8, 16] and sft[0].critic_nodes == 0
 
 
+def test_plan_scales_what_grpo_reads_and_reports_every_component():
+    """A GRPO run with a reward model: weak scaling grows the prompts per step and the PPO-style
+    global batch it trains on (never trainer.global_batch_size, which GRPO does not read), and the
+    reward-only critic component gets (and reports) its nodes."""
+    run = RunConfig(algorithm="grpo", rl={"n_samples_per_prompt": 4}, reward={"model": True},
+                    ppo={"num_rollout_samples": 4, "global_batch_size": 8}, trainer={"global_batch_size": 16},
+                    sweep={"actor_to_critic_nodes": "2:1"})
+    assert run.components == ("actor", "critic")
+    profile = load_profile("local-slurm")
+    weak = plan_sweep(run, profile, [1, 2, 4], "weak")
+    assert [p.run.ppo.num_rollout_samples for p in weak] == [4, 8, 16]
+    assert [p.run.ppo.global_batch_size for p in weak] == [8, 16, 32]
+    assert [p.run.trainer.global_batch_size for p in weak] == [16, 16, 16]   # untouched
+    assert [p.batch for p in weak] == [4, 8, 16]
+    assert [p.critic_nodes for p in weak] == [1, 1, 2]
+    assert [p.component_nodes for p in weak] == [{"actor": 1, "critic": 1}, {"actor": 2, "critic": 1},
+                                                 {"actor": 4, "critic": 2}]
+    rule_only = plan_sweep(RunConfig(algorithm="grpo", rl={"n_samples_per_prompt": 2},
+                                     reward={"rule": "slurm_align.rewards.sort:exact"}), profile, [1, 2], "weak")
+    assert [p.component_nodes for p in rule_only] == [{"actor": 1}, {"actor": 2}]
+
+
 def test_plan_errors_name_the_problem():
     profile = load_profile("local-slurm")  # 1 task per node
     with pytest.raises(ConfigError, match="actor.tensor_parallel x pipeline_parallel"):
@@ -77,6 +99,7 @@ def test_real_sweep_on_slurm_then_scaling_report(slurm_cluster, tmp_path):
     manifest = json.loads((sweep / "sweep.json").read_text())
     assert [(p["nodes"], p["critic_nodes"], p["rollout_samples"], p["state"]) for p in manifest["points"]] == [
         (1, 1, 4, "COMPLETED"), (2, 1, 8, "COMPLETED")]
+    assert [p["component_nodes"] for p in manifest["points"]] == [{"actor": 1, "critic": 1}, {"actor": 2, "critic": 1}]
     assert all(p["job_id"].isdigit() for p in manifest["points"])  # real Slurm jobs
     for nodes, samples in ((1, 4), (2, 8)):
         run_dir = sweep / f"nodes{nodes}"

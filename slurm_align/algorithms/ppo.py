@@ -273,9 +273,11 @@ class PPOActor:
                 self.tracer.step_done(step)
                 last = step == run.ppo.num_steps
                 saved = bool((run.ppo.save_interval and step % run.ppo.save_interval == 0) or last)
+                # Metrics before the checkpoint: a checkpoint then always has its step's metrics
+                # (a stop at Slurm's TERM keeps the newest checkpoint; a resume drops later lines).
+                self.log(metrics, progress.console)
                 if saved:
                     self.save_checkpoint(step)
-                self.log(metrics, progress.console)
                 progress.update(task, completed=step)
                 if stop is not None and stop.after_step(step, last=last, saved=saved, save=self.save_checkpoint):
                     return True
@@ -377,6 +379,7 @@ def main(run_dir: str | Path) -> int:
         stop.resumed(actor.start_step, find_latest(rd.checkpoints("actor")))
         actor.run_loop(stop)
     except BaseException:
+        stop.exit_if_stopped_by_term()   # a peer's stop at Slurm's TERM broke a collective: not a failure
         # The other ranks would wait forever in their next collective: print why, then take
         # the whole component down so the job fails at once.
         traceback.print_exc()

@@ -17,10 +17,11 @@ from slurm_align.analysis.plots import plot_breakdown, plot_scaling, plot_timeli
 from slurm_align.analysis.runs import load_run
 from slurm_align.analysis.scaling import compute_scaling
 from slurm_align.analysis.trace_export import write_chrome_trace
-from slurm_align.config import load_profile, load_run_config
+from slurm_align.config import load_run_config
 from slurm_align.config.errors import ConfigError
 from slurm_align.profiling.phases import phase_order
 from slurm_align.rundir import new_run_dir
+from slurm_align.slurm.choose import choose_profile, default_run_root
 from slurm_align.slurm.render import Entry
 from slurm_align.slurm.sweep import parse_nodes, start_sweep
 
@@ -188,9 +189,9 @@ def cmd_scaling(args) -> int:
 
 def cmd_sweep(args) -> int:
     run = load_run_config(args.config, args.overrides)
-    profile = load_profile(args.profile)
+    profile = choose_profile(args.profile)   # --profile, else the hostname_pattern match (or refused)
     nodes = parse_nodes(args.nodes)
-    sweep_dir = Path(args.sweep_dir) if args.sweep_dir else new_run_dir("runs", "sweep")
+    sweep_dir = Path(args.sweep_dir) if args.sweep_dir else new_run_dir(default_run_root(profile), "sweep")
     limit = args.max_concurrent or (1 if profile.kind == "local" else None)
     manifest = start_sweep(run, profile, nodes, args.mode, sweep_dir, args.config,
                            entry=Entry(name=args.entry) if args.entry else None, max_concurrent=limit,

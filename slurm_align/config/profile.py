@@ -21,6 +21,27 @@ _TIME = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$|^UNLIMITED$")
 # Keys of sbatch_extra the template already owns; overriding them silently would break the job.
 _OWNED_SBATCH = {"nodes", "ntasks-per-node", "gpus-per-node", "cpus-per-task", "output", "error",
                  "job-name", "partition", "account", "qos", "time", "het-group", "hetjob"}
+# srun options slurm-align renders itself; a second copy in srun_extra would silently win or clash.
+_OWNED_SRUN = {"-c", "--cpus-per-task", "--cpu-bind", "--gpus-per-task", "--gpu-bind", "--mpi",
+               "--het-group", "--kill-on-bad-exit", "--wait", "-W", "-K", "--container-image",
+               "--container-mounts", "--container-workdir", "--container-name"}
+
+
+def _scalars_as_text(v):
+    # YAML reads `OMP_NUM_THREADS: 1` as an int; the shell and sbatch see text anyway.
+    if isinstance(v, dict):
+        return {k: (str(x).lower() if isinstance(x, bool) else str(x))
+                if isinstance(x, (int, float, bool)) else x for k, x in v.items()}
+    return v
+
+
+def _check_sbatch_keys(v: dict[str, str]) -> dict[str, str]:
+    for key in v:
+        if not _SBATCH_KEY.match(key):
+            raise ValueError(f"sbatch_extra key {key!r} is not an sbatch option name (a-z, 0-9, '-')")
+        if key in _OWNED_SBATCH:
+            raise ValueError(f"sbatch_extra key {key!r} is set by slurm-align; use the profile field instead")
+    return v
 
 
 def time_limit_seconds(text: str) -> int | None:
@@ -57,30 +78,85 @@ class ComponentResources(StrictModel):
     partition: str | None = None
     """Partition for this component only; default: the profile's."""
     time: str | None = None
-    """Time limit for this component; default: the profile's."""
+    """Refused when set: a job has ONE time limit (the profile's `time`). With a limit per
+    component, one component would reach its limit first and be killed, while the warning signal
+    (`--signal=B:USR2@grace`) reaches only the batch shell and stops the run at the first limit."""
+
+    cpu_bind: str = "cores"
+    """srun `--cpu-bind` for this component's ranks ('cores', 'none', 'sockets', 'map_cpu:...');
+    with `-c cpus_per_task` each rank gets its own cores. Clusters with TaskPlugin=task/none
+    (the local test cluster) print 'lacks support for cpu binding' and run unbound."""
+    gpus_per_task: int | None = Field(None, ge=1)
+    """srun `--gpus-per-task` (each rank sees only its own GPUs); default: not passed (every rank
+    sees the node's GPUs and picks its own by local rank)."""
+    gpu_bind: str | None = None
+    """srun `--gpu-bind` (e.g. 'closest', 'single:1', 'none'); default: not passed."""
+    srun_extra: list[str] = []
+    """Extra srun options for this component, each a whole option ('--network=sn_single'),
+    shell-quoted in the script."""
+    sbatch_extra: dict[str, str] = {}
+    """Extra `#SBATCH --key=value` lines for this component only (after the profile's own)."""
 
     @property
     def ranks(self) -> int:
         return self.nodes * self.tasks_per_node
 
+    @field_validator("sbatch_extra", mode="before")
+    @classmethod
+    def _scalars_as_text(cls, v):
+        return _scalars_as_text(v)
+
+    @field_validator("sbatch_extra")
+    @classmethod
+    def _sbatch_keys(cls, v):
+        return _check_sbatch_keys(v)
+
+    @field_validator("srun_extra")
+    @classmethod
+    def _srun_options(cls, v):
+        for opt in v:
+            if not opt.startswith("-"):
+                raise ValueError(f"srun_extra entry {opt!r} is not an option (each entry is one whole "
+                                 "option such as '--network=sn_single')")
+            name = opt.split("=", 1)[0]
+            if name in _OWNED_SRUN:
+                raise ValueError(f"srun_extra entry {opt!r}: {name} is set by slurm-align; use the "
+                                 "component's field instead (cpus_per_task, cpu_bind, gpus_per_task, gpu_bind)")
+        return v
+
     @field_validator("time", mode="before")
     @classmethod
-    def _minutes_as_text(cls, v):
-        return str(v) if isinstance(v, int) and not isinstance(v, bool) else v   # YAML `time: 30`
-
-    @field_validator("time")
-    @classmethod
-    def _time_format(cls, v):
-        if v is not None and not _TIME.match(v):
-            raise ValueError("time must look like MM, HH:MM:SS or D-HH:MM:SS")
+    def _one_time_limit(cls, v):
+        if v is not None:
+            raise ValueError("a per-component time limit is not supported: the job has one time limit, "
+                             "the profile's 'time' (a component that reached its own limit first would "
+                             "be killed while the warning signal reaches only the batch shell); remove "
+                             "it and set the profile's 'time'")
         return v
 
 
 class ContainerConfig(StrictModel):
     image: str
-    """Container image (pyxis/enroot `--container-image`)."""
+    """Container image (pyxis/enroot `--container-image`): `REGISTRY#IMAGE:TAG` (imported on each
+    node) or the path of a squashfs file made once with `enroot import` (on a shared file system)."""
     mounts: list[str] = []
-    """Bind mounts 'src:dst[:flags]'."""
+    """Extra bind mounts 'src:dst[:flags]'. The run directory and every input path of the run
+    (data, checkpoints, HF folders, tokenizer files) are mounted at their own paths anyway."""
+    mount_home: bool = False
+    """Mount the user's home directory (pyxis's default); false: `--no-container-mount-home`, so
+    nothing in ~ (a login-node venv, ~/.local packages) leaks into the container."""
+    setup: list[str] = []
+    """Shell lines run inside the container before each rank (and the pre-flight) starts, e.g.
+    `source /opt/env.sh` (trusted: written by the profile's owner). Written to
+    RUN_DIR/container_setup.sh at submit."""
+
+
+class NetworkConfig(StrictModel):
+    interface: str | None = Field(None, pattern=r"^[A-Za-z0-9_.:-]+$")
+    """Network interface of the high-speed network on the compute nodes (e.g. 'ib0', 'hsn0'):
+    the critic binds to its address (else to Slurm's NodeAddr, often the management Ethernet),
+    torch's rendezvous uses it, and NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME are set to it
+    (unless `env` sets them)."""
 
 
 class ClusterProfile(StrictModel):
@@ -114,6 +190,13 @@ class ClusterProfile(StrictModel):
     `python -m slurm_align.launchers.<name>`."""
     container: ContainerConfig | None = None
     """Run each component in this container (pyxis)."""
+    job_shape: Literal["hetjob", "single"] = "hetjob"
+    """'hetjob': one heterogeneous job, a component each. 'single': one plain job over all the
+    components' nodes, each component an srun on a node set of its own (for sites that count every
+    hetjob component against a QOS MaxJobs or disable heterogeneous jobs); addresses, preemption
+    and status work the same."""
+    network: NetworkConfig = NetworkConfig()
+    """Which network the job's own traffic uses."""
     env: dict[str, str] = {}
     """Plain environment variables exported in the job (values are shell-quoted)."""
     secret_env: list[str] = []
@@ -123,10 +206,26 @@ class ClusterProfile(StrictModel):
     """srun --mpi plugin (pmix, pmi2, none)."""
     mpirun: str = "mpirun"
     """mpirun command (local profile only)."""
+    srun_wait_s: int = Field(0, ge=0)
+    """srun `--wait`: seconds srun lets the other ranks run on after the first rank of a component
+    ended. 0 (the default): no limit, so a rank that finishes its save later than the others is not
+    killed; a rank that fails still ends the component at once (`--kill-on-bad-exit=1`), and the
+    job script then stops the other components. Rendered always, so a site's WaitTime does not
+    apply silently."""
     sbatch_extra: dict[str, str] = {}
     """Extra `#SBATCH --key=value` lines for the whole job."""
     hostname_pattern: str | None = None
-    """Regex matched against the login node's hostname to pick this profile automatically."""
+    """Regex searched in the login node's hostname: without --profile, the first profile whose
+    pattern matches is taken (slurm_align.slurm.choose). On a machine with sbatch and no match,
+    submit refuses rather than run on the login node."""
+    run_root: str | None = None
+    """Folder for new run directories when --run-dir is not given (e.g. '$SCRATCH/slurm-align';
+    $VARS and ~ are expanded at submit); default ./runs. It must be on a file system every node
+    sees."""
+    shared_tmp: bool = False
+    """The compute nodes share /tmp (and the other usually node-local folders) with the submitting
+    machine: only true for a one-host cluster such as the local test cluster. False: a 'slurm'
+    profile refuses a run directory or interpreter under /tmp, /var/tmp, /dev/shm, /run, /local."""
     signal_grace_s: int = Field(300, ge=0, le=65535)
     """Seconds before the time limit at which Slurm warns the job (`#SBATCH --signal=B:USR2@N`):
     the actor ranks then agree on a stop point at the next step boundary and every role saves
@@ -156,21 +255,12 @@ class ClusterProfile(StrictModel):
     @field_validator("sbatch_extra", "env", mode="before")
     @classmethod
     def _scalars_as_text(cls, v):
-        # YAML reads `OMP_NUM_THREADS: 1` as an int; the shell and sbatch see text anyway.
-        if isinstance(v, dict):
-            return {k: (str(x).lower() if isinstance(x, bool) else str(x))
-                    if isinstance(x, (int, float, bool)) else x for k, x in v.items()}
-        return v
+        return _scalars_as_text(v)
 
     @field_validator("sbatch_extra")
     @classmethod
     def _sbatch_keys(cls, v):
-        for key in v:
-            if not _SBATCH_KEY.match(key):
-                raise ValueError(f"sbatch_extra key {key!r} is not an sbatch option name (a-z, 0-9, '-')")
-            if key in _OWNED_SBATCH:
-                raise ValueError(f"sbatch_extra key {key!r} is set by slurm-align; use the profile field instead")
-        return v
+        return _check_sbatch_keys(v)
 
     @field_validator("env", "secret_env")
     @classmethod
@@ -201,13 +291,10 @@ class ClusterProfile(StrictModel):
 
     @model_validator(mode="after")
     def _grace_within_time_limit(self):
-        limits = [("time", self.time)] + [(f"components.{c}.time", r.time) for c, r in self.components.items()
-                                          if r.time is not None]
-        for field, text in limits:
-            seconds = time_limit_seconds(text)
-            if self.signal_grace_s and seconds is not None and self.signal_grace_s >= seconds:
-                raise ValueError(f"signal_grace_s={self.signal_grace_s} must be shorter than {field}={text!r} "
-                                 f"({seconds} s), or the warning would come before the job starts")
+        seconds = time_limit_seconds(self.time)
+        if self.signal_grace_s and seconds is not None and self.signal_grace_s >= seconds:
+            raise ValueError(f"signal_grace_s={self.signal_grace_s} must be shorter than time={self.time!r} "
+                             f"({seconds} s), or the warning would come before the job starts")
         return self
 
     @model_validator(mode="after")

@@ -27,7 +27,7 @@ import numpy as np
 import torch.distributed as dist
 
 from slurm_align.critic import protocol as P
-from slurm_align.rundir import RunDir, read_critic_address, read_run_secret
+from slurm_align.rundir import RunDir, critic_address_problem, read_run_secret
 
 
 class CriticError(RuntimeError):
@@ -100,9 +100,9 @@ class CriticClient:
     def _locate(self) -> str | None:
         """Take the address the critic published; None while it has published none. A file
         from an earlier job (another secret) does not count."""
-        found = read_critic_address(self.run_dir, self._secret)
+        found, why = critic_address_problem(self.run_dir, self._secret)
         if found is None:
-            return f"no address published in {self.run_dir.critic_address} yet"
+            return why
         host, port = found
         self.host, self.port = self._host_override or host, port
         return None

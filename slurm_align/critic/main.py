@@ -7,6 +7,7 @@ ranks follow. All ranks exit when the actor sends critic_shutdown (or the job en
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 import traceback
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from slurm_align.algorithms.preemption import ignore_stop_signal
+from slurm_align.algorithms.preemption import critic_survives_term, ignore_stop_signal
 from slurm_align.config import load_run_config
 from slurm_align.config.run import RunConfig
 from slurm_align.critic.channel import Command, CommandChannel
@@ -24,7 +25,7 @@ from slurm_align.critic.worker import CriticWorker
 from slurm_align.models.checkpoint import find_latest, load_weights, verify_checkpoint
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.weights import full_state_dict, load_full_state_dict
-from slurm_align.parallel.bootstrap import init_distributed
+from slurm_align.parallel.bootstrap import INTERFACE_ENV, init_distributed, interface_address
 from slurm_align.parallel.layout import initialize_model_parallel
 from slurm_align.profiling import phases
 from slurm_align.profiling.timers import Tracer
@@ -121,8 +122,12 @@ def resume_step(rd: RunDir) -> int | None:
 
 
 def bind_host(run: RunConfig) -> str:
+    """critic_server.bind_host, else the address of the profile's network.interface on this node
+    (the high-speed network), else the node's address as Slurm knows it (NodeAddr)."""
     if run.critic_server.bind_host:
         return run.critic_server.bind_host
+    if os.environ.get(INTERFACE_ENV):
+        return interface_address(os.environ[INTERFACE_ENV])
     return HetEnv.from_environ().address("critic")
 
 
@@ -147,8 +152,9 @@ def main(run_dir: str | Path) -> int:
     run = load_run_config(rd.config)
     env = init_distributed()
     ignore_stop_signal()   # the actor decides when to stop and saves the critic
+    on_exit = critic_survives_term(rd)   # Slurm's preemption TERM: serve on until the actor stopped
     try:
-        return run_critic(run, rd, env)
+        return run_critic(run, rd, env, on_exit)
     except BaseException:
         # The other ranks wait for rank 0's next command (or rank 0 for their part of a
         # collective) forever: print why, then take the whole component down at once.
@@ -158,7 +164,7 @@ def main(run_dir: str | Path) -> int:
         raise
 
 
-def run_critic(run: RunConfig, rd: RunDir, env) -> int:
+def run_critic(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) -> int:
     pctx = initialize_model_parallel(env, run.critic.tensor_parallel, run.critic.pipeline_parallel)
     models = build_models(run, pctx)
     swap = ModelSwap(models, keep_resident=run.switches.keep_critic_models_resident)
@@ -175,6 +181,8 @@ def run_critic(run: RunConfig, rd: RunDir, env) -> int:
         server = CriticServer.for_run(rd, bind_host(run), run.critic_server.port,
                                       ServerLimits(max_seq_len=mcfg.max_seq_len, vocab_size=mcfg.vocab_size))
         server.start()
+        if on_exit is not None:
+            on_exit.append(server.stop)   # a TERM exit stops tritonserver too (it would keep the port)
         print(f"critic: serving on {server.host}:{server.port} ({env.world_size} ranks, "
               f"TP={pctx.tp_size} PP={pctx.pp_size} DP={pctx.dp_size})", flush=True)
         try:

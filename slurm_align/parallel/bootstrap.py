@@ -102,9 +102,31 @@ def _check_world_size(size: int, given_comm: bool) -> None:
         )
 
 
+INTERFACE_ENV = "SLURM_ALIGN_NET_IFNAME"
+"""The network interface the job's own sockets use (profile `network.interface`), exported by the
+job script beside NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME."""
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface `name` on this host (e.g. 'ib0', 'hsn0')."""
+    import psutil   # deferred: only jobs that name an interface need it
+
+    addrs = psutil.net_if_addrs()
+    ipv4 = [a.address for a in addrs.get(name, []) if a.family == socket.AF_INET]
+    if not ipv4:
+        have = {n: [a.address for a in v if a.family == socket.AF_INET] for n, v in addrs.items()}
+        listing = ", ".join(f"{n} {','.join(a) or '(no IPv4)'}" for n, a in sorted(have.items()))
+        raise BootstrapError(f"network interface {name!r} (profile network.interface, {INTERFACE_ENV}) has no "
+                             f"IPv4 address on {socket.gethostname()}; this node has: {listing}")
+    return ipv4[0]
+
+
 def _local_address(multi_node: bool) -> str:
-    """An address of this host the other ranks can reach: loopback if they all live here,
-    else the first non-loopback address this host's name resolves to."""
+    """An address of this host the other ranks can reach: the profile's network interface when
+    one is named, loopback if they all live here, else the first non-loopback address this
+    host's name resolves to."""
+    if os.environ.get(INTERFACE_ENV):
+        return interface_address(os.environ[INTERFACE_ENV])
     if not multi_node:
         return "127.0.0.1"
     host = socket.gethostname()

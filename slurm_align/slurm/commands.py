@@ -11,12 +11,13 @@ from rich.console import Console
 
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.loading import (
-    apply_overrides, check_against_profile, load_profile, load_run_config, read_yaml, validate,
+    apply_overrides, check_against_profile, load_run_config, read_yaml, validate,
 )
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig
 from slurm_align.rundir import RunDir, new_run_dir
 from slurm_align.slurm import state as job_state
+from slurm_align.slurm.choose import choose_profile, default_run_root
 from slurm_align.slurm.launch import find_job, launch_run
 from slurm_align.slurm.render import Entry, render_script
 from slurm_align.slurm.status import run_status
@@ -34,10 +35,12 @@ def add_run_arguments(p: argparse.ArgumentParser, *, with_config: bool = True, o
         p.add_argument("config", type=Path, help="run config YAML (see examples/)")
     p.add_argument("--profile", default=None,
                    help="profile name (cluster_profiles/ or $SLURM_ALIGN_PROFILE_PATH) or a .yaml path; "
-                        "default: 'local'")
+                        "default: the profile whose hostname_pattern matches this machine, else 'local' "
+                        "where there is no sbatch")
     p.add_argument("-P", "--profile-set", action="append", default=[], metavar="a.b=c",
                    help="override a profile field (repeatable), e.g. -P partition=gpu")
-    p.add_argument("--run-dir", type=Path, default=None, help="run directory (default: a new folder under ./runs/)")
+    p.add_argument("--run-dir", type=Path, default=None,
+                   help="run directory (default: a new folder under the profile's run_root, else ./runs/)")
     p.add_argument("overrides", nargs="*", metavar="a.b=c", help="dotted overrides of the run config")
 
 
@@ -49,9 +52,9 @@ def load_inputs(args: argparse.Namespace, algorithm: str | None = None):
     if algorithm:
         overrides.append(f"algorithm={algorithm}")
     run = load_run_config(args.config, overrides)
-    profile = load_profile(args.profile, args.profile_set)
+    profile = choose_profile(args.profile, args.profile_set)
     check_against_profile(run, profile, source=args.config)
-    run_dir = args.run_dir or run.run_dir or new_run_dir("runs", run.algorithm)
+    run_dir = args.run_dir or run.run_dir or new_run_dir(default_run_root(profile), run.algorithm)
     return run, profile, Path(run_dir)
 
 
@@ -122,7 +125,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                   f"`slurm-align submit --resume {job.run_dir.root}`", highlight=False)
     if st.failed is not None:
         f = st.failed
-        out.print(f"[red]{f.component} failed first[/] (rank {f.rank}: {f.why}); last lines of {f.log}:")
+        where = "before any rank started" if f.rank is None else f"rank {f.rank}"
+        out.print(f"[red]{f.component} failed first[/] ({where}: {f.why}); last lines of {f.log}:")
         for line in f.tail:
             out.print(f"  {line}", highlight=False, markup=False)
     return 0

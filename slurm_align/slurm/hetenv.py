@@ -8,6 +8,8 @@ in a real hetjob, on the test cluster and on the `local` profile:
     SLURM_ALIGN_RUN_DIR                the run directory
     SLURM_JOB_NODELIST_HET_GROUP_<i>   hosts of component i (Slurm's compressed host list)
     SLURM_NTASKS_HET_GROUP_<i>         ranks of component i
+    SLURM_ALIGN_NODELIST_<i>, SLURM_ALIGN_NTASKS_<i>   the same for profile job_shape 'single'
+                                       (one allocation; the job script sets them)
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ class HetEnv:
     def hosts(self, component: str) -> list[str]:
         i = self.index(component)
         key = f"SLURM_JOB_NODELIST_HET_GROUP_{i}"
+        if key not in self.environ and f"SLURM_ALIGN_NODELIST_{i}" in self.environ:
+            key = f"SLURM_ALIGN_NODELIST_{i}"   # job_shape single: the component's nodes of one allocation
         if key not in self.environ and len(self.components) == 1 and "SLURM_JOB_NODELIST" in self.environ:
             key = "SLURM_JOB_NODELIST"  # a plain (non-het) job
         if key not in self.environ:
@@ -130,7 +134,8 @@ class HetEnv:
 
     def ntasks(self, component: str) -> int:
         i = self.index(component)
-        return int(self.environ.get(f"SLURM_NTASKS_HET_GROUP_{i}") or self.environ.get("SLURM_NTASKS", "1"))
+        return int(self.environ.get(f"SLURM_NTASKS_HET_GROUP_{i}") or self.environ.get(f"SLURM_ALIGN_NTASKS_{i}")
+                   or self.environ.get("SLURM_NTASKS", "1"))
 
     def address(self, component: str) -> str:
         """IP address of the component's first host (its rank 0 runs there)."""

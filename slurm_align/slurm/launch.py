@@ -32,7 +32,8 @@ from slurm_align.rundir import RunDir, create_run_secret, write_atomic
 from slurm_align.slurm import state as job_state
 from slurm_align.slurm.capacity import check_fits_cluster
 from slurm_align.slurm.executor import HetjobExecutor
-from slurm_align.slurm.render import Entry, render_script
+from slurm_align.slurm.choose import check_shared_paths
+from slurm_align.slurm.render import CONTAINER_SETUP, Entry, container_setup_text, job_python, render_script
 
 
 @dataclass
@@ -227,6 +228,7 @@ def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow
     run = resolve_input_paths(run).model_copy(update={"run_dir": rd.root})
     check_runnable(run, profile)
     script = render_script(run, profile, rd.root, entry)   # raises ConfigError on bad values
+    check_shared_paths(profile, rd.root, job_python(profile))
     check_fits_cluster(profile, run.components)            # after render: values are checked then
     _check_not_running(rd)
 
@@ -239,6 +241,9 @@ def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow
     write_atomic(rd.config, yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False))
     write_atomic(rd.profile, yaml.safe_dump(profile.model_dump(mode="json"), sort_keys=False))
     write_atomic(rd.script, script)
+    setup = container_setup_text(profile)
+    if setup is not None:
+        write_atomic(rd.root / CONTAINER_SETUP, setup)
     create_run_secret(rd)   # mode 0600; the critic serves only requests carrying it
     rd.critic_address.unlink(missing_ok=True)
 

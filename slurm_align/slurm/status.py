@@ -75,8 +75,14 @@ def tail(path: Path, lines: int = 20) -> list[str]:
 
 
 def failing_rank(rd: RunDir, component: str, lines: int = 20) -> FailedRank:
-    """The rank of `component` that failed: named by srun/mpirun in launcher.log, else the rank
-    whose log holds a Python traceback, else rank 0."""
+    """The rank of `component` that failed: the node its pre-flight failed on (no rank started),
+    else named by srun/mpirun in launcher.log, else the rank whose log holds a Python traceback,
+    else rank 0."""
+    preflight = rd.logs / component / "preflight.log"
+    if preflight.is_file():
+        failed = [line for line in preflight.read_text(errors="replace").splitlines() if "pre-flight failed" in line]
+        if failed:
+            return FailedRank(component, None, failed[0].removeprefix("slurm-align "), preflight, failed[:lines])
     launcher = rd.logs / component / "launcher.log"
     text = launcher.read_text(errors="replace") if launcher.is_file() else ""
     rank, why = None, ""

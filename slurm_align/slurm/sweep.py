@@ -3,10 +3,13 @@
     slurm-align sweep CONFIG --profile NAME --nodes 1,2,4,8 [--mode weak|strong]
 
 `--nodes` gives the actor's node counts; the critic's follow `sweep.actor_to_critic_nodes` in the
-run config. Each component's data_parallel is set so TP x PP x DP equals its ranks
-(nodes x tasks_per_node of the profile). Weak scaling grows the rollout batch (PPO) or the global
-batch (sft/rm/dpo) in proportion to the actor nodes, from the config's value at the smallest
-point; strong scaling keeps it. A point that fails to launch or to run is recorded and the others
+run config (PPO's critic, and the reward-only critic of GRPO/RLOO/... with a reward model). Each
+component's data_parallel is set so TP x PP x DP equals its ranks (nodes x tasks_per_node of the
+profile). Weak scaling grows what the run's algorithm trains on, in proportion to the actor
+nodes, from the config's value at the smallest point: for the rollout algorithms (ppo, grpo,
+rloo, ...) the prompts per step (ppo.num_rollout_samples) and, when set, ppo.global_batch_size
+(so the optimizer steps per step stay the same); for sft/rm/dpo trainer.global_batch_size.
+Strong scaling keeps them. Every point records every component's nodes. A point that fails to launch or to run is recorded and the others
 go on. The manifest (sweep.json) is rewritten atomically after every change of state.
 """
 
@@ -85,6 +88,10 @@ class SweepPoint:
         return _batch(self.run)
 
     @property
+    def component_nodes(self) -> dict[str, int]:
+        return {c: self.profile.components[c].nodes for c in self.run.components}
+
+    @property
     def name(self) -> str:
         return f"nodes{self.nodes}"
 
@@ -100,7 +107,7 @@ def plan_point(run: RunConfig, profile: ClusterProfile, nodes: int, base_nodes: 
     if mode not in ("weak", "strong"):
         raise ConfigError.at("--mode", mode, "allowed: weak, strong")
     comps = {"actor": nodes}
-    if run.spec.value_model:
+    if "critic" in run.components:   # PPO's critic, or a reward-only critic (grpo, rloo, ... with a reward model)
         comps["critic"] = critic_nodes_for(nodes, run.sweep.actor_to_critic_nodes)
     resources = dict(profile.components)
     update: dict = {}
@@ -113,12 +120,16 @@ def plan_point(run: RunConfig, profile: ClusterProfile, nodes: int, base_nodes: 
         update[comp] = par.model_copy(update={"data_parallel": _data_parallel(run, comp, res.ranks, n)})
     if mode == "weak":
         base = _batch(run)
-        if (base * nodes) % base_nodes:
-            raise ConfigError.at("--nodes", nodes, f"weak scaling needs batch {base} x {nodes} / {base_nodes} "
-                                 "to be whole: use node counts that are multiples of the smallest")
-        scaled = base * nodes // base_nodes
+        gbs = run.ppo.global_batch_size if run.spec.rollout else None
+        for value in (base, gbs or 0):
+            if (value * nodes) % base_nodes:
+                raise ConfigError.at("--nodes", nodes, f"weak scaling needs batch {value} x {nodes} / {base_nodes} "
+                                     "to be whole: use node counts that are multiples of the smallest")
         section, field = run.spec.sweep_batch.split(".")   # the algorithm's batch field
-        update[section] = getattr(run, section).model_copy(update={field: scaled})
+        update[section] = getattr(run, section).model_copy(update={field: base * nodes // base_nodes})
+        if gbs is not None:   # the same number of optimizer steps per step at every point
+            update["ppo"] = update.get("ppo", run.ppo).model_copy(
+                update={"global_batch_size": gbs * nodes // base_nodes})
     new_run = run.model_copy(update=update)
     new_profile = profile.model_copy(update={"components": resources})
     return SweepPoint(nodes, comps.get("critic", 0), new_run, new_profile)
@@ -135,6 +146,8 @@ class ManifestPoint:
     rollout_samples: int
     run_dir: str
     """Relative to the sweep directory."""
+    component_nodes: dict[str, int] = field(default_factory=dict)
+    """Nodes of every component of the point's job ({'actor': 4, 'critic': 2})."""
     state: str = PLANNED
     job_id: str | None = None
     error: str | None = None
@@ -263,6 +276,6 @@ def start_sweep(run: RunConfig, profile: ClusterProfile, nodes: list[int], mode:
     if (sweep_dir / MANIFEST).exists():
         raise ConfigError.at("--sweep-dir", str(sweep_dir), "already holds a sweep; choose a new folder")
     manifest = Manifest(sweep_dir, str(config_path), profile.name, mode, [
-        ManifestPoint(p.nodes, p.critic_nodes, p.batch, p.name) for p in points])
+        ManifestPoint(p.nodes, p.critic_nodes, p.batch, p.name, p.component_nodes) for p in points])
     manifest.save()
     return run_sweep(points, manifest, **kwargs)

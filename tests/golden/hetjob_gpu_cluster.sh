@@ -9,7 +9,7 @@
 #SBATCH --partition=gpu
 #SBATCH --account=my-project
 #SBATCH --qos=normal
-#SBATCH --constraint=h100
+#SBATCH --constraint='gpu&hbm80g'
 #SBATCH --time=04:00:00
 #SBATCH --nodes=4
 #SBATCH --ntasks-per-node=8
@@ -22,7 +22,7 @@
 #SBATCH --partition=gpu
 #SBATCH --account=my-project
 #SBATCH --qos=normal
-#SBATCH --constraint=h100
+#SBATCH --constraint='gpu&hbm80g'
 #SBATCH --time=04:00:00
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=8
@@ -31,23 +31,50 @@
 #SBATCH --mem=0
 #SBATCH --exclusive
 
-set -euo pipefail
+# Exit codes: 0 completed (or stopped and requeued), 1 a component failed,
+# 75 stopped at a checkpoint and not requeued (`slurm-align status` shows STOPPED).
+set -eo pipefail
 export NCCL_IB_SL=1
+set -u   # only now: Lmod's `module` and many set-up scripts read unset variables
 export NCCL_DEBUG=WARN
-export OMP_NUM_THREADS=8
 # secret WANDB_API_KEY: inherited from the submitting shell by name, never written here
 if [[ -z "${WANDB_API_KEY+x}" ]]; then echo "slurm-align: secret variable WANDB_API_KEY is not set in the job environment" >&2; exit 1; fi
 export WANDB_API_KEY
+# the high-speed network (profile network.interface): the critic, torch's rendezvous, NCCL, gloo
+export SLURM_ALIGN_NET_IFNAME=ib0
+export NCCL_SOCKET_IFNAME=ib0
+export GLOO_SOCKET_IFNAME=ib0
 export SLURM_ALIGN_RUN_DIR=/scratch/runs/golden
 export SLURM_ALIGN_COMPONENTS=actor,critic
 
 cd /scratch/runs/golden
 
-# A requeued job runs this script again: clear what the previous start left behind.
-rm -f "$SLURM_ALIGN_RUN_DIR"/logs/*/exit_code "$SLURM_ALIGN_RUN_DIR/logs/first_failure" \
-  "$SLURM_ALIGN_RUN_DIR/stop_requested" "$SLURM_ALIGN_RUN_DIR/stopped_step"
+# A requeued job (by this script or by Slurm itself: preemption, a node failure) runs this script
+# again: clear what the previous start left behind, the critic's address first (its host:port
+# may belong to another process by now; the actor accepts only an address of this start).
+export SLURM_ALIGN_START="${SLURM_JOB_ID:-local-$$}:${SLURM_RESTART_COUNT:-0}"
+rm -f "$SLURM_ALIGN_RUN_DIR/critic_address.json" "$SLURM_ALIGN_RUN_DIR"/logs/*/exit_code \
+  "$SLURM_ALIGN_RUN_DIR/logs/first_failure" "$SLURM_ALIGN_RUN_DIR/stop_requested" \
+  "$SLURM_ALIGN_RUN_DIR/stopped_step" "$SLURM_ALIGN_RUN_DIR/stopped_by"
 # shellcheck disable=SC2329  # called from the traps below
 event() { echo "{\"event\": \"$1\", \"time\": $(date +%s.%N)${2:+, $2}}" >>"$SLURM_ALIGN_RUN_DIR/preemption.jsonl"; }
+# Requeues are counted by Slurm (SLURM_RESTART_COUNT: every requeue, Slurm's own included), and
+# max_requeues holds for all of them: past it this start ends at once as STOPPED.
+restarts="${SLURM_RESTART_COUNT:-0}"
+echo "$restarts" >"$SLURM_ALIGN_RUN_DIR/.requeue_count.tmp"
+mv "$SLURM_ALIGN_RUN_DIR/.requeue_count.tmp" "$SLURM_ALIGN_RUN_DIR/requeue_count"
+if (( restarts > 0 )); then
+  event started "\"restart_count\": $restarts"
+fi
+if (( restarts > 0 )); then
+  echo "slurm-align: this job was requeued $restarts times, more than max_requeues=0 (requeue false); it ends here (resume: slurm-align submit --resume $SLURM_ALIGN_RUN_DIR)" >&2
+  IFS=, read -r -a all_components <<<"$SLURM_ALIGN_COMPONENTS"
+  for name in "${all_components[@]}"; do
+    mkdir -p "$SLURM_ALIGN_RUN_DIR/logs/$name"
+    echo 75 >"$SLURM_ALIGN_RUN_DIR/logs/$name/exit_code"
+  done
+  exit 75
+fi
 
 pids=()
 names=()
@@ -72,12 +99,37 @@ request_stop() {
 }
 trap 'request_stop USR2' USR2
 trap 'request_stop TERM' TERM
+# Pre-flight: every node of every component sees the run directory and can run slurm-align.
+mkdir -p /scratch/runs/golden/logs/actor
+# shellcheck disable=SC2016  # $1, $2 and the node name expand on the node, not here
+if ! SRUN_CPUS_PER_TASK=1 srun --het-group=0 --nodes=4 --ntasks=4 --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 --wait=0 --mpi=none --container-image=nvcr.io/nvidia/nemo:25.04 --container-name=slurm-align-actor --container-workdir=/scratch/runs/golden --container-mounts=/scratch/runs/golden:/scratch/runs/golden,/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work --no-container-mount-home \
+  bash -c '. "$SLURM_ALIGN_RUN_DIR/container_setup.sh"; node="${SLURMD_NODENAME:-$(hostname)}"; if [[ ! -d "$2" ]]; then echo "slurm-align pre-flight failed on node $node: run directory $2 is not visible there"; exit 3; fi; if ! out="$("$1" -c "import slurm_align" 2>&1)"; then echo "slurm-align pre-flight failed on node $node: $1 cannot import slurm_align: $(echo "$out" | tail -n 1)"; exit 4; fi' \
+  slurm-align-preflight /opt/venv/bin/python /scratch/runs/golden >>/scratch/runs/golden/logs/actor/preflight.log 2>&1; then
+  reason="$(grep -m 1 "pre-flight failed" /scratch/runs/golden/logs/actor/preflight.log || tail -n 1 /scratch/runs/golden/logs/actor/preflight.log)"
+  echo "slurm-align: component actor: $reason" >&2
+  echo actor >"$SLURM_ALIGN_RUN_DIR/logs/first_failure"
+  echo 1 >/scratch/runs/golden/logs/actor/exit_code
+  exit 1
+fi
+mkdir -p /scratch/runs/golden/logs/critic
+# shellcheck disable=SC2016  # $1, $2 and the node name expand on the node, not here
+if ! SRUN_CPUS_PER_TASK=1 srun --het-group=1 --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 --wait=0 --mpi=none --container-image=nvcr.io/nvidia/nemo:25.04 --container-name=slurm-align-critic --container-workdir=/scratch/runs/golden --container-mounts=/scratch/runs/golden:/scratch/runs/golden,/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work --no-container-mount-home \
+  bash -c '. "$SLURM_ALIGN_RUN_DIR/container_setup.sh"; node="${SLURMD_NODENAME:-$(hostname)}"; if [[ ! -d "$2" ]]; then echo "slurm-align pre-flight failed on node $node: run directory $2 is not visible there"; exit 3; fi; if ! out="$("$1" -c "import slurm_align" 2>&1)"; then echo "slurm-align pre-flight failed on node $node: $1 cannot import slurm_align: $(echo "$out" | tail -n 1)"; exit 4; fi' \
+  slurm-align-preflight /opt/venv/bin/python /scratch/runs/golden >>/scratch/runs/golden/logs/critic/preflight.log 2>&1; then
+  reason="$(grep -m 1 "pre-flight failed" /scratch/runs/golden/logs/critic/preflight.log || tail -n 1 /scratch/runs/golden/logs/critic/preflight.log)"
+  echo "slurm-align: component critic: $reason" >&2
+  echo critic >"$SLURM_ALIGN_RUN_DIR/logs/first_failure"
+  echo 1 >/scratch/runs/golden/logs/critic/exit_code
+  exit 1
+fi
+
 # --- component actor: 32 rank(s), logs in /scratch/runs/golden/logs/actor/ ---
 mkdir -p /scratch/runs/golden/logs/actor
 # shellcheck disable=SC2016  # $rank and $@ expand on each rank, not here
 SLURM_ALIGN_COMPONENT=actor SLURM_ALIGN_LOG_DIR=/scratch/runs/golden/logs/actor \
-  srun --het-group=0 --mpi=pmix --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/nemo:25.04 --container-mounts=/lustre/datasets:/data:ro,/lustre/users/me:/work \
-  bash -c 'rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
+  SRUN_CPUS_PER_TASK=12 OMP_NUM_THREADS=12 \
+  srun --het-group=0 --mpi=pmix --kill-on-bad-exit=1 --wait=0 --cpus-per-task=12 --cpu-bind=cores --gpus-per-task=1 --gpu-bind=closest --container-image=nvcr.io/nvidia/nemo:25.04 --container-name=slurm-align-actor --container-workdir=/scratch/runs/golden --container-mounts=/scratch/runs/golden:/scratch/runs/golden,/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work --no-container-mount-home \
+  bash -c '. "$SLURM_ALIGN_RUN_DIR/container_setup.sh"; rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
   slurm-align-rank /opt/venv/bin/python -u -m slurm_align.launchers.report --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/actor/launcher.log 2>&1 &
 pids+=("$!")
 names+=(actor)
@@ -86,8 +138,9 @@ names+=(actor)
 mkdir -p /scratch/runs/golden/logs/critic
 # shellcheck disable=SC2016  # $rank and $@ expand on each rank, not here
 SLURM_ALIGN_COMPONENT=critic SLURM_ALIGN_LOG_DIR=/scratch/runs/golden/logs/critic \
-  srun --het-group=1 --mpi=pmix --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/nemo:25.04 --container-mounts=/lustre/datasets:/data:ro,/lustre/users/me:/work \
-  bash -c 'rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
+  SRUN_CPUS_PER_TASK=12 OMP_NUM_THREADS=12 \
+  srun --het-group=1 --mpi=pmix --kill-on-bad-exit=1 --wait=0 --cpus-per-task=12 --cpu-bind=cores --container-image=nvcr.io/nvidia/nemo:25.04 --container-name=slurm-align-critic --container-workdir=/scratch/runs/golden --container-mounts=/scratch/runs/golden:/scratch/runs/golden,/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work --no-container-mount-home \
+  bash -c '. "$SLURM_ALIGN_RUN_DIR/container_setup.sh"; rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
   slurm-align-rank /opt/venv/bin/python -u -m slurm_align.launchers.report --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/critic/launcher.log 2>&1 &
 pids+=("$!")
 names+=(critic)
