@@ -1,0 +1,215 @@
+"""Qwen3 (per-head q/k RMSNorm, head_dim independent of the width) against transformers.
+
+One tiny random Qwen3 (and its ForSequenceClassification twin) is made by transformers here
+and saved with save_pretrained, shared by the whole module. Imported through model.hf_path on
+real mpirun ranks (tests/hf_worker.py) it must give transformers' logits at TP=1, TP=2 and
+PP=2; the torch engines generate greedily as transformers' generate; import -> SFT steps ->
+export loads in transformers with the trained logits; its chat template renders as
+transformers' apply_chat_template.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slurm_align.config.run import ModelConfig
+from tests.test_hf_models import ROOT, TOL, _perturb, cli, mpirun, reference, save_tokenizer, tokens
+
+transformers = pytest.importorskip("transformers")
+
+GEN_WORKER = Path(__file__).with_name("arch_generation_worker.py")
+# head_dim 16 with hidden 32 and 4 heads (hidden / heads = 8): q is 64 wide, o_proj 64 -> 32.
+QWEN3 = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=260, max_position_embeddings=64)
+
+
+def make_qwen3(root: Path) -> dict[str, Path]:
+    t = transformers
+    models = {
+        "qwen3": t.Qwen3ForCausalLM(t.Qwen3Config(**QWEN3, tie_word_embeddings=True)),
+        "qwen3_rm": t.Qwen3ForSequenceClassification(t.Qwen3Config(**QWEN3, num_labels=1, pad_token_id=259)),
+    }
+    out = {}
+    for i, (name, model) in enumerate(models.items()):
+        out[name] = root / "models" / name
+        _perturb(model, 10 + i).save_pretrained(out[name])   # q/k norms away from 1 as well
+    save_tokenizer(out["qwen3"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("qwen3")
+    make_qwen3(root)
+    torch.save(tokens(), root / "tokens.pt")
+    return root
+
+
+def test_qwen3_fields_from_config(zoo: Path):
+    cfg = ModelConfig(hf_path=zoo / "models" / "qwen3")
+    assert cfg.qk_layernorm and cfg.kv_channels == 16 and cfg.hidden_size == 32
+    assert not cfg.add_qkv_bias and not cfg.add_bias_linear and cfg.tie_embeddings
+    with pytest.raises(ValueError, match="qk_layernorm.*conflicts"):
+        ModelConfig(hf_path=zoo / "models" / "qwen3", qk_layernorm=False)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_qwen3_logits_equal_transformers(zoo: Path, tp: int, pp: int):
+    mpirun(tp * pp, "logits", str(tp), str(pp), str(zoo))
+    toks = torch.load(zoo / "tokens.pt")
+    for folder in sorted((zoo / "models").iterdir()):
+        ours = torch.load(zoo / "out" / f"{folder.name}_tp{tp}_pp{pp}.pt")
+        if folder.name.endswith("_rm"):
+            ours = ours[:, -1]
+        ref = reference(folder, toks)
+        assert ours.shape == ref.shape, folder.name
+        err = (ours - ref).abs().max().item()
+        assert err <= TOL, f"{folder.name} TP={tp} PP={pp}: max |ours - transformers| = {err}"
+
+
+def test_qwen3_generates_as_transformers(tmp_path: Path):
+    """Both torch engines, refitted from the imported model, reproduce transformers' greedy
+    generate token for token (large init: peaked logits, far from ties)."""
+    t = transformers
+    shape = dict(QWEN3, hidden_size=64, intermediate_size=96, vocab_size=250, max_position_embeddings=128,
+                 bos_token_id=None, eos_token_id=None, initializer_range=0.3)
+    folder = tmp_path / "qwen3_gen"
+    _perturb(t.Qwen3ForCausalLM(t.Qwen3Config(**shape)), 21).save_pretrained(folder)
+    g = torch.Generator().manual_seed(5)
+    prm = [torch.randint(0, 250, (n,), generator=g) for n in (6, 1, 11, 3)]
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save(prm, out / "prompts.pt")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(GEN_WORKER), str(out), "--hf", str(folder)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ours = torch.load(out / "qwen3_gen.pt")
+    model = t.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for i, p in enumerate(prm):
+        with torch.no_grad():
+            want = model.generate(p[None], attention_mask=torch.ones(1, p.numel(), dtype=torch.long),
+                                  do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
+        want = want[0, p.numel():]
+        assert torch.equal(ours["greedy"][i], want), f"prompt {i}: {ours['greedy'][i]} != {want}"
+        assert torch.equal(ours["naive"][i], want), f"prompt {i} (naive)"
+
+
+@pytest.mark.mpi
+def test_qwen3_round_trip_import_train_export(zoo: Path, tmp_path: Path):
+    """import -> 4 SFT steps at TP=2 -> export: transformers loads the export as a Qwen3 and
+    gives the trained model's logits (the q/k norms trained and written back as q_norm/k_norm)."""
+    qwen3 = zoo / "models" / "qwen3"
+    ckpt = tmp_path / "imported"
+    proc = cli("import", "hf", str(qwen3), str(ckpt))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cfg = {"algorithm": "sft", "seed": 1,
+           "model": {"hf_path": str(qwen3), "init_checkpoint": str(ckpt)},
+           "actor": {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1},
+           "data": {"train_path": str(ROOT / "examples/synthetic/sft_train.jsonl")},
+           "trainer": {"num_steps": 4, "global_batch_size": 4, "micro_batch_size": 4, "lr": 1e-2,
+                       "save_interval": 0, "eval_interval": 0}}
+    (tmp_path / "sft.yaml").write_text(json.dumps(cfg))
+    run_dir = tmp_path / "run"
+    proc = cli("train", "sft", str(tmp_path / "sft.yaml"), "--profile", "local", "--run-dir", str(run_dir), "--follow")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    trained = run_dir / "checkpoints" / "sft" / "iter_0000004"
+    assert (trained / "manifest.json").is_file()
+    proc = cli("export", "hf", str(run_dir / "checkpoints" / "sft"), str(tmp_path / "export"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["head_dim"] == 16
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "hf_dir.txt").write_text(str(qwen3))
+    (work / "ckpt.txt").write_text(str(trained))
+    torch.save(tokens(), work / "tokens.pt")
+    mpirun(1, "resave", "1", "1", str(work))
+    ours = torch.load(work / "trained_logits.pt")
+    with torch.no_grad():
+        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")(tokens()).logits
+    assert (exported - ours).abs().max().item() <= TOL
+    assert (reference(qwen3, tokens()) - ours).abs().max().item() > 1e-3, "the SFT steps changed nothing"
+    from safetensors import safe_open
+    with safe_open(tmp_path / "export" / "model.safetensors", "pt") as f:
+        q_norm = f.get_tensor("model.layers.0.self_attn.q_norm.weight")
+    base = transformers.AutoModelForCausalLM.from_pretrained(qwen3).model.layers[0].self_attn.q_norm.weight
+    assert q_norm.shape == (16,) and not torch.equal(q_norm, base.detach()), "q_norm was not trained/exported"
+
+
+# Qwen3 style: ChatML with <think> blocks, reasoning_content, the last user turn found by a
+# reversed loop over a namespace, string methods (split, strip, startswith), enable_thinking.
+QWEN3_TEMPLATE = (
+    "{%- if messages[0].role == 'system' %}\n"
+    "    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
+    "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}\n"
+    "{%- for message in messages[::-1] %}\n"
+    "    {%- set index = (messages|length - 1) - loop.index0 %}\n"
+    "    {%- if ns.multi_step_tool and message.role == 'user' and message.content is string %}\n"
+    "        {%- set ns.multi_step_tool = false %}\n"
+    "        {%- set ns.last_query_index = index %}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- for message in messages %}\n"
+    "    {%- set content = message.content if message.content is string else '' %}\n"
+    "    {%- if message.role == 'user' or (message.role == 'system' and not loop.first) %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}\n"
+    "    {%- elif message.role == 'assistant' %}\n"
+    "        {%- set reasoning_content = '' %}\n"
+    "        {%- if message.reasoning_content is string %}\n"
+    "            {%- set reasoning_content = message.reasoning_content %}\n"
+    "        {%- elif '</think>' in content %}\n"
+    "            {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}\n"
+    "            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}\n"
+    "        {%- endif %}\n"
+    "        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}\n"
+    "            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}\n"
+    "        {%- else %}\n"
+    "            {{- '<|im_start|>assistant\\n' + content }}\n"
+    "        {%- endif %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endfor %}\n"
+    "{%- if add_generation_prompt %}\n"
+    "    {{- '<|im_start|>assistant\\n' }}\n"
+    "    {%- if enable_thinking is defined and enable_thinking is false %}\n"
+    "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
+    "    {%- endif %}\n"
+    "{%- endif %}\n"
+)
+
+
+@pytest.mark.parametrize("gen_prompt", [False, True])
+def test_qwen3_chat_template_renders_as_transformers(tmp_path: Path, gen_prompt: bool):
+    from tests.test_chat_template import make_tokenizer
+    from slurm_align.models.tokenizer import HFTokenizer
+    folder = make_tokenizer(tmp_path / "qwen3_tok", QWEN3_TEMPLATE,
+                            {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
+                            ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"])
+    ref = transformers.AutoTokenizer.from_pretrained(folder)
+    ours = HFTokenizer(folder)
+    convs = [
+        [{"role": "user", "content": "Sort these digits: 7 3 9 1"}],
+        [{"role": "system", "content": "You are a helpful assistant."},
+         {"role": "user", "content": "What is two plus two?"},
+         {"role": "assistant", "content": "<think>\n2 + 2 = 4\n</think>\n\nTwo plus two is four."}],
+        [{"role": "user", "content": "What is two plus two?"},
+         {"role": "assistant", "content": "Four.", "reasoning_content": "add them"},
+         {"role": "user", "content": "Thanks! é ü"}],
+    ]
+    for conv in convs:
+        want = ref.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen_prompt)
+        got = ours.apply_chat_template(conv, add_generation_prompt=gen_prompt)
+        assert got == want
+    # the think block of the answer after the last user turn is kept (reasoning split off)
+    assert "<think>\n2 + 2 = 4\n</think>\n\nTwo plus two is four." in ours.apply_chat_template(convs[1])
