@@ -21,6 +21,7 @@ import torch
 
 from slurm_align.config.run import ModelConfig
 from tests.test_hf_models import ROOT, TOL, _perturb, cli, mpirun, reference, save_tokenizer, tokens
+from tests.test_models_parallel import free_port
 
 transformers = pytest.importorskip("transformers")
 
@@ -213,3 +214,71 @@ def test_qwen3_chat_template_renders_as_transformers(tmp_path: Path, gen_prompt:
         assert got == want
     # the think block of the answer after the last user turn is kept (reasoning split off)
     assert "<think>\n2 + 2 = 4\n</think>\n\nTwo plus two is four." in ours.apply_chat_template(convs[1])
+
+
+# --- mixture of experts: Qwen3-MoE (softmax over all experts, top-k not renormalised) and
+# Mixtral (softmax over the top-k logits) -----------------------------------------------------
+MOE_WORKER = Path(__file__).with_name("moe_worker.py")
+MOE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=260,
+           max_position_embeddings=64, num_experts_per_tok=2)
+
+
+def make_moe(root: Path, **shape) -> dict[str, Path]:
+    t = transformers
+    s = {**MOE, **shape}
+    models = {
+        "mixtral": t.MixtralForCausalLM(t.MixtralConfig(**s, intermediate_size=40, num_local_experts=4)),
+        "qwen3_moe": t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(**s, head_dim=16, intermediate_size=48,
+                                                            moe_intermediate_size=24, num_experts=4,
+                                                            norm_topk_prob=False)),
+    }
+    out = {}
+    for i, (name, model) in enumerate(models.items()):
+        out[name] = root / "models" / name
+        _perturb(model, 30 + i).save_pretrained(out[name])
+    return out
+
+
+def moe_mpirun(n: int, *args: str) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    cmd = ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, str(MOE_WORKER), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def moe_zoo(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("moe")
+    make_moe(root)
+    torch.save(tokens(), root / "tokens.pt")
+    return root
+
+
+def test_moe_fields_from_config(moe_zoo: Path):
+    mixtral = ModelConfig(hf_path=moe_zoo / "models" / "mixtral")
+    assert (mixtral.num_experts, mixtral.moe_router_topk, mixtral.moe_norm_topk_prob) == (4, 2, True)
+    assert mixtral.ffn == 40 and not mixtral.qk_layernorm and mixtral.moe_aux_loss_coeff == 0.001
+    qwen = ModelConfig(hf_path=moe_zoo / "models" / "qwen3_moe")
+    assert (qwen.num_experts, qwen.ffn, qwen.moe_norm_topk_prob, qwen.qk_layernorm) == (4, 24, False, True)
+    assert ModelConfig(hf_path=moe_zoo / "models" / "qwen3_moe", moe_aux_loss_coeff=0.0).moe_aux_loss_coeff == 0.0
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (1, 1, 2), (1, 2, 1)])
+def test_moe_logits_equal_transformers(moe_zoo: Path, tp: int, pp: int, ep: int):
+    """Each EP rank reads and holds only its experts; tokens reach them by all-to-all (gloo)."""
+    moe_mpirun(tp * pp * ep, "logits", str(tp), str(pp), str(ep), str(moe_zoo))
+    toks = torch.load(moe_zoo / "tokens.pt")
+    for folder in sorted((moe_zoo / "models").iterdir()):
+        ours = torch.load(moe_zoo / "out" / f"{folder.name}_tp{tp}_pp{pp}_ep{ep}.pt")
+        ref = reference(folder, toks)
+        assert ours.shape == ref.shape, folder.name
+        err = (ours - ref).abs().max().item()
+        assert err <= TOL, f"{folder.name} TP={tp} PP={pp} EP={ep}: max |ours - transformers| = {err}"
+        if ep == 2:  # rank r read experts 2r and 2r+1 only (of every layer), and all the rest alike
+            read = [torch.load(moe_zoo / "out" / f"{folder.name}_ep2_read{r}.pt") for r in range(2)]
+            experts = [{int(n.split(".experts.")[1].split(".")[0]) for n in names if ".experts." in n}
+                       for names in read]
+            assert experts == [{0, 1}, {2, 3}], experts
+            assert [n for n in read[0] if ".experts." not in n] == [n for n in read[1] if ".experts." not in n]

@@ -114,7 +114,9 @@ def _moe(hf: dict, model_type: str, source: Path) -> dict[str, Any]:
         raise ConfigError([f"mlp_only_layers={hf.get('mlp_only_layers')} / decoder_sparse_step="
                            f"{hf.get('decoder_sparse_step')} (dense layers between MoE layers) are not supported; "
                            "supported: every layer MoE (mlp_only_layers=[], decoder_sparse_step=1)"], source)
-    return {"num_experts": hf["num_experts"], "moe_router_topk": hf["num_experts_per_tok"],
+    # the Hub's Qwen3-MoE files say num_experts; transformers >= 5 writes num_local_experts
+    experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
+    return {"num_experts": experts, "moe_router_topk": hf["num_experts_per_tok"],
             "ffn_hidden_size": hf["moe_intermediate_size"],
             "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
 
