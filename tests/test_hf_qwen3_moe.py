@@ -282,3 +282,54 @@ def test_moe_logits_equal_transformers(moe_zoo: Path, tp: int, pp: int, ep: int)
                        for names in read]
             assert experts == [{0, 1}, {2, 3}], experts
             assert [n for n in read[0] if ".experts." not in n] == [n for n in read[1] if ".experts." not in n]
+
+
+def test_moe_generates_as_transformers(tmp_path: Path):
+    """The torch engines run the MoE layers (router top-k, each expert on its tokens): greedy
+    generation equals transformers' generate for both routings (large init: far from ties)."""
+    t = transformers
+    folders = make_moe(tmp_path, hidden_size=64, vocab_size=250, max_position_embeddings=128,
+                       bos_token_id=None, eos_token_id=None, initializer_range=0.3)
+    g = torch.Generator().manual_seed(5)
+    prm = [torch.randint(0, 250, (n,), generator=g) for n in (6, 1, 11, 3)]
+    out = tmp_path / "out"
+    out.mkdir()
+    torch.save(prm, out / "prompts.pt")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, str(GEN_WORKER), str(out), "--hf", *map(str, folders.values())], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for name, folder in folders.items():
+        ours = torch.load(out / f"{name}.pt")
+        model = t.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        for i, p in enumerate(prm):
+            with torch.no_grad():
+                want = model.generate(p[None], attention_mask=torch.ones(1, p.numel(), dtype=torch.long),
+                                      do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
+            want = want[0, p.numel():]
+            assert torch.equal(ours["greedy"][i], want), f"{name} prompt {i}: {ours['greedy'][i]} != {want}"
+            assert torch.equal(ours["naive"][i], want), f"{name} prompt {i} (naive)"
+
+
+@pytest.mark.mpi
+def test_moe_ep2_checkpoint_exports_as_ep1(moe_zoo: Path, tmp_path: Path):
+    """The same Qwen3-MoE saved at EP=2 (two ranks, two experts each) and at EP=1 exports the
+    very same files; transformers loads the export with the original logits."""
+    folder = moe_zoo / "models" / "qwen3_moe"
+    (tmp_path / "hf_dir.txt").write_text(str(folder))
+    moe_mpirun(2, "save", "1", "1", "2", str(tmp_path))
+    moe_mpirun(1, "save", "1", "1", "1", str(tmp_path))
+    for ep in (1, 2):
+        proc = cli("export", "hf", str(tmp_path / f"ckpt_ep{ep}"), str(tmp_path / f"export_ep{ep}"))
+        assert proc.returncode == 0, proc.stderr[-4000:]
+    names = sorted(p.name for p in (tmp_path / "export_ep2").iterdir())
+    assert {"config.json", "model.safetensors"} <= set(names)
+    assert names == sorted(p.name for p in (tmp_path / "export_ep1").iterdir())
+    for name in names:
+        a, b = (tmp_path / "export_ep2" / name).read_bytes(), (tmp_path / "export_ep1" / name).read_bytes()
+        assert a == b, f"{name} differs between the EP=2 and the EP=1 checkpoint's export"
+    config = json.loads((tmp_path / "export_ep2" / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["norm_topk_prob"] is False
+    with torch.no_grad():
+        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export_ep2")(tokens()).logits
+    assert (exported - reference(folder, tokens())).abs().max().item() <= TOL
