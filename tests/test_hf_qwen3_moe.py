@@ -333,3 +333,35 @@ def test_moe_ep2_checkpoint_exports_as_ep1(moe_zoo: Path, tmp_path: Path):
     with torch.no_grad():
         exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export_ep2")(tokens()).logits
     assert (exported - reference(folder, tokens())).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("actor,needles", [
+    ({"data_parallel": 3, "expert_parallel": 3}, ["actor.expert_parallel=3", "model.num_experts=4"]),
+    ({"data_parallel": 1, "expert_parallel": 2}, ["actor.expert_parallel=2", "actor.data_parallel=1"]),
+    ({"tensor_parallel": 2, "data_parallel": 1}, ["actor.tensor_parallel=2", "tensor_parallel=1"]),
+], ids=["experts-not-divisible", "ep-not-dividing-dp", "tp-with-moe"])
+def test_bad_expert_layout_is_a_clear_error_and_submits_nothing(moe_zoo: Path, tmp_path: Path, actor, needles):
+    from slurm_align.config.errors import ConfigError
+    from tests.test_config import _try_submit
+    cfg = {"algorithm": "sft", "model": {"hf_path": str(moe_zoo / "models" / "mixtral")}, "actor": actor,
+           "data": {"train_path": str(ROOT / "examples/synthetic/sft_train.jsonl")}}
+    path = tmp_path / "sft.yaml"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError) as info:
+        _try_submit(path, "local", tmp_path)
+    for needle in needles + [str(path)]:
+        assert needle in str(info.value), str(info.value)
+    assert not (tmp_path / "run").exists(), "nothing may be written or submitted on bad input"
+
+
+def test_expert_parallel_on_a_dense_model_is_refused(zoo: Path, tmp_path: Path):
+    from slurm_align.config.errors import ConfigError
+    from tests.test_config import _try_submit
+    cfg = {"algorithm": "sft", "model": {"hf_path": str(zoo / "models" / "qwen3")},
+           "actor": {"data_parallel": 2, "expert_parallel": 2},
+           "data": {"train_path": str(ROOT / "examples/synthetic/sft_train.jsonl")}}
+    path = tmp_path / "sft.yaml"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="expert_parallel=2 needs a mixture-of-experts model"):
+        _try_submit(path, "local", tmp_path)
+    assert not (tmp_path / "run").exists()
