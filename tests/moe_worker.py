@@ -7,7 +7,8 @@
           DIR/out/<name>_tp<TP>_pp<PP>_ep<EP>.pt, every rank the names of the HF tensors it
           read to DIR/out/<name>_ep<EP>_read<rank>.pt;
 - save:   the folder named in DIR/hf_dir.txt imported at this layout and saved as a checkpoint
-          (with its model config, as `import hf` writes one) under DIR/ckpt_ep<EP>.
+          (with its model config, as `import hf` writes one) under DIR/ckpt_ep<EP>;
+- ckpt_logits: the training checkpoint in DIR/ckpt.txt loaded at this layout, its logits.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 
 from slurm_align.config.run import ModelConfig  # noqa: E402
-from slurm_align.models.checkpoint import save_checkpoint  # noqa: E402
+from slurm_align.models.checkpoint import load_weights, save_checkpoint  # noqa: E402
 from slurm_align.models.forward import forward_logits  # noqa: E402
 from slurm_align.models.gpt import build_gpt  # noqa: E402
 from slurm_align.models.hf.loader import SafetensorsFolder  # noqa: E402
@@ -57,10 +58,22 @@ def save(pctx, root: Path) -> None:
                     {"model_config": cfg.model_dump(mode="json"), "value_head": False})
 
 
+def ckpt_logits(pctx, root: Path) -> None:
+    """The training checkpoint named in DIR/ckpt.txt loaded at this layout: rank 0 saves its
+    logits on DIR/tokens.pt to DIR/ckpt_logits.pt."""
+    ckpt = Path((root / "ckpt.txt").read_text().strip())
+    cfg = ModelConfig(hf_path=(root / "hf_dir.txt").read_text().strip(), init_checkpoint=ckpt)
+    chunks = build_gpt(cfg, pctx, seed=99)
+    load_weights(ckpt, chunks)
+    y = forward_logits(chunks, pctx, torch.load(root / "tokens.pt"), cfg.vocab_size, broadcast=True)
+    if dist.get_rank() == 0:
+        torch.save(y, root / "ckpt_logits.pt")
+
+
 def main(argv: list[str]) -> int:
     action, tp, pp, ep, root = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     pctx = initialize_model_parallel(init_distributed(), tp, pp, ep)
-    {"logits": logits, "save": save}[action](pctx, root)
+    {"logits": logits, "save": save, "ckpt_logits": ckpt_logits}[action](pctx, root)
     dist.barrier()
     pctx.destroy()
     return 0

@@ -236,6 +236,7 @@ def make_moe(root: Path, **shape) -> dict[str, Path]:
     for i, (name, model) in enumerate(models.items()):
         out[name] = root / "models" / name
         _perturb(model, 30 + i).save_pretrained(out[name])
+        save_tokenizer(out[name])
     return out
 
 
@@ -365,3 +366,65 @@ def test_expert_parallel_on_a_dense_model_is_refused(zoo: Path, tmp_path: Path):
     with pytest.raises(ConfigError, match="expert_parallel=2 needs a mixture-of-experts model"):
         _try_submit(path, "local", tmp_path)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.mpi
+def test_moe_sft_with_expert_parallel_exports_and_logs_router_stats(moe_zoo: Path, tmp_path: Path):
+    """SFT of the imported Qwen3-MoE at DP=2 x EP=2 (expert gradients reduced over their own
+    replicas) with the aux loss on: router statistics in the metrics; the EP=2 training
+    checkpoint, loaded at EP=1, gives the logits transformers gives for its export."""
+    folder = moe_zoo / "models" / "qwen3_moe"
+    cfg = {"algorithm": "sft", "seed": 1, "model": {"hf_path": str(folder), "moe_aux_loss_coeff": 0.01},
+           "actor": {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2, "expert_parallel": 2},
+           "data": {"train_path": str(ROOT / "examples/synthetic/sft_train.jsonl")},
+           "trainer": {"num_steps": 3, "global_batch_size": 4, "micro_batch_size": 2, "lr": 1e-2,
+                       "save_interval": 0, "eval_interval": 0}}
+    (tmp_path / "sft.yaml").write_text(json.dumps(cfg))
+    run_dir = tmp_path / "run"
+    proc = cli("train", "sft", str(tmp_path / "sft.yaml"), "--profile", "local", "--run-dir", str(run_dir), "--follow")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "moe/load_max_over_mean" in json.dumps(r)]
+    assert len(steps) == 3, rows[-3:]
+    flat = json.dumps(steps[-1])
+    assert all(f'"moe/expert_load_{e}"' in flat for e in range(4)) and '"moe/aux_loss"' in flat, flat
+    trained = run_dir / "checkpoints" / "sft" / "iter_0000003"
+    proc = cli("export", "hf", str(run_dir / "checkpoints" / "sft"), str(tmp_path / "export"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (tmp_path / "hf_dir.txt").write_text(str(folder))
+    (tmp_path / "ckpt.txt").write_text(str(trained))
+    torch.save(tokens(), tmp_path / "tokens.pt")
+    moe_mpirun(1, "ckpt_logits", "1", "1", "1", str(tmp_path))
+    ours = torch.load(tmp_path / "ckpt_logits.pt")
+    with torch.no_grad():
+        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")(tokens()).logits
+    assert (exported - ours).abs().max().item() <= TOL
+    assert (reference(folder, tokens()) - ours).abs().max().item() > 1e-3, "the SFT steps changed nothing"
+
+
+# --- TensorRT-LLM mapping (pure torch; the engine itself is tested on GPUs) ----------------------
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "mixtral"])
+def test_trtllm_mapping_gives_back_the_hf_tensors(zoo: Path, moe_zoo: Path, name: str):
+    """megatron's full dict (read from the HF folder through the import table at TP=1) mapped
+    for TensorRT-LLM is the folder's own tensors, under the architecture it runs them as."""
+    from safetensors.torch import load_file
+    from slurm_align.generation.trtllm_mapping import hf_config, hf_weights, trtllm_tp_slice
+    from slurm_align.models.hf.loader import check_hf_folder, megatron_shapes
+    from slurm_align.models.hf.mapping import read_shard
+    folder = (zoo if name == "qwen3" else moe_zoo) / "models" / name
+    cfg = ModelConfig(hf_path=folder)
+    checked = check_hf_folder(cfg)
+    shapes = megatron_shapes(cfg, False)
+    full = {k: read_shard(src, cfg, checked.model_type, checked.files.read, shapes[k], None, 1, 0)
+            for k, src in checked.sources.items()}
+    mapped = hf_weights(full, cfg)
+    want = load_file(str(folder / "model.safetensors"))
+    if cfg.tie_embeddings:
+        want.pop("lm_head.weight", None)
+    assert sorted(mapped) == sorted(want)
+    for k in want:
+        assert torch.equal(mapped[k], want[k]), k
+    assert hf_config(cfg)["architectures"] == json.loads((folder / "config.json").read_text())["architectures"]
+    if cfg.num_experts:   # an expert's projections split over TensorRT-LLM's MoE TP like the dense MLP's
+        down = next(k for k in want if k.endswith(("experts.0.down_proj.weight", "experts.0.w2.weight")))
+        assert trtllm_tp_slice(down, want[down], 2, 1).shape[1] == want[down].shape[1] // 2

@@ -53,7 +53,10 @@ def moe_fields(model_cfg: ModelConfig, pctx: Any) -> dict[str, Any]:
         # top-k of the logits, then softmax over those k (= renormalised top-k probabilities).
         "moe_router_pre_softmax": not model_cfg.moe_norm_topk_prob,
         "moe_router_load_balancing_type": "aux_loss" if model_cfg.moe_aux_loss_coeff > 0 else "none",
-        "moe_aux_loss_coeff": model_cfg.moe_aux_loss_coeff,
+        # megatron scales each rank's aux loss by 1/micro-batches; the trainers then SUM the
+        # gradients over DP (their losses are normalised by the global token count), so the
+        # coefficient is split over DP ranks: it weighs the DP-mean aux loss, as configured.
+        "moe_aux_loss_coeff": model_cfg.moe_aux_loss_coeff / max(getattr(pctx, "dp_size", 1), 1),
         "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,
         "moe_router_dtype": "fp32",
