@@ -8,7 +8,8 @@
           read to DIR/out/<name>_ep<EP>_read<rank>.pt;
 - save:   the folder named in DIR/hf_dir.txt imported at this layout and saved as a checkpoint
           (with its model config, as `import hf` writes one) under DIR/ckpt_ep<EP>;
-- ckpt_logits: the training checkpoint in DIR/ckpt.txt loaded at this layout, its logits.
+- ckpt_logits: the training checkpoint in DIR/ckpt.txt loaded at this layout, its logits;
+- grads:  reduced gradients and their norm of one backward step (see grads).
 """
 
 from __future__ import annotations
@@ -70,10 +71,36 @@ def ckpt_logits(pctx, root: Path) -> None:
         torch.save(y, root / "ckpt_logits.pt")
 
 
+def grads(pctx, root: Path) -> None:
+    """One backward of the Qwen3-MoE in DIR/hf_dir.txt (aux loss off) on DIR/tokens.pt split
+    over the DP ranks, through the trainers' gradient reduction; rank 0 saves the norm and every
+    parameter's reduced gradient by global name (all experts) to DIR/grads_ep<EP>.pt."""
+    from slurm_align.algorithms.trainer import reduce_gradients
+    from slurm_align.models.forward import run_schedule
+    from slurm_align.models.weights import is_expert, local_tensors
+    cfg = ModelConfig(hf_path=(root / "hf_dir.txt").read_text().strip(), moe_aux_loss_coeff=0.0)
+    chunks = build_gpt(cfg, pctx, seed=5)
+    tokens = torch.load(root / "tokens.pt")
+    mine = tokens.chunk(pctx.dp_size)[pctx.dp_rank]
+    mbs = [{"tokens": t} for t in mine.chunk(2 // pctx.dp_size)]
+    # each sequence's share of the global mean (the trainers' convention: summed over DP)
+    run_schedule(chunks, mbs, lambda out, mb: (out.float().pow(2).mean() / tokens.shape[0], {}), forward_only=False)
+    params = [p for c in chunks for p in c.parameters()]
+    norm = reduce_gradients(params, pctx, clip=None)
+    by_name = {id(t): n for n, t in local_tensors(chunks, pctx)}
+    got = {by_name[id(p)]: p.grad.clone() for p in params}
+    peers = [None] * pctx.ep_size
+    dist.all_gather_object(peers, {k: v for k, v in got.items() if is_expert(k)}, group=pctx.ep_group)
+    for peer in peers:
+        got.update(peer)
+    if dist.get_rank() == 0:
+        torch.save({"norm": norm, "grads": got}, root / f"grads_ep{pctx.ep_size}.pt")
+
+
 def main(argv: list[str]) -> int:
     action, tp, pp, ep, root = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     pctx = initialize_model_parallel(init_distributed(), tp, pp, ep)
-    {"logits": logits, "save": save, "ckpt_logits": ckpt_logits}[action](pctx, root)
+    {"logits": logits, "save": save, "ckpt_logits": ckpt_logits, "grads": grads}[action](pctx, root)
     dist.barrier()
     pctx.destroy()
     return 0

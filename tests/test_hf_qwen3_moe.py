@@ -428,3 +428,21 @@ def test_trtllm_mapping_gives_back_the_hf_tensors(zoo: Path, moe_zoo: Path, name
     if cfg.num_experts:   # an expert's projections split over TensorRT-LLM's MoE TP like the dense MLP's
         down = next(k for k in want if k.endswith(("experts.0.down_proj.weight", "experts.0.w2.weight")))
         assert trtllm_tp_slice(down, want[down], 2, 1).shape[1] == want[down].shape[1] // 2
+
+
+@pytest.mark.mpi
+def test_moe_gradients_under_expert_parallel_equal_ep1(moe_zoo: Path, tmp_path: Path):
+    """The same two sequences at EP=1 (one rank, two micro-batches) and at DP=2 x EP=2 (one
+    each): after the trainers' reduction every gradient (experts: over their own replicas, the
+    rest: over DP) and the global norm (experts summed over EP) are the EP=1 ones."""
+    (tmp_path / "hf_dir.txt").write_text(str(moe_zoo / "models" / "qwen3_moe"))
+    torch.save(tokens()[:2], tmp_path / "tokens.pt")
+    moe_mpirun(1, "grads", "1", "1", "1", str(tmp_path))
+    moe_mpirun(2, "grads", "1", "1", "2", str(tmp_path))
+    one, two = torch.load(tmp_path / "grads_ep1.pt"), torch.load(tmp_path / "grads_ep2.pt")
+    assert sorted(one["grads"]) == sorted(two["grads"])
+    assert any(".experts." in k for k in one["grads"])
+    for k, g in one["grads"].items():
+        assert g.abs().max() > 0, k
+        assert (two["grads"][k] - g).abs().max().item() <= 1e-5 * g.abs().max().item() + 1e-7, k
+    assert abs(two["norm"] - one["norm"]) <= 1e-5 * one["norm"]
