@@ -1,7 +1,8 @@
-"""Qwen3 (per-head q/k RMSNorm, head_dim independent of the width) against transformers.
+"""Qwen3 (per-head q/k RMSNorm, head_dim independent of the width) and the MoE models
+Qwen3-MoE and Mixtral (megatron-core's MoE layers, expert parallelism) against transformers.
 
-One tiny random Qwen3 (and its ForSequenceClassification twin) is made by transformers here
-and saved with save_pretrained, shared by the whole module. Imported through model.hf_path on
+One tiny random Qwen3 (and its ForSequenceClassification twin) and one tiny Qwen3-MoE and
+Mixtral are made by transformers here and saved with save_pretrained, shared by the module. Imported through model.hf_path on
 real mpirun ranks (tests/hf_worker.py) it must give transformers' logits at TP=1, TP=2 and
 PP=2; the torch engines generate greedily as transformers' generate; import -> SFT steps ->
 export loads in transformers with the trained logits; its chat template renders as
@@ -104,6 +105,7 @@ def test_qwen3_generates_as_transformers(tmp_path: Path):
         assert torch.equal(ours["naive"][i], want), f"prompt {i} (naive)"
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_qwen3_round_trip_import_train_export(zoo: Path, tmp_path: Path):
     """import -> 4 SFT steps at TP=2 -> export: transformers loads the export as a Qwen3 and
@@ -312,6 +314,7 @@ def test_moe_generates_as_transformers(tmp_path: Path):
             assert torch.equal(ours["naive"][i], want), f"{name} prompt {i} (naive)"
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_moe_ep2_checkpoint_exports_as_ep1(moe_zoo: Path, tmp_path: Path):
     """The same Qwen3-MoE saved at EP=2 (two ranks, two experts each) and at EP=1 exports the
@@ -368,6 +371,7 @@ def test_expert_parallel_on_a_dense_model_is_refused(zoo: Path, tmp_path: Path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.mpi
 def test_moe_sft_with_expert_parallel_exports_and_logs_router_stats(moe_zoo: Path, tmp_path: Path):
     """SFT of the imported Qwen3-MoE at DP=2 x EP=2 (expert gradients reduced over their own
