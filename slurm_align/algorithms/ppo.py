@@ -374,7 +374,8 @@ def main(run_dir: str | Path) -> int:
     env = init_distributed()
     stop = StopPoint(env.comm, rd)   # preemption: the ranks agree on a stop point after a step
     try:
-        pctx = initialize_model_parallel(env, run.actor.tensor_parallel, run.actor.pipeline_parallel)
+        pctx = initialize_model_parallel(env, run.actor.tensor_parallel, run.actor.pipeline_parallel,
+                                     run.actor.expert_parallel)
         actor = build_actor(run, rd, env, pctx)
         stop.resumed(actor.start_step, find_latest(rd.checkpoints("actor")))
         actor.run_loop(stop)

@@ -28,7 +28,8 @@ def main(run_dir: str | Path) -> dict:
     run = load_run_config(run_dir / "config.yaml")
     torch.set_num_threads(1)
     env = init_distributed()
-    pctx = initialize_model_parallel(env, run.actor.tensor_parallel, run.actor.pipeline_parallel)
+    pctx = initialize_model_parallel(env, run.actor.tensor_parallel, run.actor.pipeline_parallel,
+                                     run.actor.expert_parallel)
     try:
         return Trainer(run, pctx, run_dir, algorithm_for(run)).fit()
     finally:

@@ -25,6 +25,7 @@ from slurm_align.data.datasets import DataOrder
 from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_weights, save_checkpoint
 from slurm_align.models.forward import run_schedule
 from slurm_align.models.gpt import build_gpt
+from slurm_align.models.moe_stats import RouterStats
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.profiling.metrics import MetricsLogger
 from slurm_align.models.weights import sync_tied_embedding_grads
@@ -53,16 +54,27 @@ def reduce_gradients(params: list, pctx: Any, clip: float | None) -> float:
             p.grad = torch.zeros_like(p)
     sync_tied_embedding_grads(params)  # tied embeddings under PP > 1: first + last stage
     grads = [p.grad for p in params]
-    if pctx.dp_size > 1:
-        flat = torch._utils._flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=pctx.dp_group)
-        for g, r in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-            g.copy_(r)
-    # Global grad norm over TP x PP; TP-replicated params are counted once (tp rank 0).
+    # MoE under expert parallelism: an expert's replicas are the DP / EP ranks holding it
+    # (megatron marks its weights allreduce=False), every other weight's all DP ranks.
+    ep = getattr(pctx, "ep_size", 1)
+    expert = [ep > 1 and not getattr(p, "allreduce", True) for p in params]
+    for part, group, size in (([g for g, e in zip(grads, expert) if not e], pctx.dp_group, pctx.dp_size),
+                              ([g for g, e in zip(grads, expert) if e], getattr(pctx, "edp_group", None),
+                               pctx.dp_size // ep)):
+        if part and size > 1:
+            flat = torch._utils._flatten_dense_tensors(part)
+            dist.all_reduce(flat, group=group)
+            for g, r in zip(part, torch._utils._unflatten_dense_tensors(flat, part)):
+                g.copy_(r)
+    # Global grad norm over TP x PP (x EP for experts); TP-replicated params are counted once (tp rank 0).
     sq = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-    for p in params:
+    sq_experts = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+    for p, e in zip(params, expert):
         if (getattr(p, "tensor_model_parallel", False) or pctx.tp_rank == 0) and not getattr(p, "tied_copy", False):
-            sq += p.grad.double().pow(2).sum()
+            (sq_experts if e else sq).add_(p.grad.double().pow(2).sum())
+    if ep > 1:
+        dist.all_reduce(sq_experts, group=pctx.ep_group)  # each EP rank holds other experts
+    sq += sq_experts
     if pctx.tp_size * pctx.pp_size > 1:
         dist.all_reduce(sq, group=pctx.mp_group)
     norm = math.sqrt(float(sq))
@@ -101,6 +113,8 @@ class Trainer:
         self.chunks = build_gpt(run.model, pctx, value_head=algo.value_head, seed=run.seed)
         if run.model.init_checkpoint:
             load_weights(run.model.init_checkpoint, self.chunks)
+        # MoE: per-expert load and the load-balancing loss in the step's metrics
+        self.router_stats = RouterStats(self.chunks, run.model.num_experts) if run.model.num_experts else None
         algo.setup(self)
         self.params = [p for c in self.chunks for p in c.parameters()]
         self.device = self.params[0].device  # collectives run here (gloo: CPU, NCCL: the GPU)
@@ -147,6 +161,8 @@ class Trainer:
         grad_norm = optimizer_step(self.optimizer, self.pctx, self.run.trainer.grad_clip)
         metrics = self.algo.metrics(self._reduce_sums(infos))
         metrics["grad_norm"] = grad_norm
+        if self.router_stats is not None:
+            metrics.update(self.router_stats.collect())
         return metrics
 
     @torch.no_grad()
@@ -164,7 +180,10 @@ class Trainer:
             mb["norm"] = norm
         self.algo.prepare(self, mbs)
         infos = run_schedule(self.chunks, mbs, self.algo.loss, forward_only=True)
-        return {f"val_{k}": v for k, v in self.algo.metrics(self._reduce_sums(infos)).items()}
+        out = self.algo.metrics(self._reduce_sums(infos))
+        if self.router_stats is not None:
+            out.update(self.router_stats.collect())
+        return {f"val_{k}": v for k, v in out.items()}
 
     # --- the loop ---------------------------------------------------------------
     def save(self) -> Path:

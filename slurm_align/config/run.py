@@ -57,7 +57,7 @@ class RopeScalingConfig(StrictModel):
 class ModelConfig(StrictModel):
     """A decoder-only transformer (megatron-core GPTModel); the same shape serves policy, value
     and reward. The defaults are slurm-align's own GPT (learned positions, LayerNorm, GELU,
-    biases, untied output); Llama/Qwen2/Mistral/GPT-2 come from `hf_path` (or the fields)."""
+    biases, untied output); Llama/Qwen2/Qwen3/Mistral/GPT-2 come from `hf_path` (or the fields)."""
 
     hf_path: Path | None = None
     """A local Hugging Face model folder (config.json, *.safetensors, tokenizer files). When set,
@@ -101,6 +101,21 @@ class ModelConfig(StrictModel):
     """Bias in the QKV projection only (Qwen2); implied by add_bias_linear. Default false."""
     tie_embeddings: bool = False
     """The output layer shares the input embedding matrix (GPT-2, small Qwen2). Default false."""
+    qk_layernorm: bool = False
+    """RMSNorm (LayerNorm for LayerNorm models) over each attention head's query and key, before
+    RoPE, with weights of head_dim shared by the heads (Qwen3). Default false."""
+    num_experts: int | None = Field(None, ge=2)
+    """Mixture of experts (Qwen3-MoE, Mixtral): routed experts in every layer's MLP, each a
+    SwiGLU/GELU MLP of ffn_hidden_size (no dense MLP, no shared experts). Default: none (dense)."""
+    moe_router_topk: int = Field(2, ge=1)
+    """Experts each token is routed to (MoE only). Default 2."""
+    moe_norm_topk_prob: bool = True
+    """MoE routing weights: true = softmax over the top-k router logits (Mixtral; Qwen3-MoE with
+    norm_topk_prob), false = softmax over all experts, top-k kept unrenormalised (Qwen3-MoE
+    without it). Default true."""
+    moe_aux_loss_coeff: float = Field(0.0, ge=0)
+    """Coefficient of the Switch-style load-balancing loss added by every MoE layer's router
+    (0: off). From model.hf_path: the folder's router_aux_loss_coef unless given. Default 0."""
     tokenizer: TokenizerConfig = TokenizerConfig()
     """Tokenizer to turn text data into ids."""
     init_checkpoint: Path | None = None
@@ -128,6 +143,8 @@ class ModelConfig(StrictModel):
                              f"num_attention_heads={self.num_attention_heads}")
         if self.position_embedding != "rope" and self.rope_scaling is not None:
             raise ValueError("rope_scaling needs position_embedding='rope'")
+        if self.num_experts is not None and self.moe_router_topk > self.num_experts:
+            raise ValueError(f"moe_router_topk={self.moe_router_topk} must be <= num_experts={self.num_experts}")
         return self
 
     @property
@@ -159,10 +176,34 @@ class ParallelConfig(StrictModel):
     """Pipeline-parallel size (must divide num_layers)."""
     data_parallel: int = Field(1, ge=1)
     """Data-parallel size."""
+    expert_parallel: int = Field(1, ge=1)
+    """Expert-parallel size (MoE models): each layer's experts are split over this many of the
+    data-parallel ranks (tokens travel by all-to-all); must divide data_parallel and
+    model.num_experts. Default 1."""
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel * self.pipeline_parallel * self.data_parallel
+
+
+def _experts_fit(name: str, par: ParallelConfig, m: ModelConfig) -> None:
+    """Expert parallelism against the model's experts and the layout (a ValueError naming both)."""
+    ep = par.expert_parallel
+    if m.num_experts is None:
+        if ep > 1:
+            raise ValueError(f"{name}.expert_parallel={ep} needs a mixture-of-experts model (model.num_experts)")
+        return
+    if m.num_experts % ep:
+        raise ValueError(f"{name}.expert_parallel={ep} must divide model.num_experts={m.num_experts} "
+                         "(every rank holds the same number of experts)")
+    if par.data_parallel % ep:
+        raise ValueError(f"{name}.expert_parallel={ep} must divide {name}.data_parallel={par.data_parallel} "
+                         "(expert-parallel ranks are data-parallel ranks for the dense weights)")
+    if par.tensor_parallel > 1:
+        # megatron's MoE layers need sequence parallelism under TP when training, which the
+        # trainers' forward does not use.
+        raise ValueError(f"{name}.tensor_parallel={par.tensor_parallel}: mixture-of-experts models support "
+                         "tensor_parallel=1 (with pipeline and expert parallelism)")
 
 
 class DataConfig(StrictModel):
@@ -523,6 +564,7 @@ class RunConfig(StrictModel):
                 raise ValueError(
                     f"{name}.pipeline_parallel={par.pipeline_parallel} must divide num_layers={m.num_layers}"
                 )
+            _experts_fit(name, par, m)
         return self
 
     @model_validator(mode="after")

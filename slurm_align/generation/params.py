@@ -112,6 +112,14 @@ class GptShape:
     """A bias in the QKV projection (implied by add_bias_linear)."""
     tie_embeddings: bool = False
     """The output layer is the word embedding (no output_layer.weight)."""
+    qk_layernorm: bool = False
+    """A norm (the model's kind) over each head's q and k before RoPE (Qwen3)."""
+    num_experts: int | None = None
+    """Mixture of experts: routed experts per layer (each an MLP of ffn_hidden_size); None: dense."""
+    moe_router_topk: int = 2
+    """Experts per token (MoE)."""
+    moe_norm_topk_prob: bool = True
+    """MoE weights: softmax over the top-k logits (true) or the top-k of a softmax over all (false)."""
 
     @property
     def head_dim(self) -> int:
@@ -135,7 +143,9 @@ class GptShape:
                    rotary_base=cfg.rotary_base, rope_scaling=cfg.rope_scaling, normalization=cfg.normalization,
                    activation=cfg.activation, num_query_groups=cfg.num_query_groups, kv_channels=cfg.kv_channels,
                    add_bias_linear=cfg.add_bias_linear, add_qkv_bias=cfg.add_qkv_bias,
-                   tie_embeddings=cfg.tie_embeddings)
+                   tie_embeddings=cfg.tie_embeddings, qk_layernorm=cfg.qk_layernorm,
+                   num_experts=cfg.num_experts, moe_router_topk=cfg.moe_router_topk,
+                   moe_norm_topk_prob=cfg.moe_norm_topk_prob)
 
 
 @dataclass

@@ -37,7 +37,7 @@ def refit_from_training(engine: Engine, chunks: list, pctx: Any, *, refold: bool
     """
     t0 = time.perf_counter()
     with pctx.generation_layout(refold) as layout:
-        if pctx.tp_size == 1 and pctx.pp_size == 1:
+        if pctx.tp_size == 1 and pctx.pp_size == 1 and getattr(pctx, "ep_size", 1) == 1:
             # Nothing to gather: the engine copies straight from the parameters (no extra clone).
             weights = {name: t.detach() for name, t in local_tensors(chunks, pctx)}
         else:

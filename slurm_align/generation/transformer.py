@@ -2,9 +2,9 @@
 
 Embedding = word (+ learned absolute position); per layer: norm -> fused QKV (rows grouped per
 query group as [q_1..q_r, k, v], megatron's layout; r = heads / groups, 1 without GQA) ->
-RoPE on q and k (rope models) -> causal softmax attention (scale 1/sqrt(d)) -> output projection
+a norm over each head's q and k (qk_layernorm: Qwen3) -> RoPE on q and k (rope models) -> causal softmax attention (scale 1/sqrt(d)) -> output projection
 -> residual; norm -> fc1 -> activation (GELU, tanh-GELU, or SwiGLU on fc1's [gate; up]) -> fc2
--> residual; final norm; output layer (the word embedding when tied, no bias). Norms are
+-> residual (MoE: each token through its top-k experts, weighted by the router); final norm; output layer (the word embedding when tied, no bias). Norms are
 LayerNorm or RMSNorm; absent biases are None. Two entry points: a full forward over a padded
 batch (prefill, the naive engine) and a one-token decode step against a KV cache that holds
 `query_groups` heads (GQA keys/values are never expanded to all heads).
@@ -43,14 +43,50 @@ def norm(s: GptShape, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) 
     return layer_norm(x, w, b, s.layernorm_epsilon)
 
 
-def _mlp(s: GptShape, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
-    h = F.linear(norm(s, x, lw.ln2_w, lw.ln2_b), lw.fc1_w, lw.fc1_b)
+def _act(s: GptShape, h: torch.Tensor) -> torch.Tensor:
     if s.activation == "swiglu":
         gate, up = h.chunk(2, dim=-1)
-        h = F.silu(gate) * up
-    else:
-        h = F.gelu(h, approximate="tanh" if s.activation == "gelu_tanh" else "none")
-    return F.linear(h, lw.fc2_w, lw.fc2_b)
+        return F.silu(gate) * up
+    return F.gelu(h, approximate="tanh" if s.activation == "gelu_tanh" else "none")
+
+
+def route(s: GptShape, x: torch.Tensor, router_w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MoE routing as megatron's TopKRouter (fp32): (weights [N, k], expert ids [N, k]) of tokens
+    x [N, h]. moe_norm_topk_prob: softmax over the top-k logits; else the top-k of a softmax over
+    all experts. Ties between equal logits pick the lower expert id, as torch.topk does."""
+    logits = F.linear(x.float(), router_w.float())
+    if s.moe_norm_topk_prob:
+        top, ids = logits.topk(s.moe_router_topk, dim=-1)
+        return top.softmax(-1), ids
+    return logits.softmax(-1).topk(s.moe_router_topk, dim=-1)
+
+
+def _moe(s: GptShape, h: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+    """Each token through its top-k experts, weighted; each expert runs once on its tokens."""
+    flat = h.reshape(-1, h.shape[-1])
+    weights, ids = route(s, flat, lw.router_w)
+    out = torch.zeros_like(flat)
+    for e, (fc1, fc2) in enumerate(lw.experts):
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        y = F.linear(_act(s, F.linear(flat[rows], fc1)), fc2)
+        out.index_add_(0, rows, y * weights[rows, slot].unsqueeze(-1).to(y.dtype))
+    return out.view_as(h)
+
+
+def _mlp(s: GptShape, x: torch.Tensor, lw: LayerWeights) -> torch.Tensor:
+    h = norm(s, x, lw.ln2_w, lw.ln2_b)
+    if lw.experts is not None:
+        return _moe(s, h, lw)
+    return F.linear(_act(s, F.linear(h, lw.fc1_w, lw.fc1_b)), lw.fc2_w, lw.fc2_b)
+
+
+def _qk_norm(s: GptShape, q: torch.Tensor, k: torch.Tensor, lw: LayerWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """qk_layernorm (Qwen3): each head's q and k normed over head_dim, before RoPE."""
+    if lw.q_norm_w is None:
+        return q, k
+    return norm(s, q, lw.q_norm_w, lw.q_norm_b), norm(s, k, lw.k_norm_w, lw.k_norm_b)
 
 
 def _embed(w: GptWeights, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -113,6 +149,7 @@ def forward_full(w: GptWeights, tokens: torch.Tensor, positions: torch.Tensor, k
     for i, lw in enumerate(w.layers):
         h = norm(s, x, lw.ln1_w, lw.ln1_b)
         q, k, v = _split_qkv(s, F.linear(h, lw.qkv_w, lw.qkv_b))
+        q, k = _qk_norm(s, q, k, lw)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if kv_out is not None:
@@ -144,6 +181,7 @@ def decode_step(w: GptWeights, kv: torch.Tensor, tokens: torch.Tensor, positions
         h = norm(s, x, lw.ln1_w, lw.ln1_b)
         qkv = F.linear(h, lw.qkv_w, lw.qkv_b).view(b, g, r + 2, d)
         q, k, v = qkv[:, :, :r], qkv[:, :, r: r + 1], qkv[:, :, r + 1:]
+        q, k = _qk_norm(s, q, k, lw)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         kv[i, 0, :, :, slot: slot + 1].copy_(k)

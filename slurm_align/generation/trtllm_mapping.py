@@ -6,9 +6,10 @@ load_weights (q/k/v and gate/up by output rows into the fused qkv_proj / gate_up
 o_proj and down_proj by input columns). The in-place update takes the same path
 (WorkerExtension.update_weights -> model_loader.reload). So the mapping is megatron -> HF, with
 the tables of models/hf/mapping.py that the HF exporter uses (one table, not two), limited to
-the architectures that backend has a model for: Llama, Qwen2 and Mistral (tensorrt_llm/_torch/
-models has modeling_llama/qwen2/mistral, and no GPT-2: slurm-align's default GPT and GPT-2
-style models are refused with the alternatives named).
+the architectures that backend has a model for: Llama, Qwen2, Qwen3, Mistral, and the MoE
+Qwen3-MoE and Mixtral (tensorrt_llm/_torch/models has modeling_llama/qwen2/qwen3/mistral and
+Qwen3-MoE/Mixtral weight mappers; no GPT-2: slurm-align's default GPT and GPT-2 style models are
+refused with the alternatives named).
 
 Runs anywhere (no tensorrt_llm import): the engine uses it on GPUs, the tests on CPU.
 `trtllm_tp_slice` states what TP worker r takes from each attention/MLP tensor, so the tests can
@@ -28,11 +29,16 @@ from slurm_align.models.hf.config import export_model_type, hf_config_dict
 from slurm_align.models.hf.mapping import sources, to_hf
 
 # HF model_type -> the architecture TensorRT-LLM's PyTorch backend instantiates for it.
-PYTORCH_BACKEND_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+PYTORCH_BACKEND_ARCHS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                         "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                         "mixtral": "MixtralForCausalLM"}
 # HF linear name suffix -> the dim a TP worker splits (0: output rows, column parallel; 1: input
 # columns, row parallel). Biases of column-parallel linears split with their rows; o_proj's and
 # down_proj's biases are added once, whole.
-_TP_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1, "down_proj": 1}
+# MoE experts (Qwen3-MoE's gate/up/down_proj, Mixtral's w1/w3/w2) split the same way under
+# TensorRT-LLM's MoE tensor parallelism (expert width); routers ("gate") and q/k norms stay whole.
+_TP_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, "o_proj": 1, "down_proj": 1,
+           "w1": 0, "w3": 0, "w2": 1}
 
 
 def hf_model_type(cfg: ModelConfig) -> str:

@@ -39,12 +39,24 @@ def expected_shapes(shape: GptShape) -> dict[str, tuple[int, ...]]:
             "input_layernorm.weight": (h,), "input_layernorm.bias": (h,) if norm_bias else None,
             "self_attention.linear_qkv.weight": (qkv, h),
             "self_attention.linear_qkv.bias": (qkv,) if shape.qkv_bias else None,
+            "self_attention.q_layernorm.weight": (d,) if shape.qk_layernorm else None,
+            "self_attention.q_layernorm.bias": (d,) if shape.qk_layernorm and norm_bias else None,
+            "self_attention.k_layernorm.weight": (d,) if shape.qk_layernorm else None,
+            "self_attention.k_layernorm.bias": (d,) if shape.qk_layernorm and norm_bias else None,
             "self_attention.linear_proj.weight": (h, shape.num_attention_heads * d),
             "self_attention.linear_proj.bias": (h,) if bias else None,
             "pre_mlp_layernorm.weight": (h,), "pre_mlp_layernorm.bias": (h,) if norm_bias else None,
-            "mlp.linear_fc1.weight": (fc1, h), "mlp.linear_fc1.bias": (fc1,) if bias else None,
-            "mlp.linear_fc2.weight": (h, f), "mlp.linear_fc2.bias": (h,) if bias else None,
         }
+        if shape.num_experts is None:
+            layer.update({
+                "mlp.linear_fc1.weight": (fc1, h), "mlp.linear_fc1.bias": (fc1,) if bias else None,
+                "mlp.linear_fc2.weight": (h, f), "mlp.linear_fc2.bias": (h,) if bias else None,
+            })
+        else:  # MoE: router + experts by global index, no biases (megatron's SequentialMLP)
+            layer["mlp.router.weight"] = (shape.num_experts, h)
+            for e in range(shape.num_experts):
+                layer[f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (fc1, h)
+                layer[f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, f)
         out.update({p + k: s for k, s in layer.items() if s is not None})
     return out
 
@@ -80,6 +92,12 @@ class LayerWeights:
     fc1_b: torch.Tensor | None
     fc2_w: torch.Tensor
     fc2_b: torch.Tensor | None
+    q_norm_w: torch.Tensor | None = None   # qk_layernorm: per-head norms of q and k (head_dim)
+    q_norm_b: torch.Tensor | None = None
+    k_norm_w: torch.Tensor | None = None
+    k_norm_b: torch.Tensor | None = None
+    router_w: torch.Tensor | None = None   # MoE: [experts, hidden]; then fc1_w/fc2_w are None
+    experts: list[tuple[torch.Tensor, torch.Tensor]] | None = None   # MoE: (fc1_w, fc2_w) per expert
 
 
 class GptWeights:
@@ -130,8 +148,16 @@ class GptWeights:
                  "self_attention.linear_proj.weight", "self_attention.linear_proj.bias",
                  "pre_mlp_layernorm.weight", "pre_mlp_layernorm.bias",
                  "mlp.linear_fc1.weight", "mlp.linear_fc1.bias",
-                 "mlp.linear_fc2.weight", "mlp.linear_fc2.bias")
+                 "mlp.linear_fc2.weight", "mlp.linear_fc2.bias",
+                 "self_attention.q_layernorm.weight", "self_attention.q_layernorm.bias",
+                 "self_attention.k_layernorm.weight", "self_attention.k_layernorm.bias")
         self.layers = [LayerWeights(*(t.get(f"decoder.layers.{i}.{n}") for n in names))
                        for i in range(s.num_layers)]
+        for i, lw in enumerate(self.layers):
+            if s.num_experts is not None:
+                p = f"decoder.layers.{i}.mlp."
+                lw.router_w = t[p + "router.weight"]
+                lw.experts = [(t[p + f"experts.local_experts.{e}.linear_fc1.weight"],
+                               t[p + f"experts.local_experts.{e}.linear_fc2.weight"]) for e in range(s.num_experts)]
         if s.position_embedding == "rope":
             self.inv_freq = inv_freq(s.head_dim, s.rotary_base, s.rope_scaling).to(self.device)

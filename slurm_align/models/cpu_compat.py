@@ -8,10 +8,14 @@ calls it makes (see ../shared/STACK.md):
 - `utils.GlobalMemoryBuffer.get_tensor` allocates on `torch.cuda.current_device()`;
 - pipeline `schedules` create `torch.zeros(..., device="cuda")`; `p2p_communication` uses
   `torch.cuda.current_device()` and `torch.cuda.synchronize()`;
-- `tensor_parallel.mappings` allocates gather buffers on `torch.cuda.current_device()`;
+- `tensor_parallel.mappings` allocates gather buffers on `torch.cuda.current_device()`, and its
+  all-to-all gets split sizes as tensors on CPU (passed on as lists);
 - `transformer.utils.get_default_causal_mask` builds its mask with `device="cuda"`;
 - `RotaryEmbedding.get_emb` moves its frequencies to `torch.cuda.current_device()`;
-- the dist-checkpoint save path calls `torch.cuda.synchronize()` / `current_device()`.
+- the dist-checkpoint save path calls `torch.cuda.synchronize()` / `current_device()`;
+- MoE: the all-to-all token dispatcher makes a `torch.cuda.Stream()` for its device-to-host
+  copies (one shared no-op stream here: CPU work is ordered), the router, experts and the aux
+  loss tracker allocate on `current_device()` / `device="cuda"`.
 
 The RNG tracker (megatron's `model_parallel_cuda_manual_seed` asserts CUDA) is seeded through
 `seed_model_parallel`, which picks megatron's own function on GPU and the CPU path here.
@@ -19,6 +23,7 @@ The RNG tracker (megatron's `model_parallel_cuda_manual_seed` asserts CUDA) is s
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import types
 from dataclasses import dataclass, field
@@ -38,7 +43,25 @@ PATCHED_MODULES = (
     "megatron.core.dist_checkpointing.strategies.filesystem_async",
     "megatron.core.dist_checkpointing.strategies.fully_parallel",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    # MoE: the all-to-all dispatcher's device-to-host side stream, router/expert buffers
+    "megatron.core.transformer.moe.token_dispatcher",
+    "megatron.core.transformer.moe.moe_utils",
+    "megatron.core.transformer.moe.router",
+    "megatron.core.transformer.moe.experts",
 )
+
+
+class _NoStream:
+    """A CUDA stream's stand-in: CPU work is already ordered, so waiting is a no-op."""
+
+    def wait_stream(self, other) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self) -> "_NoStream":
+        return self  # an event whose synchronize() has nothing to wait for
 
 
 class _CpuCuda:
@@ -59,6 +82,20 @@ class _CpuCuda:
     def is_available():
         return False
 
+    _stream = _NoStream()
+
+    @staticmethod
+    def Stream(*args, **kwargs):  # noqa: N802 (torch.cuda's name)
+        return _CpuCuda._stream
+
+    @staticmethod
+    def current_stream(device=None):
+        return _CpuCuda._stream
+
+    @staticmethod
+    def stream(s):
+        return contextlib.nullcontext()
+
 
 def _cpu_device(device):
     if device == "cuda" or (isinstance(device, torch.device) and device.type == "cuda"):
@@ -66,12 +103,30 @@ def _cpu_device(device):
     return device
 
 
+class _CpuDistributed:
+    """Stands in for `torch.distributed` in patched modules: all_to_all_single takes its split
+    sizes as lists. The MoE dispatcher moves them to host as numpy arrays only from a CUDA
+    tensor (`maybe_move_tensor_to_cpu`), so on CPU they arrive as tensors, which gloo refuses."""
+
+    def __getattr__(self, name):
+        return getattr(torch.distributed, name)
+
+    @staticmethod
+    def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, **kwargs):
+        def as_list(sizes):
+            return None if sizes is None else [int(n) for n in sizes]
+        return torch.distributed.all_to_all_single(output, input, as_list(output_split_sizes),
+                                                   as_list(input_split_sizes), **kwargs)
+
+
 class _CpuTorch(types.ModuleType):
-    """Stands in for `torch` inside patched modules; only tensor factories and torch.cuda differ."""
+    """Stands in for `torch` inside patched modules; only tensor factories, torch.cuda and
+    torch.distributed.all_to_all_single differ."""
 
     def __init__(self):
         super().__init__("torch")
         self.cuda = _CpuCuda()
+        self.distributed = _CpuDistributed()
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -111,6 +166,7 @@ def cuda_present() -> bool:
 def apply_cpu_compat(force: bool = False) -> CompatState:
     """Redirect megatron-core's CUDA calls to the CPU. Does nothing when CUDA is available
     (unless `force`, for tests of the patching itself). Safe to call any number of times."""
+    _define_missing_te_names()
     if _STATE.applied or (cuda_present() and not force):
         return _STATE
     proxy = _CpuTorch()
@@ -121,6 +177,15 @@ def apply_cpu_compat(force: bool = False) -> CompatState:
             _STATE.patched.append(name)
     _STATE.applied = True
     return _STATE
+
+
+def _define_missing_te_names() -> None:
+    """megatron-core 0.16.1's MoE router GEMM tests `te_general_gemm is not None`, a name only
+    bound when Transformer Engine imports (NameError without it, CPU or GPU): bind it to None,
+    the value its own check expects for 'no TE'."""
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def is_applied() -> bool:

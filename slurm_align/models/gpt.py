@@ -40,8 +40,33 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 _ACTIVATIONS = {"gelu": torch.nn.functional.gelu, "gelu_tanh": gelu_tanh, "swiglu": torch.nn.functional.silu}
 
 
+def moe_fields(model_cfg: ModelConfig, pctx: Any) -> dict[str, Any]:
+    """TransformerConfig's MoE fields: megatron's TopKRouter, SequentialMLP experts (no grouped
+    GEMM: it needs CUDA kernels), the all-to-all token dispatcher over the EP group, no token
+    dropping (capacity None), the Switch load-balancing loss at the configured coefficient."""
+    if model_cfg.num_experts is None:
+        return {}
+    return {
+        "num_moe_experts": model_cfg.num_experts,
+        "moe_router_topk": model_cfg.moe_router_topk,
+        # pre-softmax: softmax over all experts, then top-k (no renormalisation); otherwise
+        # top-k of the logits, then softmax over those k (= renormalised top-k probabilities).
+        "moe_router_pre_softmax": not model_cfg.moe_norm_topk_prob,
+        "moe_router_load_balancing_type": "aux_loss" if model_cfg.moe_aux_loss_coeff > 0 else "none",
+        # megatron scales each rank's aux loss by 1/micro-batches; the trainers then SUM the
+        # gradients over DP (their losses are normalised by the global token count), so the
+        # coefficient is split over DP ranks: it weighs the DP-mean aux loss, as configured.
+        "moe_aux_loss_coeff": model_cfg.moe_aux_loss_coeff / max(getattr(pctx, "dp_size", 1), 1),
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False,
+        "moe_router_dtype": "fp32",
+        "expert_model_parallel_size": getattr(pctx, "ep_size", 1),
+    }
+
+
 def transformer_config(model_cfg: ModelConfig, pctx: Any) -> TransformerConfig:
     return TransformerConfig(
+        **moe_fields(model_cfg, pctx),
         num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size,
         num_attention_heads=model_cfg.num_attention_heads,
@@ -54,6 +79,8 @@ def transformer_config(model_cfg: ModelConfig, pctx: Any) -> TransformerConfig:
         layernorm_epsilon=model_cfg.norm_epsilon,
         add_bias_linear=model_cfg.add_bias_linear,
         add_qkv_bias=model_cfg.add_qkv_bias or model_cfg.add_bias_linear,
+        # Qwen3: a norm of head_dim over each head's q and k (the spec's q/k_layernorm modules).
+        qk_layernorm=model_cfg.qk_layernorm,
         # swiglu: megatron's MLP computes silu(x[:half]) * x[half:] from fc1 = [gate; up].
         gated_linear_unit=model_cfg.activation == "swiglu",
         activation_func=_ACTIVATIONS[model_cfg.activation],
@@ -111,16 +138,19 @@ def apply_llama3_rope_scaling(model: GPTModel, model_cfg: ModelConfig) -> None:
         high_freq_factor=sc.high_freq_factor, original_max_position_embeddings=sc.original_max_position_embeddings)
 
 
-def layer_spec():
+def layer_spec(model_cfg: ModelConfig):
     """Transformer Engine spec when CUDA and TE are importable, megatron's local spec otherwise."""
     if cuda_present():
         try:
             # deferred: transformer_engine needs CUDA (GPU extra); megatron's local spec otherwise
             import transformer_engine  # noqa: F401
-            return get_gpt_layer_with_transformer_engine_spec()
+            return get_gpt_layer_with_transformer_engine_spec(num_experts=model_cfg.num_experts,
+                                                              qk_layernorm=model_cfg.qk_layernorm)
         except ImportError:
             pass
-    return get_gpt_layer_local_spec()
+    # normalization: the q/k norms follow it (the block's own norms read config.normalization).
+    return get_gpt_layer_local_spec(num_experts=model_cfg.num_experts, moe_grouped_gemm=False,
+                                    qk_layernorm=model_cfg.qk_layernorm, normalization=model_cfg.normalization)
 
 
 class ValueGPTModel(GPTModel):
@@ -171,7 +201,7 @@ def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, se
     cls = ValueGPTModel if value_head else GPTModel
     model = cls(
         config=config,
-        transformer_layer_spec=layer_spec(),
+        transformer_layer_spec=layer_spec(model_cfg),
         vocab_size=model_cfg.padded_vocab_size,
         max_sequence_length=model_cfg.max_seq_len,
         pre_process=bool(pctx.is_first_stage),

@@ -27,6 +27,7 @@ from megatron.core import parallel_state
 from slurm_align.models.te_names import local_name
 
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+_EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
 
@@ -35,19 +36,34 @@ def layer_offset(chunk: torch.nn.Module, pctx: Any) -> int:
     return pctx.pp_rank * (chunk.config.num_layers // pctx.pp_size)
 
 
-def global_name(local: str, offset: int) -> str:
+def expert_offset(chunk: torch.nn.Module, pctx: Any) -> int:
+    """Global index of this rank's first expert (MoE: experts split evenly over EP)."""
+    experts = getattr(chunk.config, "num_moe_experts", None)
+    ep = getattr(pctx, "ep_size", 1)
+    return 0 if not experts else getattr(pctx, "ep_rank", 0) * (experts // ep)
+
+
+def global_name(local: str, offset: int, experts: int = 0) -> str:
+    """The TP=1, PP=1, EP=1 name: layer index + `offset`, local expert index + `experts`."""
     m = _LAYER.match(local)
-    return f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}" if m else local
+    name = f"{m.group(1)}{int(m.group(2)) + offset}{m.group(3)}" if m else local
+    e = _EXPERT.match(name)
+    return f"{e.group(1)}{int(e.group(2)) + experts}{e.group(3)}" if e else name
+
+
+def is_expert(name: str) -> bool:
+    """A routed expert's tensor (held by one EP rank, not replicated over DP)."""
+    return _EXPERT.match(name) is not None
 
 
 def local_tensors(chunks: list, pctx: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """(global name, this rank's shard) for every tensor of the chunks, `_extra_state` skipped."""
     for chunk in chunks:
-        offset = layer_offset(chunk, pctx)
+        offset, experts = layer_offset(chunk, pctx), expert_offset(chunk, pctx)
         for name, t in chunk.state_dict(keep_vars=True).items():
             if name.endswith("_extra_state") or not isinstance(t, torch.Tensor):
                 continue
-            yield local_name(global_name(name, offset)), t  # TE spec names -> local spec's
+            yield local_name(global_name(name, offset, experts)), t  # TE spec names -> local spec's
 
 
 def _tp_partition_dim(t: torch.Tensor) -> int | None:
@@ -101,6 +117,11 @@ def full_state_dict(chunks: list, pctx: Any, *, to_all: bool = True) -> dict[str
     """
     mine = {name: _gather_tp(t, pctx, _is_glu_fc1(name, chunk))
             for chunk in chunks for name, t in local_tensors([chunk], pctx) if not tied_copy(name, chunk)}
+    if getattr(pctx, "ep_size", 1) > 1:
+        # every EP peer holds other experts of the same layers: collect them in module order
+        peers: list = [None] * pctx.ep_size
+        dist.all_gather_object(peers, {k: v for k, v in mine.items() if is_expert(k)}, group=pctx.ep_group)
+        mine = _merge_experts(mine, peers)
     if pctx.pp_size == 1:
         return mine
     stages: list = [None] * pctx.pp_size
@@ -115,6 +136,26 @@ def full_state_dict(chunks: list, pctx: Any, *, to_all: bool = True) -> dict[str
     for stage in stages:  # stage order = module order of the TP=1, PP=1 model
         full.update(stage)
     return full
+
+
+def _merge_experts(mine: dict[str, torch.Tensor], peers: list[dict]) -> dict[str, torch.Tensor]:
+    """`mine` with every EP peer's experts, ordered as the EP=1 model (experts by global index
+    within each layer's place)."""
+    experts = {k: v for peer in peers for k, v in peer.items()}
+    out: dict[str, torch.Tensor] = {}
+    done: set[str] = set()
+    for k, v in mine.items():
+        if not is_expert(k):
+            out[k] = v
+            continue
+        layer = _EXPERT.match(k).group(1)
+        if layer in done:
+            continue
+        done.add(layer)
+        ours = sorted((n for n in experts if n.startswith(layer)),
+                      key=lambda n: (int(_EXPERT.match(n).group(2)), n))
+        out.update({n: experts[n] for n in ours})
+    return out
 
 
 @torch.no_grad()

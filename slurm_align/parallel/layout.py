@@ -1,4 +1,8 @@
-"""TP/PP/DP layout on megatron-core's parallel_state, and the PP->DP refold for generation.
+"""TP/PP/DP(/EP) layout on megatron-core's parallel_state, and the PP->DP refold for generation.
+
+Expert parallelism (MoE models) splits each layer's experts over EP of the DP ranks
+(consecutive data-parallel ranks: megatron's expert grid with expert-TP = TP = 1); the dense
+weights stay data-parallel over all DP ranks, the experts over DP / EP ranks (`edp_group`).
 
 Global rank order is megatron's default: rank = tp_rank + tp_size * (dp_rank + dp_size * pp_rank).
 megatron's GPTModel reads parallel_state's module globals, so we initialise them, but everything
@@ -54,6 +58,8 @@ class _Ranks:
     pp_size: int
     dp_rank: int
     dp_size: int
+    ep_rank: int = 0
+    ep_size: int = 1
 
 
 def expected_ranks(rank: int, tp: int, pp: int, world: int) -> _Ranks:
@@ -62,9 +68,10 @@ def expected_ranks(rank: int, tp: int, pp: int, world: int) -> _Ranks:
     return _Ranks(rank % tp, tp, rank // (tp * dp), pp, (rank // tp) % dp, dp)
 
 
-def validate_layout(world_size: int, tensor_parallel: int, pipeline_parallel: int) -> int:
+def validate_layout(world_size: int, tensor_parallel: int, pipeline_parallel: int, expert_parallel: int = 1) -> int:
     """Data-parallel size for this layout, or ConfigError naming the fields."""
-    for name, v in (("parallel.tensor_parallel", tensor_parallel), ("parallel.pipeline_parallel", pipeline_parallel)):
+    for name, v in (("parallel.tensor_parallel", tensor_parallel), ("parallel.pipeline_parallel", pipeline_parallel),
+                    ("parallel.expert_parallel", expert_parallel)):
         if not isinstance(v, int) or v < 1:
             raise ConfigError.at(name, v, "must be an integer >= 1")
     mp = tensor_parallel * pipeline_parallel
@@ -75,7 +82,12 @@ def validate_layout(world_size: int, tensor_parallel: int, pipeline_parallel: in
             f"must divide the component's world size {world_size} "
             f"(tp={tensor_parallel}, pp={pipeline_parallel})",
         )
-    return world_size // mp
+    dp = world_size // mp
+    if dp % expert_parallel or (expert_parallel > 1 and tensor_parallel > 1):
+        raise ConfigError.at("parallel.expert_parallel", expert_parallel,
+                             f"must divide the data-parallel size {dp}, with tensor_parallel=1 "
+                             f"(tp={tensor_parallel}, pp={pipeline_parallel}, world {world_size})")
+    return dp
 
 
 class ParallelContext:
@@ -107,6 +119,10 @@ class ParallelContext:
     pp_size = property(lambda self: self._r().pp_size)
     dp_rank = property(lambda self: self._r().dp_rank)
     dp_size = property(lambda self: self._r().dp_size)
+    ep_rank = property(lambda self: self._r().ep_rank)
+    ep_size = property(lambda self: self._r().ep_size)
+    ep_group = property(lambda self: self._g("ep"))
+    edp_group = property(lambda self: self._g("edp"))  # experts' data-parallel peers (DP / EP ranks)
     tp_group = property(lambda self: self._g("tp"))
     pp_group = property(lambda self: self._g("pp"))
     dp_group = property(lambda self: self._g("dp"))
@@ -193,9 +209,10 @@ class ParallelContext:
         parallel_state.destroy_model_parallel()
 
 
-def initialize_model_parallel(env: DistEnv, tensor_parallel: int, pipeline_parallel: int) -> ParallelContext:
+def initialize_model_parallel(env: DistEnv, tensor_parallel: int, pipeline_parallel: int,
+                              expert_parallel: int = 1) -> ParallelContext:
     """Initialise megatron-core's parallel state (collective) and return the layout object."""
-    validate_layout(env.world_size, tensor_parallel, pipeline_parallel)
+    validate_layout(env.world_size, tensor_parallel, pipeline_parallel, expert_parallel)
     if not dist.is_initialized():
         raise LayoutNotInitialised("torch.distributed is not initialised: call init_distributed() first")
     if parallel_state.model_parallel_is_initialized():
@@ -203,6 +220,7 @@ def initialize_model_parallel(env: DistEnv, tensor_parallel: int, pipeline_paral
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,
+        expert_model_parallel_size=expert_parallel,
     )
     ranks = _Ranks(
         tp_rank=parallel_state.get_tensor_model_parallel_rank(),
@@ -211,8 +229,13 @@ def initialize_model_parallel(env: DistEnv, tensor_parallel: int, pipeline_paral
         pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
     )
-    want = expected_ranks(env.rank, tensor_parallel, pipeline_parallel, env.world_size)
+    r = expected_ranks(env.rank, tensor_parallel, pipeline_parallel, env.world_size)
+    # EP ranks are consecutive DP ranks (expert grid TP=1 x EP x DP/EP x PP)
+    want = _Ranks(r.tp_rank, r.tp_size, r.pp_rank, r.pp_size, r.dp_rank, r.dp_size,
+                  r.dp_rank % expert_parallel, expert_parallel)
     if ranks != want:
         parallel_state.destroy_model_parallel()
         raise LayoutNotInitialised(f"megatron's rank order {ranks} differs from the assumed order {want}")
@@ -221,5 +244,7 @@ def initialize_model_parallel(env: DistEnv, tensor_parallel: int, pipeline_paral
         "pp": parallel_state.get_pipeline_model_parallel_group(),
         "dp": parallel_state.get_data_parallel_group(),
         "mp": parallel_state.get_model_parallel_group(),
+        "ep": parallel_state.get_expert_model_parallel_group(),
+        "edp": parallel_state.get_expert_data_parallel_group(),
     }
     return ParallelContext(env, ranks, groups)

@@ -1,4 +1,4 @@
-"""HF config.json <-> ModelConfig fields, for Llama, Qwen2, Mistral and GPT-2.
+"""HF config.json <-> ModelConfig fields, for Llama, Qwen2, Qwen3, Mistral and GPT-2.
 
 Reads and writes JSON only (no torch): `ModelConfig` calls `fill_model_fields` while it
 validates a run config with `model.hf_path` set.
@@ -16,16 +16,19 @@ from slurm_align.config.errors import ConfigError
 SUPPORTED = {
     "LlamaForCausalLM": "llama", "LlamaForSequenceClassification": "llama",
     "Qwen2ForCausalLM": "qwen2", "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen3ForCausalLM": "qwen3", "Qwen3ForSequenceClassification": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
     "MistralForCausalLM": "mistral", "MistralForSequenceClassification": "mistral",
     "GPT2LMHeadModel": "gpt2", "GPT2ForSequenceClassification": "gpt2",
 }
-CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+CAUSAL_LM = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+             "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
              "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel"}
 # Fields a folder determines; a run config that gives one of them differently is refused.
 ARCH_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
                "position_embedding", "rotary_base", "rope_scaling", "normalization", "norm_epsilon",
                "activation", "num_query_groups", "kv_channels", "add_bias_linear", "add_qkv_bias",
-               "tie_embeddings")
+               "tie_embeddings", "qk_layernorm", "num_experts", "moe_router_topk", "moe_norm_topk_prob")
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
@@ -69,25 +72,53 @@ def _llama_like(hf: dict, model_type: str, source: Path) -> dict[str, Any]:
         raise ConfigError([f"hidden_act {hf['hidden_act']!r} is not supported; supported: silu"], source)
     heads = hf["num_attention_heads"]
     attn_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and hf.get("use_sliding_window"):
+        raise ConfigError(["use_sliding_window=true is not supported (sliding-window attention)"], source)
     if model_type == "qwen2":
         qkv_bias, all_bias = True, False
-        if hf.get("use_sliding_window"):
-            raise ConfigError(["use_sliding_window=true is not supported (sliding-window attention)"], source)
+    elif model_type in ("qwen3", "qwen3_moe"):
+        # Qwen3: attention_bias puts biases on q, k, v and o; its MLP never has one.
+        if attn_bias:
+            raise ConfigError(["attention_bias=true is not supported for Qwen3 (a bias on o_proj "
+                               "without one on the MLP); supported: false"], source)
+        qkv_bias, all_bias = False, False
     elif attn_bias != mlp_bias:
         raise ConfigError([f"attention_bias={attn_bias} with mlp_bias={mlp_bias} is not supported; "
                            "supported: both false or both true"], source)
     else:
         qkv_bias, all_bias = False, attn_bias
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    moe = _moe(hf, model_type, source)
     return {
         "num_layers": hf["num_hidden_layers"], "hidden_size": hf["hidden_size"],
         "num_attention_heads": heads, "ffn_hidden_size": hf["intermediate_size"],
+        **moe,
         "vocab_size": hf["vocab_size"], **_rope(hf, source),
         "normalization": "RMSNorm", "norm_epsilon": float(hf.get("rms_norm_eps", 1e-6)),
         "activation": "swiglu", "num_query_groups": hf.get("num_key_value_heads") or heads,
         "kv_channels": head_dim, "add_bias_linear": all_bias, "add_qkv_bias": qkv_bias,
         "tie_embeddings": bool(hf.get("tie_word_embeddings", False)),
+        # Qwen3: RMSNorm over each head's q and k (before RoPE), weights of head_dim.
+        "qk_layernorm": model_type in ("qwen3", "qwen3_moe"),
     }
+
+
+def _moe(hf: dict, model_type: str, source: Path) -> dict[str, Any]:
+    """MoE fields: experts, top-k and its normalisation; the expert width is ffn_hidden_size."""
+    if model_type == "mixtral":
+        return {"num_experts": hf["num_local_experts"], "moe_router_topk": hf["num_experts_per_tok"],
+                "moe_norm_topk_prob": True}  # softmax over the top-k logits
+    if model_type != "qwen3_moe":
+        return {"num_experts": None, "moe_router_topk": 2, "moe_norm_topk_prob": True}
+    if hf.get("mlp_only_layers") or int(hf.get("decoder_sparse_step", 1)) != 1:
+        raise ConfigError([f"mlp_only_layers={hf.get('mlp_only_layers')} / decoder_sparse_step="
+                           f"{hf.get('decoder_sparse_step')} (dense layers between MoE layers) are not supported; "
+                           "supported: every layer MoE (mlp_only_layers=[], decoder_sparse_step=1)"], source)
+    # the Hub's Qwen3-MoE files say num_experts; transformers >= 5 writes num_local_experts
+    experts = hf["num_experts"] if "num_experts" in hf else hf["num_local_experts"]
+    return {"num_experts": experts, "moe_router_topk": hf["num_experts_per_tok"],
+            "ffn_hidden_size": hf["moe_intermediate_size"],
+            "moe_norm_topk_prob": bool(hf.get("norm_topk_prob", False))}
 
 
 def _gpt2(hf: dict, source: Path) -> dict[str, Any]:
@@ -110,6 +141,7 @@ def _gpt2(hf: dict, source: Path) -> dict[str, Any]:
         "activation": act, "num_query_groups": None, "kv_channels": None,
         "add_bias_linear": True, "add_qkv_bias": False,
         "tie_embeddings": bool(hf.get("tie_word_embeddings", True)),
+        "qk_layernorm": False, "num_experts": None, "moe_router_topk": 2, "moe_norm_topk_prob": True,
     }
 
 
@@ -118,7 +150,7 @@ def max_positions(hf: dict, model_type: str) -> int:
     if model_type == "gpt2":
         return int(hf.get("n_positions", 1024))
     limit = int(hf.get("max_position_embeddings", 2048))
-    if model_type == "mistral" and hf.get("sliding_window"):
+    if model_type in ("mistral", "mixtral") and hf.get("sliding_window"):
         limit = min(limit, int(hf["sliding_window"]))
     return limit
 
@@ -150,6 +182,8 @@ def fill_model_fields(data: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(problems, source)
     limit = max_positions(hf, SUPPORTED[architecture(hf, source)[0]])
     out = {**data, **fields}
+    if fields.get("num_experts") is not None and data.get("moe_aux_loss_coeff") is None:
+        out["moe_aux_loss_coeff"] = float(hf.get("router_aux_loss_coef", 0.0))
     if data.get("max_seq_len") is None:
         out["max_seq_len"] = limit
     elif int(data["max_seq_len"]) > limit:
@@ -169,11 +203,18 @@ def export_model_type(cfg, source_type: str | None) -> str:
             and cfg.head_dim * cfg.num_attention_heads == cfg.hidden_size:
         return "gpt2"
     if (cfg.position_embedding, cfg.normalization, cfg.activation) == ("rope", "RMSNorm", "swiglu"):
+        if cfg.num_experts is not None and not (cfg.add_qkv_bias or cfg.add_bias_linear):
+            return "qwen3_moe" if cfg.qk_layernorm or not cfg.moe_norm_topk_prob else "mixtral"
+        if cfg.qk_layernorm:
+            if cfg.add_qkv_bias or cfg.add_bias_linear:
+                raise ConfigError(["a model with qk_layernorm and biases has no Hugging Face architecture "
+                                   "(qwen3 has neither QKV nor MLP biases)"])
+            return "qwen3"
         return "qwen2" if cfg.add_qkv_bias and not cfg.add_bias_linear else "llama"
     raise ConfigError([f"model with position_embedding={cfg.position_embedding}, normalization="
                        f"{cfg.normalization}, activation={cfg.activation} has no Hugging Face "
                        "architecture among: gpt2 (learned, LayerNorm, gelu/gelu_tanh, biases), "
-                       "llama/qwen2/mistral (rope, RMSNorm, swiglu)"])
+                       "llama/qwen2/qwen3/mistral (rope, RMSNorm, swiglu)"])
 
 
 def hf_config_dict(cfg, model_type: str, base: dict[str, Any] | None = None,
@@ -204,4 +245,14 @@ def hf_config_dict(cfg, model_type: str, base: dict[str, Any] | None = None,
                 "max_position_embeddings": out.get("max_position_embeddings", cfg.max_seq_len)})
     if model_type in ("llama", "mistral"):
         out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)
+    if model_type in ("qwen3", "qwen3_moe"):
+        out.update(attention_bias=False, use_sliding_window=False)
+    if model_type == "qwen3_moe":
+        out.update(moe_intermediate_size=cfg.ffn, num_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+                   norm_topk_prob=cfg.moe_norm_topk_prob, router_aux_loss_coef=cfg.moe_aux_loss_coeff,
+                   mlp_only_layers=[], decoder_sparse_step=1,
+                   intermediate_size=(base or {}).get("intermediate_size", cfg.ffn))
+    if model_type == "mixtral":
+        out.update(num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.moe_router_topk,
+                   router_aux_loss_coef=cfg.moe_aux_loss_coeff)
     return out

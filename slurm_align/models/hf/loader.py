@@ -91,12 +91,20 @@ def megatron_shapes(cfg: ModelConfig, value_head: bool) -> dict[str, tuple[int, 
         p = f"decoder.layers.{i}."
         out.update({p + f"input_layernorm.{k}": (h,) for k in norm})
         out[p + "self_attention.linear_qkv.weight"] = (qkv, h)
+        if cfg.qk_layernorm:
+            out.update({p + f"self_attention.{n}_layernorm.{k}": (hd,) for n in "qk" for k in norm})
         if cfg.add_qkv_bias or cfg.add_bias_linear:
             out[p + "self_attention.linear_qkv.bias"] = (qkv,)
         out[p + "self_attention.linear_proj.weight"] = (h, cfg.num_attention_heads * hd)
         out.update({p + f"pre_mlp_layernorm.{k}": (h,) for k in norm})
-        out[p + "mlp.linear_fc1.weight"] = (fc1, h)
-        out[p + "mlp.linear_fc2.weight"] = (h, cfg.ffn)
+        if cfg.num_experts is not None:
+            out[p + "mlp.router.weight"] = (cfg.num_experts, h)
+            for e in range(cfg.num_experts):
+                out[p + f"mlp.experts.local_experts.{e}.linear_fc1.weight"] = (fc1, h)
+                out[p + f"mlp.experts.local_experts.{e}.linear_fc2.weight"] = (h, cfg.ffn)
+        else:
+            out[p + "mlp.linear_fc1.weight"] = (fc1, h)
+            out[p + "mlp.linear_fc2.weight"] = (h, cfg.ffn)
         if cfg.add_bias_linear:
             out[p + "self_attention.linear_proj.bias"] = (h,)
             out[p + "mlp.linear_fc1.bias"] = (fc1,)

@@ -8,7 +8,7 @@ Layouts:
 - plain:   the same tensor (conv1d=True: GPT-2's Conv1D stores the transpose, [in, out]);
 - rows:    the first rows of a replicated tensor (GPT-2 positions when max_seq_len < n_positions);
 - vocab:   embedding / output rows; megatron pads vocab_size up (ModelConfig.padded_vocab_size);
-- glu:     SwiGLU fc1 = [gate; up] (hf = gate, up);
+- glu:     SwiGLU fc1 = [gate; up] (hf = gate, up), also each MoE expert's;
 - qkv:     megatron groups the fused QKV per key/value head: [q_1..q_n, k, v] per group, each
            head_dim rows (hf = q, k, v as separate tensors, or one GPT-2 c_attn with q|k|v);
 - zeros:   no HF counterpart (the value head's bias when the head is an HF `score`).
@@ -34,7 +34,25 @@ class Source:
     conv1d: bool = False  # HF stores [in, out] (GPT-2 Conv1D)
 
 
-def _llama_layer(i: int, cfg: ModelConfig) -> dict[str, Source]:
+# MoE block of an HF layer: (module prefix, router, expert gate / up / down projection names).
+_MOE_NAMES = {"qwen3_moe": ("mlp.", "gate", ("gate_proj", "up_proj", "down_proj")),
+              "mixtral": ("block_sparse_moe.", "gate", ("w1", "w3", "w2"))}
+
+
+def _moe_mlp(i: int, cfg: ModelConfig, model_type: str) -> dict[str, Source]:
+    """megatron's MoE layer (router + SequentialMLP experts by global index) from the HF
+    router and per-expert projections (fc1 = [gate; up] as in the dense MLP)."""
+    block, router, (gate, up, down) = _MOE_NAMES[model_type]
+    hf, mg = f"model.layers.{i}.{block}", f"decoder.layers.{i}.mlp."
+    out = {mg + "router.weight": Source("plain", (hf + f"{router}.weight",))}
+    for e in range(cfg.num_experts):
+        x, m = hf + f"experts.{e}.", mg + f"experts.local_experts.{e}."
+        out[m + "linear_fc1.weight"] = Source("glu", (x + f"{gate}.weight", x + f"{up}.weight"))
+        out[m + "linear_fc2.weight"] = Source("plain", (x + f"{down}.weight",))
+    return out
+
+
+def _llama_layer(i: int, cfg: ModelConfig, model_type: str) -> dict[str, Source]:
     hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
     out = {
         mg + "input_layernorm.weight": Source("plain", (hf + "input_layernorm.weight",)),
@@ -42,9 +60,15 @@ def _llama_layer(i: int, cfg: ModelConfig) -> dict[str, Source]:
             "qkv", tuple(hf + f"self_attn.{p}_proj.weight" for p in "qkv")),
         mg + "self_attention.linear_proj.weight": Source("plain", (hf + "self_attn.o_proj.weight",)),
         mg + "pre_mlp_layernorm.weight": Source("plain", (hf + "post_attention_layernorm.weight",)),
-        mg + "mlp.linear_fc1.weight": Source("glu", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")),
-        mg + "mlp.linear_fc2.weight": Source("plain", (hf + "mlp.down_proj.weight",)),
     }
+    if cfg.num_experts is not None:
+        out.update(_moe_mlp(i, cfg, model_type))
+    else:
+        out[mg + "mlp.linear_fc1.weight"] = Source("glu", (hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight"))
+        out[mg + "mlp.linear_fc2.weight"] = Source("plain", (hf + "mlp.down_proj.weight",))
+    if cfg.qk_layernorm:  # Qwen3's per-head q/k RMSNorm (head_dim weights, replicated over TP)
+        out[mg + "self_attention.q_layernorm.weight"] = Source("plain", (hf + "self_attn.q_norm.weight",))
+        out[mg + "self_attention.k_layernorm.weight"] = Source("plain", (hf + "self_attn.k_norm.weight",))
     if cfg.add_qkv_bias or cfg.add_bias_linear:
         out[mg + "self_attention.linear_qkv.bias"] = Source(
             "qkv", tuple(hf + f"self_attn.{p}_proj.bias" for p in "qkv"))
@@ -81,7 +105,7 @@ def sources(cfg: ModelConfig, model_type: str, *, value_head: bool, score_head: 
     if cfg.position_embedding == "learned":
         out["embedding.position_embeddings.weight"] = Source("rows", ("transformer.wpe.weight",))
     for i in range(cfg.num_layers):
-        out.update(_gpt2_layer(i) if gpt2 else _llama_layer(i, cfg))
+        out.update(_gpt2_layer(i) if gpt2 else _llama_layer(i, cfg, model_type))
     final = "transformer.ln_f." if gpt2 else "model.norm."
     out["decoder.final_layernorm.weight"] = Source("plain", (final + "weight",))
     if cfg.normalization == "LayerNorm":
