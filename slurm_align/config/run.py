@@ -161,6 +161,13 @@ class ParallelConfig(StrictModel):
     """Pipeline-parallel size (must divide num_layers)."""
     data_parallel: int = Field(1, ge=1)
     """Data-parallel size."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Token budget of one micro-batch on each DP rank (the sum of its sequences' lengths), used
+    when switches.token_budget_micro_batches is on: the sequences are split into the fewest
+    micro-batches under it, with balanced token counts; a sequence longer than the budget gets
+    a micro-batch of its own. Default: the sample count's worst case, micro-batch size
+    (ppo.train_micro_batch_size, trainer.micro_batch_size) x model.max_seq_len; for the critic
+    (no sample count): one micro-batch per request."""
 
     @property
     def world_size(self) -> int:
@@ -205,6 +212,12 @@ class Switches(StrictModel):
     """Move optimizer state and grads to host during generation."""
     keep_critic_models_resident: bool = False
     """Critic keeps both value and reward model on device (off: swap through host memory)."""
+    sequence_packing: bool = True
+    """Concatenate each micro-batch's sequences into packed rows, attention kept per sequence
+    (off: right-pad them to the longest)."""
+    token_budget_micro_batches: bool = True
+    """Form micro-batches by token budget (actor/critic.max_tokens_per_micro_batch) with balanced
+    token counts (off: fixed sample counts)."""
 
 
 class PPOConfig(StrictModel):
