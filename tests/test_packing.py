@@ -174,3 +174,17 @@ def test_rope_angles_restart_per_sequence_as_megatron_computes_them():
     with rope_at_positions(m, pos):
         assert torch.equal(m.rotary_pos_emb(5), got)
     assert torch.equal(m.rotary_pos_emb(5), rope.get_emb(5))   # restored
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+def test_thd_packed_forward_equals_the_padded_path_on_gpu(tmp_path: Path):
+    """With Transformer Engine's layer spec the packed rows go as one THD sequence with
+    cu_seqlens (PackedSeqParams); the same equalities as on CPU."""
+    pytest.importorskip("transformer_engine")
+    mpirun(1, "forward", "1", "1", str(tmp_path))
+    res = _read(tmp_path, "forward", 1)[0]
+    for shape in ("gpt", "llama", "qwen2"):
+        for way in ("budget", "packed", "packed_one"):
+            for out in ("logprobs", "values"):
+                assert res[f"{shape}/{out}/{way}"] <= 1e-5, (shape, out, way, res)

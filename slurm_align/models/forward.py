@@ -205,7 +205,7 @@ def _forward(chunks, pctx, tokens, post, batching: Batching, lengths, broadcast,
         return output.new_zeros(()), {"out": post(output.float(), mb).cpu()}
 
     infos = run_schedule(chunks, microbatches, loss_fn, forward_only=True) if B else []
-    width = L + width_delta
+    width = max(L + width_delta, 0)
     shape = (B, width, *extra_dim)
     result = None
     if pctx.is_last_stage:
