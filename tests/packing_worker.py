@@ -59,7 +59,8 @@ def forward(pctx, out: Path) -> None:
     from slurm_align.models.packing import Batching
     tokens, lengths = batch()
     ways = {"padded": Batching(micro_batch_size=3), "budget": Batching(max_tokens=48),
-            "packed": Batching(max_tokens=48, pack=True), "packed_one": Batching(pack=True)}
+            "packed": Batching(max_tokens=48, pack=True), "packed_one": Batching(pack=True),
+            "packed_small": Batching(max_tokens=16, pack=True)}   # 40 and 23 tokens go alone
     pos = torch.arange(tokens.shape[1])[None, :]
     result = {}
     for name, cfg in SHAPES.items():
@@ -100,7 +101,9 @@ def step(pctx, out: Path) -> None:
         finals = {}
         for way, switches, micro in (("samples", False, {"train_micro_batch_size": 3}),
                                      ("budget", False, {"max_tokens": 40}),
-                                     ("packed", True, {"max_tokens": 40})):
+                                     ("packed", True, {"max_tokens": 40}),
+                                     # under the longest sequence (36 tokens): it goes alone
+                                     ("packed_small", True, {"max_tokens": 20})):
             run = RunConfig(algorithm="grpo", model=cfg, rl={"n_samples_per_prompt": 2, "loss_agg": agg},
                             reward={"rule": "slurm_align.rewards.arithmetic:exact_answer"},
                             ppo={"num_rollout_samples": 4, "train_micro_batch_size": micro.get("train_micro_batch_size", 4),
@@ -125,7 +128,7 @@ def step(pctx, out: Path) -> None:
             finals[way] = full_state_dict(policy, pctx)
         moved = max(float((finals["samples"][k] - before[k]).abs().max()) for k in before)
         result[f"{agg}/moved"] = moved
-        for way in ("budget", "packed"):
+        for way in ("budget", "packed", "packed_small"):
             result[f"{agg}/{way}"] = max(float((finals[way][k] - finals["samples"][k]).abs().max()) for k in before)
     (out / f"step_{dist.get_rank()}.json").write_text(json.dumps(result))
 

@@ -228,7 +228,9 @@ class PPOConfig(StrictModel):
     num_rollout_samples: int = Field(16, ge=1)
     """Prompts per step (global)."""
     train_micro_batch_size: int = Field(4, ge=1)
-    """Samples per training micro-batch per DP rank."""
+    """Samples per micro-batch (training and log-probs) per DP rank when
+    switches.token_budget_micro_batches is off; with it on, the default token budget is this x
+    model.max_seq_len (actor.max_tokens_per_micro_batch)."""
     actor_lr: float = Field(1e-4, gt=0)
     """Policy learning rate (AdamW)."""
     critic_lr: float = Field(1e-4, gt=0)
@@ -348,7 +350,9 @@ class TrainerConfig(StrictModel):
     """Evaluate on val_path every K steps (0: only at the end)."""
     micro_batch_size: int = Field(8, ge=1)
     """Samples (pairs for rm/dpo) per micro-batch on each DP rank; the step's per-rank share
-    global_batch_size / data_parallel is split into micro-batches of this size."""
+    global_batch_size / data_parallel is split into micro-batches of this size when
+    switches.token_budget_micro_batches is off; with it on, the default token budget is this x
+    model.max_seq_len (x 2 for pairs; actor.max_tokens_per_micro_batch)."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this (0: no clipping)."""
 
