@@ -49,8 +49,8 @@ from slurm_align.generation.params import SamplingParams
 from slurm_align.generation.refit import refit_from_training
 from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_weights, save_checkpoint
 from slurm_align.models.forward import forward_logprobs
-from slurm_align.models.packing import run_batching
 from slurm_align.models.gpt import build_gpt
+from slurm_align.models.packing import run_batching
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.models.weights import HostSwap
 from slurm_align.parallel.bootstrap import DistEnv, init_distributed
