@@ -26,7 +26,8 @@ from slurm_align.generation.naive_engine import NaiveEngine  # noqa: E402
 from slurm_align.generation.params import GptShape, SamplingParams, logprob_temperature  # noqa: E402
 from slurm_align.generation.refit import refit_from_training  # noqa: E402
 from slurm_align.generation.torch_engine import KVCacheEngine  # noqa: E402
-from slurm_align.models.forward import forward_logits, model_inputs  # noqa: E402
+from slurm_align.models.forward import forward_logits, forward_logprobs, model_inputs  # noqa: E402
+from slurm_align.models.packing import Batching  # noqa: E402
 from slurm_align.models.gpt import build_gpt  # noqa: E402
 from slurm_align.models.weights import local_tensors  # noqa: E402
 from slurm_align.parallel.bootstrap import init_distributed  # noqa: E402
@@ -66,9 +67,11 @@ def main(out_file: Path) -> None:
     batch = RolloutBatch.from_sequences(prompts, out.responses(), 0)
     T = batch.max_response
     temperature = logprob_temperature(TEMPERATURE)
-    # pi_old as PPOActor.logprobs computes it
+    # pi_old as PPOActor.logprobs computes it (packed micro-batches, at the run's temperature)
+    old = batch.from_positions(forward_logprobs(chunks, pctx, batch.tokens, MODEL.vocab_size,
+                                                lengths=batch.seq_lengths, batching=Batching(pack=True),
+                                                broadcast=True, temperature=temperature))
     logits = forward_logits(chunks, pctx, batch.tokens, MODEL.vocab_size, broadcast=True)
-    old = batch.from_positions(next_token_logprobs(logits, batch.tokens, temperature))
     raw = batch.from_positions(next_token_logprobs(logits, batch.tokens))
     # pi_theta as the policy loss computes it (token_logprobs on the model's output)
     with torch.no_grad():

@@ -9,9 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from slurm_align.algorithms.losses import sequence_logprobs
 from slurm_align.data.datasets import PreferenceDataset
-from slurm_align.models.forward import run_schedule
+from slurm_align.models.forward import run_schedule, sequence_token_logprobs
 from slurm_align.models.weights import HostSwap
 
 
@@ -29,7 +28,11 @@ class DPO:
         return PreferenceDataset(path, tok, max_len)
 
     def local_norm(self, microbatches) -> float:
-        return float(sum(mb["tokens"].shape[0] // 2 for mb in microbatches))
+        return float(sum(mb["real"].sum() for mb in microbatches))   # pairs (filler pairs: real 0)
+
+    def _sequence_logprobs(self, output, mb) -> torch.Tensor:
+        """Sum of response-token log-probs per sequence [b] (padded or packed micro-batch)."""
+        return (sequence_token_logprobs(output, mb, self.vocab_size) * mb["mask"].to(output.device)).sum(-1)
 
     def setup(self, trainer) -> None:
         # Called after the init checkpoint is loaded and before any resume: the reference is
@@ -41,7 +44,7 @@ class DPO:
         """Reference log-probs of every micro-batch (last stage), computed with the reference
         weights swapped in."""
         def ref_loss(output, mb):
-            return output.new_zeros(()), {"ref": sequence_logprobs(output, mb["tokens"], mb["mask"], self.vocab_size)}
+            return output.new_zeros(()), {"ref": self._sequence_logprobs(output, mb)}
         self.reference.swap()
         try:
             infos = run_schedule(trainer.chunks, microbatches, ref_loss, forward_only=True)
@@ -51,16 +54,17 @@ class DPO:
             mb["ref"] = info["ref"]
 
     def loss(self, output, mb):
-        pol = sequence_logprobs(output, mb["tokens"], mb["mask"], self.vocab_size)
+        pol = self._sequence_logprobs(output, mb)
         ref = mb["ref"].to(pol.device)
         pc, pr = pol.chunk(2)
         rc, rr = ref.chunk(2)
         margin = self.beta * ((pc - rc) - (pr - rr))
-        loss_sum = -F.logsigmoid(margin).sum()
+        real = mb["real"].to(margin.device)
+        loss_sum = -(F.logsigmoid(margin) * real).sum()
         return loss_sum / mb["norm"], {
-            "loss_sum": loss_sum.detach(), "margin_sum": margin.detach().sum(),
-            "correct": (margin > 0).sum().float(), "pairs": torch.tensor(float(margin.numel())),
-            "chosen_reward_sum": (self.beta * (pc - rc)).detach().sum()}
+            "loss_sum": loss_sum.detach(), "margin_sum": (margin.detach() * real).sum(),
+            "correct": ((margin > 0).float() * real).sum(), "pairs": real.sum(),
+            "chosen_reward_sum": (self.beta * (pc - rc) * real).detach().sum()}
 
     @staticmethod
     def metrics(s: dict) -> dict:

@@ -26,14 +26,14 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from slurm_align.algorithms import advantages as A
 from slurm_align.algorithms import ppo_math
 from slurm_align.algorithms import rollout_correction
-from slurm_align.algorithms.losses import token_logprobs
 from slurm_align.algorithms.policy_loss import LossTerms, aggregate, clipped_policy_loss, denominator
 from slurm_align.algorithms.rejection_sampling import keep_best
-from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, gather_response, response_positions
+from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, gather_response
 from slurm_align.algorithms.trainer import optimizer_step
 from slurm_align.config.run import RunConfig
 from slurm_align.generation.params import logprob_temperature
-from slurm_align.models.forward import run_schedule
+from slurm_align.models.forward import per_sequence, run_schedule, sequence_token_logprobs
+from slurm_align.models.packing import run_batching
 from slurm_align.profiling import phases as P
 from slurm_align.rewards.rule import RuleReward
 
@@ -190,6 +190,9 @@ class PolicyUpdate:
         self.agg = "token-mean" if loss == "sft" else self.terms.agg
         # The policy is scored at the sampling temperature, as pi_old and the engine's log-probs.
         self.temperature = 1.0 if loss == "sft" else logprob_temperature(run.generation.temperature)
+        # Micro-batching only splits the work: the normaliser is the optimizer batch's, so the
+        # gradient is the same however the batch is cut (token budget, sample count, packed).
+        self.batching = run_batching(run, "actor", run.ppo.train_micro_batch_size)
 
     def train(self, shard: RolloutBatch, step: int, tracer) -> dict[str, float]:
         run, dp = self.run, self.pctx.dp_group
@@ -221,15 +224,16 @@ class PolicyUpdate:
         if part.size and norm > 0:
             part.set_samples("weight", weight)
             corrected = self.loss == "policy" and rollout_correction.WEIGHTS in part.per_token
-            micro = part.micro_batches(run.ppo.train_micro_batch_size, samples=["weight"],
+            micro = part.micro_batches(self.batching, samples=["weight"],
                                        per_token=["logprobs", "ref_logprobs", "advantages"]
-                                       + ([rollout_correction.WEIGHTS] if corrected else []))
+                                       + ([rollout_correction.WEIGHTS] if corrected else []),
+                                       fixed_shape=self.pctx.pp_size > 1)
             T = part.max_response
 
             def loss_fn(output, mb):
                 dev = output.device
                 mask = (mb["mask"] * mb["weight"][:, None]).to(dev)
-                logp = gather_response(token_logprobs(output, mb["tokens"], vocab, self.temperature),
+                logp = gather_response(sequence_token_logprobs(output, mb, vocab, self.temperature),
                                        mb["prompt_lengths"], mb["response_lengths"], T)
                 if self.loss == "sft":
                     loss = aggregate(-logp, mask, "token-mean", norm)
@@ -252,9 +256,9 @@ class PolicyUpdate:
         return optimizer_step(self.optimizer, self.pctx, run.ppo.grad_clip)
 
     def _entropy(self, output: torch.Tensor, mb: dict, T: int) -> torch.Tensor:
+        """Entropy of the policy at each response token's predicting position, [b, T]."""
         vocab = self.run.model.vocab_size
         logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
-        pos = response_positions(mb["prompt_lengths"], mb["response_lengths"], T)[0].to(output.device)
         lp_all = torch.log_softmax(logits.float() / self.temperature, -1)
-        lp_all = lp_all.gather(1, pos.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        return -(lp_all.exp() * lp_all).sum(-1)
+        per_position = per_sequence(-(lp_all.exp() * lp_all).sum(-1), mb)
+        return gather_response(per_position, mb["prompt_lengths"], mb["response_lengths"], T)

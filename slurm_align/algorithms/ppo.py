@@ -36,7 +36,6 @@ import torch
 from rich.progress import Progress
 
 from slurm_align.algorithms.evaluation import EvalSet, evaluate, greedy_params
-from slurm_align.algorithms.losses import next_token_logprobs
 from slurm_align.algorithms.policy_gradient import PolicyUpdate, Rewards, combine_rewards, estimate_advantages
 from slurm_align.algorithms.preemption import StopPoint
 from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, rollout_logprobs
@@ -49,8 +48,9 @@ from slurm_align.generation.memory import TrainingStateOffload, generation_phase
 from slurm_align.generation.params import SamplingParams, logprob_temperature
 from slurm_align.generation.refit import refit_from_training
 from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_weights, save_checkpoint
-from slurm_align.models.forward import forward_logits
+from slurm_align.models.forward import forward_logprobs
 from slurm_align.models.gpt import build_gpt
+from slurm_align.models.packing import run_batching
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.models.weights import HostSwap
 from slurm_align.parallel.bootstrap import DistEnv, init_distributed
@@ -148,12 +148,14 @@ class PPOActor:
     def logprobs(self, shard: RolloutBatch, step: int) -> None:
         """Policy and reference log-probs of the shard's responses (every rank of the shard's
         model-parallel group gets them)."""
-        mbs, vocab = self.run.ppo.train_micro_batch_size, self.run.model.vocab_size
+        vocab = self.run.model.vocab_size
+        batching = run_batching(self.run, "actor", self.run.ppo.train_micro_batch_size)
         temperature = logprob_temperature(self.run.generation.temperature)   # the engine's, too
 
         def response_logprobs() -> torch.Tensor:
-            logits = forward_logits(self.policy, self.pctx, shard.tokens, vocab, micro_batch_size=mbs, broadcast=True)
-            return shard.from_positions(next_token_logprobs(logits, shard.tokens, temperature))
+            logp = forward_logprobs(self.policy, self.pctx, shard.tokens, vocab, lengths=shard.seq_lengths,
+                                    batching=batching, broadcast=True, temperature=temperature)
+            return shard.from_positions(logp)
 
         with self.tracer.span(P.LOGPROBS, step):
             shard.set_tokens("logprobs", response_logprobs())

@@ -3,11 +3,10 @@ sequence's last token."""
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from slurm_align.data.datasets import PreferenceDataset
-from slurm_align.models.forward import last_token_values
+from slurm_align.models.forward import last_token_values, per_sequence
 
 
 class RewardModel:
@@ -22,7 +21,7 @@ class RewardModel:
         return PreferenceDataset(path, tok, max_len)
 
     def local_norm(self, microbatches) -> float:
-        return float(sum(mb["tokens"].shape[0] // 2 for mb in microbatches))  # pairs
+        return float(sum(mb["real"].sum() for mb in microbatches))  # pairs (filler pairs: real 0)
 
     def setup(self, trainer) -> None:
         pass
@@ -31,13 +30,14 @@ class RewardModel:
         pass
 
     def loss(self, output, mb):
-        rewards = last_token_values(output, mb["lengths"])
+        rewards = last_token_values(per_sequence(output, mb), mb["lengths"])
         rc, rr = rewards.chunk(2)
         diff = rc - rr
-        loss_sum = -F.logsigmoid(diff).sum()
+        real = mb["real"].to(diff.device)
+        loss_sum = -(F.logsigmoid(diff) * real).sum()
         return loss_sum / mb["norm"], {
-            "loss_sum": loss_sum.detach(), "correct": (diff > 0).sum().float(),
-            "pairs": torch.tensor(float(diff.numel())), "margin_sum": diff.detach().sum()}
+            "loss_sum": loss_sum.detach(), "correct": ((diff > 0).float() * real).sum(),
+            "pairs": real.sum(), "margin_sum": (diff.detach() * real).sum()}
 
     @staticmethod
     def metrics(s: dict) -> dict:

@@ -11,7 +11,7 @@ A RolloutBatch of B samples holds
                       the engine gave none) travels from generation to the store with the rest
 
 It owns the padding (one place), the mapping between sequence positions and response tokens,
-equal-shape micro-batches, and moving samples over the DP ranks (through a balance.Route).
+micro-batches (by sample count or token budget, padded or packed: models/packing.py), and moving samples over the DP ranks (through a balance.Route).
 
 The mapping: response token t of sample i is sequence position p_i + t (p_i its prompt length);
 the model output that predicts it (its next-token log-prob, and the critic's value of the state
@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from slurm_align.balance.rebalance import Route
+from slurm_align.models.packing import Batching, micro_batch_inputs
 
 
 # -- the sequence <-> response mapping ---------------------------------------------------------
@@ -308,17 +309,24 @@ class RolloutBatch:
         return RolloutBatch.unpack(route.exchange(parts), self.pad_id).sorted_by("index")
 
     # training views -------------------------------------------------------------------------
-    def micro_batches(self, size: int, samples: Sequence[str] = (), per_token: Sequence[str] = ()) -> list[dict]:
-        """Dicts of `size` rows with equal shapes (pipeline buffers need one shape per step):
-        tokens [size, L], prompt_lengths, response_lengths, mask [size, T] and the named columns.
-        The last one is filled up with copies of its last row whose mask is 0."""
+    def micro_batches(self, batching: int | Batching, samples: Sequence[str] = (), per_token: Sequence[str] = (),
+                      *, fixed_shape: bool = True) -> list[dict]:
+        """Training micro-batches (models/packing.py: by sample count or token budget, padded or
+        packed): tokens (padded rows [b, L], or packed rows with "packing", their layout),
+        prompt_lengths, response_lengths, mask [b, T] and the named columns, per sequence.
+        `fixed_shape` (pipeline buffers need one shape per step): padded micro-batches are
+        filled up with copies of their last row whose mask is 0, packed ones share one shape."""
+        if isinstance(batching, int):
+            batching = Batching(micro_batch_size=batching)
         out, mask = [], self.mask
-        for a in range(0, self.size, size):
-            rows = torch.arange(a, min(a + size, self.size))
-            rows = torch.cat([rows, rows[-1:].expand(size - len(rows))])
-            real = (torch.arange(size) < self.size - a).float()
-            mb = {"tokens": self.tokens[rows], "prompt_lengths": self.prompt_lengths[rows],
+        groups = batching.groups(self.seq_lengths)
+        for inp in micro_batch_inputs(self.tokens, self.seq_lengths, groups, pack=batching.pack,
+                                      fixed_shape=fixed_shape):
+            rows, real = inp["rows"], inp["real"]
+            mb = {"tokens": inp["tokens"], "prompt_lengths": self.prompt_lengths[rows],
                   "response_lengths": self.response_lengths[rows], "mask": mask[rows] * real[:, None]}
+            if "packing" in inp:
+                mb["packing"] = inp["packing"]
             mb.update({k: self.samples[k][rows] for k in samples})
             mb.update({k: self.per_token[k][rows] for k in per_token})
             out.append(mb)

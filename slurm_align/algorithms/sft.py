@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 
-from slurm_align.algorithms.losses import token_logprobs
 from slurm_align.data.datasets import SFTDataset
+from slurm_align.models.forward import sequence_token_logprobs
 
 
 class SFT:
@@ -28,7 +28,7 @@ class SFT:
         pass
 
     def loss(self, output, mb):
-        lp = token_logprobs(output, mb["tokens"], self.vocab_size)
+        lp = sequence_token_logprobs(output, mb, self.vocab_size)   # padded or packed micro-batch
         mask = mb["mask"].to(lp.device)
         loss_sum = -(lp * mask).sum()
         return loss_sum / mb["norm"], {"loss_sum": loss_sum.detach(), "tokens": mask.sum()}

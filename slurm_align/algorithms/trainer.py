@@ -1,7 +1,8 @@
 """The training loop shared by SFT, reward-model and DPO training.
 
 Per step: this DP rank's share of the global batch (a pure function of the step, so resume is
-exact), split into micro-batches padded to one length; megatron's schedule runs forward/backward
+exact), split into micro-batches (by sample count or token budget, packed or padded to one
+length: make_microbatches); megatron's schedule runs forward/backward
 over TP/PP; gradients are summed over the DP group (losses are pre-normalised by the global
 count); global-norm clipping; AdamW. Metrics are reduced to every rank; rank 0 prints them and
 appends them to RUN_DIR/metrics.jsonl.
@@ -26,16 +27,42 @@ from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_wei
 from slurm_align.models.forward import run_schedule
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.moe_stats import RouterStats
+from slurm_align.models.packing import Batching, PackedLayout, run_batching
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.profiling.metrics import MetricsLogger
 from slurm_align.models.weights import sync_tied_embedding_grads
 from slurm_align.rundir import RunDir
 
 
-def make_microbatches(ds, indices: list[int], micro: int) -> list[dict]:
-    """Micro-batches of `micro` samples, all padded to the longest sequence of the step (the
-    pipeline's p2p buffers need one shape per step)."""
-    mbs = [ds.batch(indices[i : i + micro]) for i in range(0, len(indices), micro)]
+def make_microbatches(ds, indices: list[int], batching: Batching | int, *, fixed_shape: bool = True) -> list[dict]:
+    """Micro-batches of the step's items (samples, or pairs for rm/dpo), formed by `batching`
+    (models/packing.py: sample count or token budget, padded or packed). Each holds
+    ds.batch(...) of its items plus "real" [items] (0 on filler items).
+
+    Padded: every micro-batch padded to the longest sequence of the step; with `fixed_shape`
+    (the pipeline's p2p buffers need one shape per step) micro-batches with fewer items are
+    filled up with copies of their last item (real 0, mask 0). Packed: tokens become packed rows
+    ("packing": their layout), one shape for all with `fixed_shape`."""
+    if isinstance(batching, int):
+        batching = Batching(micro_batch_size=batching)
+    groups = [[indices[i] for i in g] for g in batching.groups(ds.item_tokens(indices))]
+    most = max(len(g) for g in groups) if fixed_shape and not batching.pack else 0
+    mbs = []
+    for g in groups:
+        mb = ds.batch(g + g[-1:] * (most - len(g)))
+        mb["real"] = (torch.arange(max(most, len(g))) < len(g)).float()
+        per_seq = mb["real"].repeat(mb["tokens"].shape[0] // len(mb["real"]))   # pairs: chosen, then rejected
+        mb["mask"] = mb["mask"] * per_seq[:, None]
+        mbs.append(mb)
+    if batching.pack:
+        width = max(int(mb["lengths"].max()) for mb in mbs) if fixed_shape else None
+        layouts = [PackedLayout.plan(mb["lengths"], width=width) for mb in mbs]
+        rows = max(lay.rows for lay in layouts) if fixed_shape else None
+        for mb, lay in zip(mbs, layouts):
+            if rows is not None:
+                lay = PackedLayout(lay.lengths, lay.row, lay.offset, rows, lay.width)
+            mb["tokens"], mb["packing"] = lay.pack(mb["tokens"], ds.pad_id), lay
+        return mbs
     length = max(mb["tokens"].shape[1] for mb in mbs)
     for mb in mbs:
         extra = length - mb["tokens"].shape[1]
@@ -122,6 +149,8 @@ class Trainer:
         self.order = DataOrder(len(self.train_ds), tc.global_batch_size, run.seed)
         self.ckpt_root = RunDir(self.run_dir).checkpoints(algo.name)
         self.step = 0
+        # Items are samples (sft) or pairs (rm, dpo: two sequences each).
+        self.batching = run_batching(run, "actor", tc.micro_batch_size, sequences_per_item=2 if algo.pairs else 1)
 
     # --- one step -------------------------------------------------------------
     def _global_norm(self, microbatches) -> float:
@@ -151,7 +180,7 @@ class Trainer:
         for c in self.chunks:
             c.train()
         idx = self.order.rank_indices(step, self.pctx.dp_rank, self.pctx.dp_size)
-        mbs = make_microbatches(self.train_ds, idx, self.run.trainer.micro_batch_size)
+        mbs = make_microbatches(self.train_ds, idx, self.batching, fixed_shape=self.pctx.pp_size > 1)
         norm = self._global_norm(mbs)
         for mb in mbs:
             mb["norm"] = norm
@@ -174,7 +203,7 @@ class Trainer:
         n = len(self.val_ds) - len(self.val_ds) % self.pctx.dp_size
         per = n // self.pctx.dp_size
         idx = list(range(self.pctx.dp_rank * per, (self.pctx.dp_rank + 1) * per))
-        mbs = make_microbatches(self.val_ds, idx, self.run.trainer.micro_batch_size)
+        mbs = make_microbatches(self.val_ds, idx, self.batching, fixed_shape=self.pctx.pp_size > 1)
         norm = self._global_norm(mbs)
         for mb in mbs:
             mb["norm"] = norm

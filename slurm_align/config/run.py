@@ -180,6 +180,13 @@ class ParallelConfig(StrictModel):
     """Expert-parallel size (MoE models): each layer's experts are split over this many of the
     data-parallel ranks (tokens travel by all-to-all); must divide data_parallel and
     model.num_experts. Default 1."""
+    max_tokens_per_micro_batch: int | None = Field(None, ge=1)
+    """Token budget of one micro-batch on each DP rank (the sum of its sequences' lengths), used
+    when switches.token_budget_micro_batches is on: the sequences are split into the fewest
+    micro-batches under it, with balanced token counts; a sequence longer than the budget gets
+    a micro-batch of its own. Default: the sample count's worst case, micro-batch size
+    (ppo.train_micro_batch_size, trainer.micro_batch_size) x model.max_seq_len; for the critic
+    (no sample count): one micro-batch per request."""
 
     @property
     def world_size(self) -> int:
@@ -244,6 +251,12 @@ class Switches(StrictModel):
     """Move optimizer state and grads to host during generation."""
     keep_critic_models_resident: bool = False
     """Critic keeps both value and reward model on device (off: swap through host memory)."""
+    sequence_packing: bool = True
+    """Concatenate each micro-batch's sequences into packed rows, attention kept per sequence
+    (off: right-pad them to the longest)."""
+    token_budget_micro_batches: bool = True
+    """Form micro-batches by token budget (actor/critic.max_tokens_per_micro_batch) with balanced
+    token counts (off: fixed sample counts)."""
 
 
 class PPOConfig(StrictModel):
@@ -254,7 +267,9 @@ class PPOConfig(StrictModel):
     num_rollout_samples: int = Field(16, ge=1)
     """Prompts per step (global)."""
     train_micro_batch_size: int = Field(4, ge=1)
-    """Samples per training micro-batch per DP rank."""
+    """Samples per micro-batch (training and log-probs) per DP rank when
+    switches.token_budget_micro_batches is off; with it on, the default token budget is this x
+    model.max_seq_len (actor.max_tokens_per_micro_batch)."""
     actor_lr: float = Field(1e-4, gt=0)
     """Policy learning rate (AdamW)."""
     critic_lr: float = Field(1e-4, gt=0)
@@ -393,7 +408,9 @@ class TrainerConfig(StrictModel):
     """Evaluate on val_path every K steps (0: only at the end)."""
     micro_batch_size: int = Field(8, ge=1)
     """Samples (pairs for rm/dpo) per micro-batch on each DP rank; the step's per-rank share
-    global_batch_size / data_parallel is split into micro-batches of this size."""
+    global_batch_size / data_parallel is split into micro-batches of this size when
+    switches.token_budget_micro_batches is off; with it on, the default token budget is this x
+    model.max_seq_len (x 2 for pairs; actor.max_tokens_per_micro_batch)."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this (0: no clipping)."""
 

@@ -22,6 +22,7 @@ from slurm_align.critic.channel import Command, CommandChannel
 from slurm_align.critic.server import CriticServer, ServerLimits
 from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
 from slurm_align.critic.worker import CriticWorker
+from slurm_align.models.packing import run_batching
 from slurm_align.models.checkpoint import find_latest, load_weights, verify_checkpoint
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.weights import full_state_dict, load_full_state_dict
@@ -169,7 +170,8 @@ def run_critic(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) -> 
     models = build_models(run, pctx)
     swap = ModelSwap(models, keep_resident=run.switches.keep_critic_models_resident)
     worker = CriticWorker(swap, pctx, env.comm, lr=run.ppo.critic_lr, value_clip=run.ppo.value_clip,
-                          grad_clip=run.ppo.critic_grad_clip, checkpoint_dir=rd.checkpoints("critic"))
+                          grad_clip=run.ppo.critic_grad_clip, checkpoint_dir=rd.checkpoints("critic"),
+                          batching=run_batching(run, "critic"))
     resumed = resume_step(rd)
     if resumed is not None and run.critic_trains:   # a reward-only critic has no state of its own
         restore(worker, rd, resumed, pctx)

@@ -20,7 +20,8 @@ from slurm_align.critic.channel import Command
 from slurm_align.critic.loss import clipped_value_loss_sum
 from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
 from slurm_align.models.checkpoint import load_checkpoint, save_checkpoint
-from slurm_align.models.forward import forward_values, last_token_values, run_schedule
+from slurm_align.models.forward import forward_values, last_token_values, per_sequence, run_schedule
+from slurm_align.models.packing import Batching, micro_batch_inputs
 from slurm_align.models.weights import full_state_dict
 from slurm_align.rundir import fsync_dir
 
@@ -42,8 +43,9 @@ def save_atomic_torch(obj: Any, path: Path) -> Path:
 
 class CriticWorker:
     def __init__(self, swap: ModelSwap, pctx: Any, comm, *, lr: float, value_clip: float,
-                 checkpoint_dir: Path, grad_clip: float = 0.0):
+                 checkpoint_dir: Path, grad_clip: float = 0.0, batching: Batching = Batching()):
         self.swap, self.pctx, self.comm = swap, pctx, comm
+        self.batching = batching   # micro-batches of infer and train (default: one, padded)
         self.value_clip = value_clip
         self.grad_clip = grad_clip   # global gradient norm of the value model (0: no clipping)
         self.checkpoint_dir = checkpoint_dir
@@ -79,7 +81,8 @@ class CriticWorker:
                 chunks = self.swap.use(name)
                 for c in chunks:
                     c.eval()
-                out[name] = forward_values(chunks, self.pctx, tok)
+                out[name] = forward_values(chunks, self.pctx, tok, lengths=torch.from_numpy(lengths[rows]),
+                                           batching=self.batching)
         part = None
         if self.holds_result and tok.shape[0]:
             rewards = last_token_values(out[REWARD], torch.from_numpy(lengths[rows]))
@@ -97,20 +100,31 @@ class CriticWorker:
             c.train()
         rows = self._rows(tokens.shape[0])
         total = float(mask.sum())  # global count: DP parts add up to the batch's masked mean
-        mb = {"tokens": torch.from_numpy(tokens[rows]), "returns": torch.from_numpy(returns[rows]),
-              "prev": torch.from_numpy(prev_values[rows]), "mask": torch.from_numpy(mask[rows])}
+        tok, seq_len = torch.from_numpy(tokens[rows]), torch.from_numpy(lengths[rows]).long()
+        per_pos = {"returns": torch.from_numpy(returns[rows]), "prev": torch.from_numpy(prev_values[rows]),
+                   "mask": torch.from_numpy(mask[rows])}
+        mbs = []
+        for inp in micro_batch_inputs(tok, seq_len, self.batching.groups(seq_len), pack=self.batching.pack,
+                                      fixed_shape=self.pctx.pp_size > 1):
+            mb = {"tokens": inp["tokens"], **{k: v[inp["rows"]] for k, v in per_pos.items()}}
+            mb["mask"] = mb["mask"] * inp["real"][:, None]   # filler rows (fixed shapes) count nothing
+            if "packing" in inp:
+                mb["packing"] = inp["packing"]
+                width = int(inp["packing"].lengths.max())   # per_sequence's width
+                mb.update({k: mb[k][:, :width] for k in per_pos})
+            mbs.append(mb)
 
         def loss_fn(values, mb):
-            loss = clipped_value_loss_sum(values.float(), mb["prev"], mb["returns"], mb["mask"],
+            loss = clipped_value_loss_sum(per_sequence(values.float(), mb), mb["prev"], mb["returns"], mb["mask"],
                                           self.value_clip) / total
             return loss, {"loss": loss.detach()}
 
         self.optimizer.zero_grad(set_to_none=False)
         local = torch.zeros(1)
-        if mb["tokens"].shape[0]:
-            infos = run_schedule(chunks, [mb], loss_fn, forward_only=False)
-            if infos:
-                local += infos[0]["loss"]
+        if mbs:
+            infos = run_schedule(chunks, mbs, loss_fn, forward_only=False)
+            for info in infos:
+                local += info["loss"]
         optimizer_step(self.optimizer, self.pctx, self.grad_clip)
         parts = self._gather_rows(float(local))
         return None if parts is None else float(sum(parts))

@@ -99,6 +99,10 @@ class SFTDataset:
     def __len__(self) -> int:
         return len(self.items)
 
+    def item_tokens(self, indices: list[int]) -> np.ndarray:
+        """Tokens of each item (what a micro-batch's token budget counts)."""
+        return np.asarray([len(self.items[i].ids) for i in indices], dtype=np.int64)
+
     def batch(self, indices: list[int]) -> dict:
         seqs = [self.items[i] for i in indices]
         tokens, lengths = pad([s.ids for s in seqs], self.pad_id)
@@ -122,6 +126,10 @@ class PreferenceDataset:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    def item_tokens(self, indices: list[int]) -> np.ndarray:
+        """Tokens of each pair (chosen + rejected: they share a micro-batch)."""
+        return np.asarray([len(self.chosen[i].ids) + len(self.rejected[i].ids) for i in indices], dtype=np.int64)
 
     def batch(self, indices: list[int]) -> dict:
         """tokens [2n, s]: the n chosen sequences, then the n rejected ones, in the same order."""

@@ -3,17 +3,29 @@
 Batches are right-padded token ids [batch, seq]; attention is causal, so padding after a
 sequence never changes that sequence's logits/values. Every rank of a model-parallel group
 passes the same batch (stages other than the first ignore the tokens).
+
+A micro-batch dict may instead be packed (models/packing.py): "tokens" are then its packed rows
+[rows, width] and "packing" their PackedLayout; the model sees per-sequence positions and
+attention (a block-diagonal mask on CPU, THD cu_seqlens with Transformer Engine), and loss
+functions take outputs back to the padded layout with `per_sequence` / `sequence_token_logprobs`.
+`Batching` (micro-batches by sample count or token budget, packed or padded) chooses the layout
+for `forward_logits` / `forward_logprobs` / `forward_values`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
+from megatron.core.packed_seq_params import PackedSeqParams
+
+from slurm_align.algorithms.losses import token_logprobs
 from slurm_align.models.gpt import model_device
+from slurm_align.models.packing import Batching, PackedLayout, micro_batch_inputs, rope_at_positions
 
 
 def causal_mask(seq_len: int, device: torch.device) -> torch.Tensor:
@@ -25,6 +37,38 @@ def model_inputs(tokens: torch.Tensor) -> dict:
     b, s = tokens.shape
     pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     return {"input_ids": tokens, "position_ids": pos, "attention_mask": causal_mask(s, tokens.device)}
+
+
+def uses_thd(model: torch.nn.Module) -> bool:
+    """Whether the model's attention is Transformer Engine's (packed rows then go as THD);
+    megatron's local attention takes an explicit mask instead."""
+    return any(type(m).__name__ == "TEDotProductAttention" for m in model.modules())
+
+
+def packed_inputs(layout: PackedLayout, rows: torch.Tensor, thd: bool) -> dict:
+    """Model kwargs of packed rows [rows, width]: per-sequence positions, and attention kept
+    inside each sequence (THD: the rows flattened into one sequence with cu_seqlens)."""
+    pos = layout.position_ids().to(rows.device)
+    if not thd:
+        return {"input_ids": rows, "position_ids": pos, "attention_mask": layout.attention_mask().to(rows.device)}
+    cu = layout.cu_seqlens().to(rows.device)
+    longest = layout.max_segment()
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    return {"input_ids": rows.reshape(1, -1), "position_ids": pos.reshape(1, -1), "attention_mask": None,
+            "packed_seq_params": params}
+
+
+def per_sequence(output: torch.Tensor, mb: dict, drop_last: int = 0) -> torch.Tensor:
+    """A model output over the micro-batch's positions ([rows, width, ...] packed, [b, s, ...]
+    padded) in the padded layout [b, s, ...] (s: the longest sequence of the micro-batch when
+    packed). THD outputs ([1, rows*width, ...]) are folded back into rows first."""
+    layout = mb.get("packing")
+    if layout is None:
+        return output
+    if output.shape[0] != layout.rows:
+        output = output.reshape(layout.rows, layout.width, *output.shape[2:])
+    return layout.unpack(output, int(layout.lengths.max()) - drop_last, drop_last=drop_last)
 
 
 def split_microbatches(tokens: torch.Tensor, micro_batch_size: int) -> list[torch.Tensor]:
@@ -54,7 +98,15 @@ def run_schedule(
     def step(data_iterator, model):
         mb = next(data_iterator)
         tokens = mb["tokens"].to(device)
-        output = model(**model_inputs(tokens))
+        layout = mb.get("packing")
+        if layout is None:
+            output = model(**model_inputs(tokens))
+        else:
+            thd = uses_thd(model)
+            inputs = packed_inputs(layout, tokens, thd)
+            # THD: megatron's RoPE restarts per sequence from cu_seqlens itself.
+            with contextlib.nullcontext() if thd else rope_at_positions(model, inputs["position_ids"]):
+                output = model(**inputs)
 
         def loss_func(output_tensor):
             loss, info = loss_fn(output_tensor, mb)
@@ -79,23 +131,61 @@ def _gathered_logits(output: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return gather_from_tensor_model_parallel_region(output)[..., :vocab_size]
 
 
+def _batching(batching: Batching | None, micro_batch_size: int | None) -> Batching:
+    return batching if batching is not None else Batching(micro_batch_size=micro_batch_size)
+
+
 @torch.no_grad()
 def forward_logits(chunks: list, pctx: Any, tokens: torch.Tensor, vocab_size: int, *,
-                   micro_batch_size: int | None = None, broadcast: bool = False) -> torch.Tensor | None:
+                   micro_batch_size: int | None = None, broadcast: bool = False,
+                   lengths: torch.Tensor | None = None, batching: Batching | None = None) -> torch.Tensor | None:
     """Logits [batch, seq, vocab_size] (TP-gathered, padding vocab dropped), float32 on CPU.
 
     Returned on the last pipeline stage; other stages get None unless `broadcast` (then every
     rank of the PP group gets the tensor). Eval mode is the caller's choice (no dropout anyway).
+    `lengths` (default: every row full) and `batching` (default: micro-batches of
+    `micro_batch_size` rows, padded) choose the micro-batches; positions past a sequence's
+    length are 0 when packed (padding's logits otherwise).
     """
-    return _forward(chunks, pctx, tokens, lambda out: _gathered_logits(out, vocab_size),
-                    micro_batch_size, broadcast, extra_dim=(vocab_size,))
+    return _forward(chunks, pctx, tokens, lambda out, mb: per_sequence(_gathered_logits(out, vocab_size), mb),
+                    _batching(batching, micro_batch_size), lengths, broadcast, extra_dim=(vocab_size,))
+
+
+@torch.no_grad()
+def forward_logprobs(chunks: list, pctx: Any, tokens: torch.Tensor, vocab_size: int, *,
+                     lengths: torch.Tensor | None = None, batching: Batching | None = None,
+                     broadcast: bool = False, temperature: float = 1.0) -> torch.Tensor | None:
+    """Next-token log-probs [batch, seq-1] (position p: log p(tokens[p+1] | tokens[:p+1])) at
+    `temperature`, computed per micro-batch, so the [batch, seq, vocab] logits never exist at
+    once. Positions p >= length-1 are not meaningful (0 when packed)."""
+    def post(out, mb):
+        return sequence_token_logprobs(out, mb, vocab_size, temperature)
+    return _forward(chunks, pctx, tokens, post, _batching(batching, None), lengths, broadcast,
+                    extra_dim=(), width_delta=-1)
+
+
+def sequence_token_logprobs(output: torch.Tensor, mb: dict, vocab_size: int,
+                            temperature: float = 1.0) -> torch.Tensor:
+    """Next-token log-probs of a micro-batch's sequences [b, s-1] in the padded layout, from the
+    LM's TP-sharded output, for packed and padded micro-batches alike (differentiable), at
+    `temperature` (losses.token_logprobs)."""
+    layout = mb.get("packing")
+    if layout is None:
+        return token_logprobs(output, mb["tokens"], vocab_size, temperature)
+    rows = mb["tokens"].reshape(layout.rows, layout.width)
+    if output.shape[0] != layout.rows:   # THD: [1, rows * width, V/tp]
+        output = output.reshape(layout.rows, layout.width, *output.shape[2:])
+    lp = token_logprobs(output, rows, vocab_size, temperature)   # [rows, width-1]
+    return layout.unpack(lp, int(layout.lengths.max()) - 1, drop_last=1)
 
 
 @torch.no_grad()
 def forward_values(chunks: list, pctx: Any, tokens: torch.Tensor, *,
-                   micro_batch_size: int | None = None, broadcast: bool = False) -> torch.Tensor | None:
+                   micro_batch_size: int | None = None, broadcast: bool = False,
+                   lengths: torch.Tensor | None = None, batching: Batching | None = None) -> torch.Tensor | None:
     """Per-token values [batch, seq] of a value/reward model (build_gpt(value_head=True))."""
-    return _forward(chunks, pctx, tokens, lambda out: out, micro_batch_size, broadcast, extra_dim=())
+    return _forward(chunks, pctx, tokens, per_sequence, _batching(batching, micro_batch_size), lengths,
+                    broadcast, extra_dim=())
 
 
 def last_token_values(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -103,25 +193,29 @@ def last_token_values(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tens
     return values.gather(1, (lengths.long() - 1).clamp(min=0).unsqueeze(1).to(values.device)).squeeze(1)
 
 
-def _forward(chunks, pctx, tokens, post, micro_batch_size, broadcast, extra_dim) -> torch.Tensor | None:
+def _forward(chunks, pctx, tokens, post, batching: Batching, lengths, broadcast, extra_dim,
+             width_delta: int = 0) -> torch.Tensor | None:
+    """post(output, mb) -> [b, s', ...] per sequence of the micro-batch (s' <= the batch's
+    width + width_delta); the result is [B, L + width_delta, ...] in the batch's row order."""
     tokens = tokens.long()
-    mbs = micro_batch_size or tokens.shape[0]
-    microbatches = [{"tokens": t} for t in split_microbatches(tokens, mbs)]
-    # Pipeline p2p buffers have a fixed micro-batch shape: pad the last micro-batch.
-    short = mbs - microbatches[-1]["tokens"].shape[0]
-    if short:
-        pad = microbatches[-1]["tokens"][-1:].expand(short, -1)
-        microbatches[-1] = {"tokens": torch.cat([microbatches[-1]["tokens"], pad])}
+    B, L = tokens.shape
+    lengths = torch.full((B,), L, dtype=torch.int64) if lengths is None else torch.as_tensor(lengths).long()
+    microbatches = micro_batch_inputs(tokens, lengths, batching.groups(lengths), pack=batching.pack,
+                                      fixed_shape=pctx.pp_size > 1)
 
     def loss_fn(output, mb):
-        return output.new_zeros(()), {"out": post(output.float()).cpu()}
+        return output.new_zeros(()), {"out": post(output.float(), mb).cpu()}
 
-    infos = run_schedule(chunks, microbatches, loss_fn, forward_only=True)
+    infos = run_schedule(chunks, microbatches, loss_fn, forward_only=True) if B else []
+    width = max(L + width_delta, 0)
+    shape = (B, width, *extra_dim)
     result = None
     if pctx.is_last_stage:
-        result = torch.cat([i["out"] for i in infos])[: tokens.shape[0]]
+        result = torch.zeros(shape, dtype=torch.float32)
+        for mb, info in zip(microbatches, infos):
+            out, n = info["out"], int(mb["real"].sum())
+            result[mb["rows"][:n], : out.shape[1]] = out[:n]
     if broadcast and pctx.pp_size > 1:
-        shape = (tokens.shape[0], tokens.shape[1], *extra_dim)
         device = model_device(chunks)  # NCCL broadcasts device tensors only
         buf = result.to(device) if result is not None else torch.empty(shape, dtype=torch.float32, device=device)
         src = torch.distributed.get_global_rank(pctx.pp_group, pctx.pp_size - 1)
