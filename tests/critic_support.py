@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,24 +26,6 @@ TINY_MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "voc
               "max_seq_len": 64}
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
              "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(REPO)}
-
-
-def free_port_triple() -> int:
-    """A port p with p, p+1, p+2 free on 127.0.0.1 (for a fixed critic_server.port)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + 2 > 65535:
-            continue
-        try:
-            for q in (p + 1, p + 2):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no three consecutive free ports on 127.0.0.1")
 
 
 def write_run_dir(root: Path, *, port: int = 0, critic: dict | None = None, switches: dict | None = None,
@@ -107,9 +88,9 @@ class CriticProcess:
         if code is not None:
             raise AssertionError(f"critic exited early with code {code}:\n{self.log_text()}")
 
-    def wait_ready(self, port: int | None = None, timeout: float = 120) -> tuple[str, int]:
+    def wait_ready(self, timeout: float = 120) -> tuple[str, int]:
         """Wait for the critic's published address and its health, making sure the critic has not
-        died meanwhile; returns (host, port). `port` is unused (the critic publishes it)."""
+        died meanwhile; returns (host, port) as the critic published them (it binds port 0)."""
         import urllib.request
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -25,31 +24,12 @@ PROMPTS = REPO_ROOT / "examples" / "synthetic" / "prompts.jsonl"
 ACTOR_PHASES = {P.REFIT, P.GENERATE, P.LOGPROBS, P.INIT_LOGPROBS, P.CRITIC_WAIT, P.REBALANCE, P.STORE, P.TRAIN}
 
 
-def free_port_block(n: int = 3) -> int:
-    """A port p with p..p+n-1 free (the critic uses http, grpc and metrics ports)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as t:
-                try:
-                    t.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-        if ok:
-            return base
-    raise RuntimeError("no free port block")
-
-
 def tiny_run(*overrides: str):
     return load_run_config(EXAMPLE, [
         f"data.train_path={PROMPTS}", "ppo.num_steps=2", "ppo.num_rollout_samples=8",
         "generation.max_new_tokens=8", "generation.prompt_batch_size=2", "ppo.train_micro_batch_size=2",
-        f"critic_server.port={free_port_block()}", "critic_server.connect_timeout_s=120", *overrides])
+        # critic_server.port stays 0: the critic binds a free port and publishes the address
+        "critic_server.connect_timeout_s=120", *overrides])
 
 
 def run_ppo(tmp_path: Path, profile: str, *overrides: str, name: str = "run") -> Path:
@@ -157,18 +137,10 @@ EXAMPLES = REPO_ROOT / "examples"
 SYNTH = EXAMPLES / "synthetic"
 
 
-@pytest.fixture(scope="module")
-def sft_and_rm(tmp_path_factory):
-    """An SFT policy that has partly learnt the task and a reward model, trained for real."""
-    base = tmp_path_factory.mktemp("pipeline")
-    data = {"sft": ("sft_train", "sft_val", ["trainer.num_steps=50"]), "rm": ("pref_train", "pref_val", [])}
-    for algo, (train, val, extra) in data.items():
-        run = load_run_config(EXAMPLES / f"{algo}_tiny.yaml", [
-            f"data.train_path={SYNTH / train}.jsonl", f"data.val_path={SYNTH / val}.jsonl",
-            "trainer.save_interval=0", *extra])
-        job = launch_run(run, load_profile("local"), base / algo)
-        assert job.wait(timeout_s=600) == "COMPLETED", job.failed_logs()
-    return base / "sft" / "checkpoints" / "sft", base / "rm" / "checkpoints" / "rm"
+@pytest.fixture
+def sft_and_rm(sft_checkpoint, rm_checkpoint):
+    """An SFT policy that has partly learnt the task and a reward model (session runs, conftest)."""
+    return sft_checkpoint, rm_checkpoint
 
 
 def reward_gain(run_dir: Path, first: int = 3, last: int = 3) -> float:

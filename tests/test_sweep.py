@@ -17,7 +17,6 @@ from slurm_align.slurm.render import Entry
 from slurm_align.slurm.sweep import critic_nodes_for, parse_nodes, plan_sweep, start_sweep
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
-from tests.test_ppo import free_port_block
 
 EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"
 
@@ -66,11 +65,10 @@ def test_plan_errors_name_the_problem():
 def test_real_sweep_on_slurm_then_scaling_report(slurm_cluster, tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
-        # Real PPO runs. One point at a time: on this one-host cluster every critic would bind
-        # the same address and port (on a real cluster they sit on different nodes).
+        # Real PPO runs, one point at a time (2 cores); each critic binds port 0 and publishes it.
         [sys.executable, "-m", "slurm_align.cli", "sweep", str(EXAMPLE), "ppo.num_steps=3",
          "ppo.num_rollout_samples=4", "generation.max_new_tokens=8", "generation.prompt_batch_size=2",
-         "ppo.train_micro_batch_size=2", f"critic_server.port={free_port_block()}", "--profile", "local-slurm",
+         "ppo.train_micro_batch_size=2", "--profile", "local-slurm",
          "--nodes", "1,2", "--mode", "weak", "--sweep-dir", str(sweep), "--max-concurrent", "1", "--poll-s", "0.5"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -117,7 +115,7 @@ def test_sweep_records_a_failing_point_and_refuses_one_that_cannot_start(slurm_c
     assert not never.exists()
 
     # A point whose job fails is recorded with where it failed; the others go on.
-    run = load_run_config(EXAMPLE, ["ppo.num_rollout_samples=4", f"critic_server.port={free_port_block()}"])
+    run = load_run_config(EXAMPLE, ["ppo.num_rollout_samples=4"])
     entry = Entry("report", scripts={"actor": Path(__file__).parent / "sweep_failing_actor.py"})
     manifest = start_sweep(run, load_profile("local-slurm"), [1, 2], "weak", tmp_path / "sweep", EXAMPLE,
                            entry=entry, max_concurrent=1, poll_s=0.5)
