@@ -184,16 +184,11 @@ def test_rule_reward_error_stops_the_run_and_keeps_earlier_steps(tmp_path):
     assert job.state() == "FAILED"
 
 
-@pytest.fixture(scope="module")
-def weak_sft(tmp_path_factory) -> Path:
-    """An SFT policy that sorts some held-out prompts exactly (greedy), leaving room to learn."""
-    base = tmp_path_factory.mktemp("grpo-sft")
-    run = load_run_config(EXAMPLES / "sft_tiny.yaml", [
-        f"data.train_path={SYNTH / 'sft_train.jsonl'}", f"data.val_path={SYNTH / 'sft_val.jsonl'}",
-        "trainer.save_interval=0", "trainer.num_steps=50"])
-    job = launch_run(run, load_profile("local"), base / "sft")
-    assert job.wait(timeout_s=600) == "COMPLETED", job.failed_logs()
-    return base / "sft" / "checkpoints" / "sft"
+@pytest.fixture
+def weak_sft(sft_checkpoint) -> Path:
+    """An SFT policy that sorts some held-out prompts exactly (greedy), leaving room to learn
+    (the session's shared SFT run, tests/conftest.py)."""
+    return sft_checkpoint
 
 
 # --- PPO mini-batches -------------------------------------------------------------------------
