@@ -19,6 +19,7 @@ import fcntl
 import os
 import shutil
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -28,7 +29,7 @@ from tests.cluster import ClusterError, LocalSlurmCluster, slurm_installed
 
 SLURM_GROUP = "slurm"
 """xdist group of every test that uses the real Slurm cluster (one cluster, one worker)."""
-SHARED_ACROSS_WORKERS = {"slurm_cluster", "sft_checkpoint", "rm_checkpoint"}
+SHARED_ACROSS_WORKERS = {"slurm_cluster", "sft_checkpoint", "rm_checkpoint", "ppo_reference"}
 """Session fixtures that never pull their users into one group: `slurm_cluster` has its own
 group, the others are built once per session for both workers (`build_once`)."""
 
@@ -239,3 +240,44 @@ def rm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "trainer.save_interval=0"])
         _launch_and_wait(run, folder / "run", "the shared reward-model run")
     return build_once(tmp_path_factory, "rm", build) / "run" / "checkpoints" / "rm"
+
+
+@pytest.fixture(scope="session")
+def ppo_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path]:
+    """The uninterrupted tiny PPO run with static prompts (tests/test_ppo.py `tiny_run` with
+    tests/preempt_support.py DETERMINISTIC: 4 steps, a checkpoint after each, on the local
+    profile). Every run of that config that was stopped, killed, requeued or resumed must end
+    with its rollouts and final weights (preempt_support.assert_same_final_state).
+
+    Started in the background when a test first asks for the fixture; the fixture's value is a
+    function that waits for the run and returns its run directory. Built once per session for both
+    workers (the other worker's call waits for it)."""
+    from slurm_align.config import load_profile
+    from slurm_align.slurm.launch import launch_run
+    from tests.preempt_support import DETERMINISTIC, logs_text
+    from tests.test_ppo import tiny_run
+
+    def build(folder: Path) -> None:
+        job = launch_run(tiny_run(*DETERMINISTIC), load_profile("local"), folder / "run")
+        state = job.wait(timeout_s=900)
+        if state != "COMPLETED":
+            raise AssertionError(f"the reference PPO run ended {state}\n{logs_text(folder / 'run')}")
+
+    result: dict = {}
+
+    def target() -> None:
+        try:
+            result["dir"] = build_once(tmp_path_factory, "ppo-reference", build) / "run"
+        except BaseException as exc:   # re-raised in the test that waits
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, name="ppo-reference", daemon=True)
+    thread.start()
+
+    def wait() -> Path:
+        thread.join(timeout=1200)
+        if "error" in result:
+            raise result["error"]
+        assert "dir" in result, "the reference PPO run did not end within 1200 s"
+        return result["dir"]
+    return wait
