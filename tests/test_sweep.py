@@ -17,6 +17,7 @@ from slurm_align.slurm.render import Entry
 from slurm_align.slurm.sweep import critic_nodes_for, parse_nodes, plan_sweep, start_sweep
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
+from tests.test_ppo import check_complete_run
 
 EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"
 
@@ -84,6 +85,8 @@ def test_real_sweep_on_slurm_then_scaling_report(slurm_cluster, tmp_path):
         assert sorted(set(table.spans["step"].tolist())) == [1, 2, 3]
         store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
         assert store.steps.tolist() == [1, 2, 3] and store.num_samples == 3 * samples
+    # The 2-node point is a whole PPO hetjob run (every step, sample, span and metric).
+    check_complete_run(sweep / "nodes2", steps=3, samples=8, actor_ranks=2)
     out = subprocess.run([sys.executable, "-m", "slurm_align.cli", "analyze", "scaling", str(sweep),
                           "--format", "json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
