@@ -4,6 +4,7 @@ child-process checks (reference forward, swap check) that need their own MPI/tor
 Run as a module for the child parts:
     python -m tests.critic_support reference RUN_DIR CKPT IN.npz OUT.npz
     python -m tests.critic_support swap-check RUN_DIR
+    python -m tests.critic_support reward-scores RUN_DIR IN.npz OUT.npz
 """
 
 from __future__ import annotations
@@ -176,6 +177,21 @@ def _reference(run_dir: str, ckpt: str, inp: str, out: str) -> None:
     np.savez(out, values=values.numpy(), rewards=rewards.numpy())
 
 
+def _reward_scores(run_dir: str, inp: str, out: str) -> None:
+    """The reward model's own scores of IN.npz's (tokens, lengths), built as the run's critic
+    builds it (seeded, or from critic_model.init_checkpoint), at TP=1: last-token values."""
+    import torch
+    from slurm_align.critic.main import build_models
+    from slurm_align.models.forward import forward_values, last_token_values
+
+    run, env, pctx = _single_rank_world(Path(run_dir))
+    reward = build_models(run, pctx)["reward"]
+    data = np.load(inp)
+    tok = torch.from_numpy(data["tokens"])
+    scores = last_token_values(forward_values(reward, pctx, tok), torch.from_numpy(data["lengths"]))
+    np.savez(out, scores=scores.numpy())
+
+
 def _swap_check(run_dir: str) -> None:
     """Swapped and resident critics give identical outputs; swaps follow the planned order."""
     from slurm_align.critic.channel import Command
@@ -236,5 +252,7 @@ if __name__ == "__main__":
     what, *rest = sys.argv[1:]
     if what == "swap-check":  # torch_dist checkpoint save re-imports __main__: keep this guarded
         _swap_check(*rest)
+    elif what == "reward-scores":
+        _reward_scores(*rest)
     else:
         _reference(*rest)
