@@ -348,6 +348,7 @@ def learning_curve(run_dir: Path) -> list[float]:
     return curve
 
 
+@pytest.mark.timeout(1500)   # waits for the shared reference run too: sized for a loaded machine
 def test_flood_of_bad_requests_leaves_the_run_as_it_would_have_been(tmp_path, ppo_reference):
     calm = RunDir(ppo_reference())   # the same run without the flood
     # How long the critic works, from its first span to its last: the flood, from the critic's

@@ -38,6 +38,7 @@ def make_model(folder: Path) -> tuple[Path, Path]:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)   # two or more end-to-end runs: a hang guard sized for a loaded 2-core machine
 def test_hf_tiny_sft_rm_ppo_export_loads_in_transformers(tmp_path):
     model, data = make_model(tmp_path)
     runs = tmp_path / "runs"

@@ -239,6 +239,7 @@ BROKEN_ACTOR = Path(__file__).parent / "grpo_flipped_actor.py"
 # Each algorithm against its own broken twin (tests/grpo_flipped_actor.py): the advantage's sign
 # flipped (GRPO, RLOO, REINFORCE++), the worst sample of each group kept (rejection sampling).
 @pytest.mark.slow
+@pytest.mark.timeout(1500)   # two or more end-to-end runs: a hang guard sized for a loaded 2-core machine
 @pytest.mark.parametrize("algorithm,overrides", [
     ("grpo", []),
     ("rloo", []),

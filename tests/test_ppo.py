@@ -106,6 +106,7 @@ def test_ppo_with_pipeline_parallel_2_refolded_for_generation(tmp_path):
         assert np.bincount(store.read(step)["rank"], minlength=2).tolist() == [4, 4]
 
 
+@pytest.mark.timeout(1500)   # the reference run may be waited for as well: sized for a loaded machine
 def test_resume_goes_on_from_the_checkpoint_and_ends_as_an_uninterrupted_run(tmp_path, ppo_reference):
     """A crash after step 2's rollouts were stored but before its checkpoint committed (its folder
     is gone): the run resumed with more steps says "resuming from step 2", leaves step 1's rollouts
@@ -168,6 +169,7 @@ def val_gain(run_dir: Path) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)   # two or more end-to-end runs: a hang guard sized for a loaded 2-core machine
 def test_ppo_learns_and_a_flipped_advantage_does_not(tmp_path, sft_and_rm):
     learn = learning_run(*sft_and_rm)
     good_dir = run_ppo(tmp_path, "local", *learn, name="good")
@@ -201,6 +203,7 @@ def test_ppo_learns_with_every_switch_off(tmp_path, sft_and_rm):
     assert gain > 1.0, f"PPO with every switch off did not raise the mean reward enough: {gain:+.2f}"
 
 
+@pytest.mark.timeout(1500)   # waits for the shared reference run too: sized for a loaded machine
 def test_async_critic_and_offload_do_not_change_results(tmp_path, ppo_reference):
     """With static prompts, a run with the critic called synchronously and the optimizer kept on
     device (both switches off) ends as the reference with both on: the same rollouts, metrics

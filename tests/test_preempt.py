@@ -41,6 +41,7 @@ def _status(run_dir: Path) -> dict:
 
 
 @pytest.mark.slurm
+@pytest.mark.timeout(1500)   # two or more end-to-end runs: a hang guard sized for a loaded 2-core machine
 def test_kill_during_checkpoint_write_then_usr2_and_time_limit_requeues_then_resume_completes(
         slurm_cluster, ppo_reference, tmp_path):
     run_dir = tmp_path / "run"
