@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slurm)
-    _xdist_groups(items)
+    _xdist_groups(items, loadgroup=bool(config.getvalue("loadgroup")))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items and not _cuda_available():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
@@ -82,7 +82,7 @@ def _shared_fixtures(item: pytest.Item) -> set[str]:
     return keys
 
 
-def _xdist_groups(items: list[pytest.Item]) -> None:
+def _xdist_groups(items: list[pytest.Item], loadgroup: bool = False) -> None:
     """Give every test at most one xdist_group: tests joined by a shared expensive fixture (or by
     an explicit xdist_group marker, or by the cluster) end in the same group. (xdist joins several
     markers' names into a new group, which would split users of one fixture: hence one marker.)"""
@@ -119,6 +119,19 @@ def _xdist_groups(items: list[pytest.Item]) -> None:
                 if mark.name == "xdist_group":
                     item.own_markers.remove(mark)
             item.add_marker(pytest.mark.xdist_group(name))
+            if loadgroup:
+                _suffix_group(item, name)
+
+
+def _suffix_group(item: pytest.Item, name: str) -> None:
+    """What xdist's worker does for --dist loadgroup (nodeid 'ID@group', which its scheduler
+    groups by), done here because xdist 3.8 sets `item._nodeid`, which pytest 9.2 no longer reads
+    (Node.nodeid is str(item._id)): without this every group would be split over the workers."""
+    if "@" in item.nodeid or not hasattr(item, "_id"):
+        return
+    from _pytest.nodeid import NodeId   # pytest >= 9.2 (where _id exists)
+    item._id = NodeId.parse(f"{item.nodeid}@{name}")
+    assert item.nodeid.endswith(f"@{name}"), item.nodeid
 
 
 @pytest.fixture(autouse=True)
