@@ -1,18 +1,37 @@
-"""Shared pytest set-up: session environment, marker logic, the real Slurm cluster.
+"""Shared pytest set-up: session environment, marker logic, the two xdist workers' groups, the real
+Slurm cluster and the end-to-end runs several test files share.
+
+The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, setup.cfg). A session or
+module fixture is built once PER WORKER, so:
+- tests that use the `slurm_cluster` fixture all go to one worker (xdist group `slurm`);
+- tests that share a module- or session-scoped fixture of a test file go to one worker too (their
+  group is made here from the fixture's name, see `_xdist_groups`), unless the fixture is listed
+  in SHARED_ACROSS_WORKERS: those are built once for the whole session (`build_once`), whichever
+  worker asks first, and the other worker waits for them and reuses them.
+- a test can name its group itself with `@pytest.mark.xdist_group("name")`.
 
 Add fixtures of your own area in their own section below (keep one section per area).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shutil
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.cluster import ClusterError, LocalSlurmCluster, slurm_installed
+
+SLURM_GROUP = "slurm"
+"""xdist group of every test that uses the real Slurm cluster (one cluster, one worker)."""
+SHARED_ACROSS_WORKERS = {"slurm_cluster", "sft_checkpoint", "rm_checkpoint", "ppo_reference"}
+"""Session fixtures that never pull their users into one group: `slurm_cluster` has its own
+group, the others are built once per session for both workers (`build_once`)."""
 
 # --- session environment ------------------------------------------------------
 # MPI as root, one thread per process (2 cores shared by every rank of every test).
@@ -34,16 +53,85 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist's own hook reads the xdist_group markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # A test that uses the cluster is a `slurm` test, so `-m "not slurm"` deselects it.
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slurm)
+    _xdist_groups(items, loadgroup=bool(config.getvalue("loadgroup")))
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items and not _cuda_available():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+# --- xdist groups ------------------------------------------------------------------
+def _shared_fixtures(item: pytest.Item) -> set[str]:
+    """Keys of the module/session fixtures of test files (not pytest's own) that `item` uses."""
+    keys = set()
+    info = getattr(item, "_fixtureinfo", None)
+    for name, defs in (info.name2fixturedefs.items() if info else ()):
+        d = defs[-1]
+        if d.scope == "function" or name in SHARED_ACROSS_WORKERS:
+            continue
+        where = getattr(d.func, "__module__", "") or ""
+        if where.startswith("tests"):
+            keys.add(f"{where}.{name}")
+    return keys
+
+
+def _xdist_groups(items: list[pytest.Item], loadgroup: bool = False) -> None:
+    """Give every test at most one xdist_group: tests joined by a shared expensive fixture (or by
+    an explicit xdist_group marker, or by the cluster) end in the same group. (xdist joins several
+    markers' names into a new group, which would split users of one fixture: hence one marker.)"""
+    parent: dict[str, str] = {}
+
+    def find(k: str) -> str:
+        while parent.setdefault(k, k) != k:
+            k = parent[k]
+        return k
+
+    keys_of: dict[str, list[str]] = {}
+    for item in items:
+        keys = [f"group:{m.args[0] if m.args else m.kwargs.get('name', 'default')}"
+                for m in item.iter_markers("xdist_group")]
+        if "slurm_cluster" in getattr(item, "fixturenames", ()):
+            keys.append(f"group:{SLURM_GROUP}")
+        keys += sorted(_shared_fixtures(item))
+        for k in keys:
+            find(k)
+        for k in keys[1:]:
+            parent[find(k)] = find(keys[0])
+        keys_of[item.nodeid] = keys
+    names: dict[str, str] = {}   # root -> group name: an explicit name where the set has one
+    for k in sorted(parent):
+        root = find(k)
+        if k.startswith("group:") and not names.get(root, "").startswith("group:"):
+            names[root] = k
+        names.setdefault(root, k)
+    for item in items:
+        keys = keys_of[item.nodeid]
+        if keys:
+            name = names[find(keys[0])].removeprefix("group:")
+            for mark in list(item.own_markers):
+                if mark.name == "xdist_group":
+                    item.own_markers.remove(mark)
+            item.add_marker(pytest.mark.xdist_group(name))
+            if loadgroup:
+                _suffix_group(item, name)
+
+
+def _suffix_group(item: pytest.Item, name: str) -> None:
+    """What xdist's worker does for --dist loadgroup (nodeid 'ID@group', which its scheduler
+    groups by), done here because xdist 3.8 sets `item._nodeid`, which pytest 9.2 no longer reads
+    (Node.nodeid is str(item._id)): without this every group would be split over the workers."""
+    if "@" in item.nodeid or not hasattr(item, "_id"):
+        return
+    from _pytest.nodeid import NodeId   # pytest >= 9.2 (where _id exists)
+    item._id = NodeId.parse(f"{item.nodeid}@{name}")
+    assert item.nodeid.endswith(f"@{name}"), item.nodeid
 
 
 @pytest.fixture(autouse=True)
@@ -87,3 +175,122 @@ def slurm_cluster(request: pytest.FixtureRequest) -> Iterator[LocalSlurmCluster]
             print(f"\n[slurm_cluster] tests failed: daemon logs kept in {cluster.log_dir}")
         else:
             cluster.remove()
+
+
+# --- end-to-end runs shared by several test files ---------------------------------
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder common to both xdist workers of this session (the workers' base temp dirs are
+    siblings under it), or this session's base temp dir when xdist is off."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def build_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], None]) -> Path:
+    """`build(folder)` run once per session for every worker: the first caller builds under a file
+    lock, later callers (this worker or the other) wait on the lock and get the finished folder.
+    A build that raised leaves no folder, so the next caller tries again (and fails the same way)."""
+    root = shared_dir(tmp_path_factory) / "shared-runs"
+    root.mkdir(exist_ok=True)
+    folder, done = root / name, root / f"{name}.done"
+    with open(root / f"{name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes, even on error
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            try:
+                build(folder)
+            except BaseException:
+                shutil.rmtree(folder, ignore_errors=True)
+                raise
+            done.touch()
+    return folder
+
+
+def _launch_and_wait(run, run_dir: Path, what: str, timeout_s: float = 900) -> None:
+    from slurm_align.config import load_profile
+    from slurm_align.slurm.launch import launch_run
+
+    job = launch_run(run, load_profile("local"), run_dir)
+    state = job.wait(timeout_s=timeout_s)
+    if state != "COMPLETED":
+        logs = "\n".join(f"--- {p}\n{p.read_text()[-3000:]}" for ps in job.failed_logs().values() for p in ps)
+        pytest.fail(f"{what} ended {state}\n{logs}")
+
+
+SFT_STEPS = 50
+
+
+@pytest.fixture(scope="session")
+def sft_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A weak SFT policy (examples/sft_tiny.yaml, SFT_STEPS steps on the synthetic sort task): it
+    sorts some held-out prompts exactly (greedy) and leaves room to learn. Built once per session
+    for both workers; pass it as `model.init_checkpoint=<it>`. Read-only: never train into it."""
+    from slurm_align import REPO_ROOT
+    from slurm_align.config import load_run_config
+
+    synth = REPO_ROOT / "examples" / "synthetic"
+
+    def build(folder: Path) -> None:
+        run = load_run_config(REPO_ROOT / "examples" / "sft_tiny.yaml", [
+            f"data.train_path={synth / 'sft_train.jsonl'}", f"data.val_path={synth / 'sft_val.jsonl'}",
+            "trainer.save_interval=0", f"trainer.num_steps={SFT_STEPS}"])
+        _launch_and_wait(run, folder / "run", "the shared SFT run")
+    return build_once(tmp_path_factory, "sft", build) / "run" / "checkpoints" / "sft"
+
+
+@pytest.fixture(scope="session")
+def rm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A reward model trained on the synthetic preference pairs (examples/rm_tiny.yaml). Built once
+    per session for both workers; pass it as `critic_model.init_checkpoint=<it>` (PPO's critic
+    starts from it) or as the reward model. Read-only."""
+    from slurm_align import REPO_ROOT
+    from slurm_align.config import load_run_config
+
+    synth = REPO_ROOT / "examples" / "synthetic"
+
+    def build(folder: Path) -> None:
+        run = load_run_config(REPO_ROOT / "examples" / "rm_tiny.yaml", [
+            f"data.train_path={synth / 'pref_train.jsonl'}", f"data.val_path={synth / 'pref_val.jsonl'}",
+            "trainer.save_interval=0"])
+        _launch_and_wait(run, folder / "run", "the shared reward-model run")
+    return build_once(tmp_path_factory, "rm", build) / "run" / "checkpoints" / "rm"
+
+
+@pytest.fixture(scope="session")
+def ppo_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path]:
+    """The uninterrupted tiny PPO run with static prompts (tests/test_ppo.py `tiny_run` with
+    tests/preempt_support.py DETERMINISTIC: 4 steps, a checkpoint after each, on the local
+    profile). Every run of that config that was stopped, killed, requeued or resumed must end
+    with its rollouts and final weights (preempt_support.assert_same_final_state).
+
+    Started in the background when a test first asks for the fixture; the fixture's value is a
+    function that waits for the run and returns its run directory. Built once per session for both
+    workers (the other worker's call waits for it)."""
+    from slurm_align.config import load_profile
+    from slurm_align.slurm.launch import launch_run
+    from tests.preempt_support import DETERMINISTIC, logs_text
+    from tests.test_ppo import tiny_run
+
+    def build(folder: Path) -> None:
+        job = launch_run(tiny_run(*DETERMINISTIC), load_profile("local"), folder / "run")
+        state = job.wait(timeout_s=900)
+        if state != "COMPLETED":
+            raise AssertionError(f"the reference PPO run ended {state}\n{logs_text(folder / 'run')}")
+
+    result: dict = {}
+
+    def target() -> None:
+        try:
+            result["dir"] = build_once(tmp_path_factory, "ppo-reference", build) / "run"
+        except BaseException as exc:   # re-raised in the test that waits
+            result["error"] = exc
+
+    thread = threading.Thread(target=target, name="ppo-reference", daemon=True)
+    thread.start()
+
+    def wait() -> Path:
+        thread.join(timeout=1200)
+        if "error" in result:
+            raise result["error"]
+        assert "dir" in result, "the reference PPO run did not end within 1200 s"
+        return result["dir"]
+    return wait

@@ -4,13 +4,13 @@ child-process checks (reference forward, swap check) that need their own MPI/tor
 Run as a module for the child parts:
     python -m tests.critic_support reference RUN_DIR CKPT IN.npz OUT.npz
     python -m tests.critic_support swap-check RUN_DIR
+    python -m tests.critic_support reward-scores RUN_DIR IN.npz OUT.npz
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,24 +27,6 @@ TINY_MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "voc
               "max_seq_len": 64}
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
              "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "PYTHONPATH": str(REPO)}
-
-
-def free_port_triple() -> int:
-    """A port p with p, p+1, p+2 free on 127.0.0.1 (for a fixed critic_server.port)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            p = s.getsockname()[1]
-        if p + 2 > 65535:
-            continue
-        try:
-            for q in (p + 1, p + 2):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", q))
-            return p
-        except OSError:
-            continue
-    raise RuntimeError("no three consecutive free ports on 127.0.0.1")
 
 
 def write_run_dir(root: Path, *, port: int = 0, critic: dict | None = None, switches: dict | None = None,
@@ -107,9 +89,9 @@ class CriticProcess:
         if code is not None:
             raise AssertionError(f"critic exited early with code {code}:\n{self.log_text()}")
 
-    def wait_ready(self, port: int | None = None, timeout: float = 120) -> tuple[str, int]:
+    def wait_ready(self, timeout: float = 120) -> tuple[str, int]:
         """Wait for the critic's published address and its health, making sure the critic has not
-        died meanwhile; returns (host, port). `port` is unused (the critic publishes it)."""
+        died meanwhile; returns (host, port) as the critic published them (it binds port 0)."""
         import urllib.request
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -195,6 +177,21 @@ def _reference(run_dir: str, ckpt: str, inp: str, out: str) -> None:
     np.savez(out, values=values.numpy(), rewards=rewards.numpy())
 
 
+def _reward_scores(run_dir: str, inp: str, out: str) -> None:
+    """The reward model's own scores of IN.npz's (tokens, lengths), built as the run's critic
+    builds it (seeded, or from critic_model.init_checkpoint), at TP=1: last-token values."""
+    import torch
+    from slurm_align.critic.main import build_models
+    from slurm_align.models.forward import forward_values, last_token_values
+
+    run, env, pctx = _single_rank_world(Path(run_dir))
+    reward = build_models(run, pctx)["reward"]
+    data = np.load(inp)
+    tok = torch.from_numpy(data["tokens"])
+    scores = last_token_values(forward_values(reward, pctx, tok), torch.from_numpy(data["lengths"]))
+    np.savez(out, scores=scores.numpy())
+
+
 def _swap_check(run_dir: str) -> None:
     """Swapped and resident critics give identical outputs; swaps follow the planned order."""
     from slurm_align.critic.channel import Command
@@ -255,5 +252,7 @@ if __name__ == "__main__":
     what, *rest = sys.argv[1:]
     if what == "swap-check":  # torch_dist checkpoint save re-imports __main__: keep this guarded
         _swap_check(*rest)
+    elif what == "reward-scores":
+        _reward_scores(*rest)
     else:
         _reference(*rest)

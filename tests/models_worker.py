@@ -2,15 +2,13 @@
 
     python tests/models_worker.py ACTION TP PP OUT_DIR
 
-Each rank joins a gloo world, sets up megatron's parallel state through slurm_align.parallel when
-it exists (else directly), and runs ACTION.
+Each rank joins a gloo world and sets up megatron's parallel state through slurm_align.parallel
+(the runtime's own bootstrap: rank 0 binds a free port and shares it over MPI), and runs ACTION.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import types
 from pathlib import Path
 
 import torch
@@ -19,34 +17,16 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 
 from slurm_align.config.run import ModelConfig  # noqa: E402
+from slurm_align.parallel.bootstrap import init_distributed  # noqa: E402
+from slurm_align.parallel.layout import initialize_model_parallel  # noqa: E402
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=260, max_seq_len=32)
 
 
 def init_parallel(tp: int, pp: int):
-    """A ParallelContext: the runtime's when available, else an equivalent namespace."""
-    try:
-        from slurm_align.parallel.bootstrap import init_distributed
-        from slurm_align.parallel.layout import initialize_model_parallel
-    except ImportError:
-        init_distributed = None
-    if init_distributed is not None:
-        return initialize_model_parallel(init_distributed(), tp, pp)
-    from megatron.core import parallel_state as ps
-    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", 0))
-    world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", 1))
-    port = os.environ.get("TEST_MASTER_PORT", "29533")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    ps.initialize_model_parallel(tp, pp)
-    return types.SimpleNamespace(
-        tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=tp,
-        pp_rank=ps.get_pipeline_model_parallel_rank(), pp_size=pp,
-        dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size(),
-        tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
-        dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(),
-        is_first_stage=ps.is_pipeline_first_stage(), is_last_stage=ps.is_pipeline_last_stage(),
-        destroy=lambda: (ps.destroy_model_parallel(), dist.destroy_process_group()),
-    )
+    """The runtime's ParallelContext. No fallback: these tests are about slurm_align.parallel's
+    layout, so an import error there must fail them, not silently test raw megatron instead."""
+    return initialize_model_parallel(init_distributed(), tp, pp)
 
 
 def tokens() -> torch.Tensor:

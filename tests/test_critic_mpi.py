@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from slurm_align.store.traces import read_traces
-from tests.critic_support import CriticProcess, free_port_triple, run_child, write_run_dir
+from tests.critic_support import CriticProcess, run_child, write_run_dir
 
 pytestmark = pytest.mark.mpi
 
@@ -42,8 +42,7 @@ if comm.Get_rank() == 0:
                                     pytest.param({"tensor_parallel": 2}, marks=pytest.mark.slow)],
                          ids=["dp2", "tp2"])
 def test_two_rank_critic_serves_two_rank_actor(tmp_path, layout):
-    port = free_port_triple()
-    run_dir = write_run_dir(tmp_path, port=port, critic=layout)
+    run_dir = write_run_dir(tmp_path, critic=layout)   # port 0: the critic publishes its address
     critic = CriticProcess(run_dir, ranks=2)
     try:
         actor = critic.run_alongside(["mpirun", "--oversubscribe", "-n", "2", sys.executable, "-c", ACTOR,

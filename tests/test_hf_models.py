@@ -21,7 +21,6 @@ import torch
 
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.run import ModelConfig
-from tests.test_models_parallel import free_port
 
 transformers = pytest.importorskip("transformers")
 
@@ -34,7 +33,7 @@ SHAPE = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_atte
 
 def mpirun(n: int, *args: str, timeout: int = 300) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", TEST_MASTER_PORT=str(free_port()))
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, str(WORKER), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"

@@ -45,6 +45,7 @@ def test_golden(name):
     path = GOLDEN / f"{name}.sh"
     if os.environ.get("UPDATE_GOLDEN"):
         path.write_text(text)
+    assert path.is_file(), f"no golden file {path}: write it with UPDATE_GOLDEN=1, then review it"
     assert text == path.read_text(), f"rendered script differs from {path} (UPDATE_GOLDEN=1 to accept)"
 
 

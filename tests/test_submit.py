@@ -59,11 +59,11 @@ def test_local_profile_runs_the_launchers(tmp_path):
 
 def test_local_component_crash_fails_fast(tmp_path):
     run = load_run_config(EXAMPLE)
-    entry = Entry("report", {"critic": ["--fail-rank", "0"], "actor": ["--hold-s", "60"]})
+    # The actor holds far longer than the wait's ceiling: FAILED within it means the crash was
+    # seen without waiting for the actor (no timed assertion: the ceiling is for a loaded machine).
+    entry = Entry("report", {"critic": ["--fail-rank", "0"], "actor": ["--hold-s", "3600"]})
     job = launch_run(run, load_profile("local"), tmp_path / "run", entry=entry)
-    t0 = time.monotonic()
-    assert job.wait(timeout_s=60) == "FAILED"
-    assert time.monotonic() - t0 < 30, "a crash must be seen within seconds, not after the actor's hold"
+    assert job.wait(timeout_s=300) == "FAILED"
     logs = job.failed_logs()
     assert "critic" in logs and logs["critic"][0].name == "rank0.log"
 
@@ -93,9 +93,9 @@ def test_status_and_cancel_on_real_slurm(slurm_cluster, tmp_path):
     run_dir = tmp_path / "run"
     hold = Entry("report", {"actor": ["--hold-s", "300"], "critic": ["--hold-s", "300"]})
     job = launch_run(load_run_config(EXAMPLE), load_profile("local-slurm"), run_dir, entry=hold)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300   # a ceiling for a loaded 2-core machine, not a speed bound
     while not all((run_dir / "reports" / c / "rank0.json").exists() for c in ("actor", "critic")):
-        assert time.monotonic() < deadline, "the job did not start within 60 s"
+        assert time.monotonic() < deadline, "the job did not start within 300 s"
         time.sleep(0.5)
     status = _cli("status", str(run_dir), "--json")
     assert json.loads(status.stdout)["state"] == "RUNNING", status.stdout
@@ -107,11 +107,10 @@ def test_status_and_cancel_on_real_slurm(slurm_cluster, tmp_path):
 @pytest.mark.slurm
 def test_component_crash_on_real_slurm_is_failed_with_logs(slurm_cluster, tmp_path):
     run = load_run_config(EXAMPLE)
-    entry = Entry("report", {"critic": ["--fail-rank", "0"], "actor": ["--hold-s", "120"]})
+    # As on the local profile: the actor's hold is far past the wait's ceiling.
+    entry = Entry("report", {"critic": ["--fail-rank", "0"], "actor": ["--hold-s", "3600"]})
     job = launch_run(run, load_profile("local-slurm"), tmp_path / "run", entry=entry)
-    t0 = time.monotonic()
-    assert job.wait(timeout_s=90) == "FAILED"
-    assert time.monotonic() - t0 < 60, "the failure must be reported within seconds, not after the hold"
+    assert job.wait(timeout_s=300) == "FAILED"
     logs = job.failed_logs()
     assert "critic" in logs and logs["critic"] and logs["critic"][0].is_file()
     assert "fails on purpose" in logs["critic"][0].read_text()

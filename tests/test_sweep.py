@@ -17,7 +17,7 @@ from slurm_align.slurm.render import Entry
 from slurm_align.slurm.sweep import critic_nodes_for, parse_nodes, plan_sweep, start_sweep
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
-from tests.test_ppo import free_port_block
+from tests.test_ppo import check_complete_run
 
 EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"
 
@@ -88,11 +88,10 @@ def test_plan_errors_name_the_problem():
 def test_real_sweep_on_slurm_then_scaling_report(slurm_cluster, tmp_path):
     sweep = tmp_path / "sweep"
     proc = subprocess.run(
-        # Real PPO runs. One point at a time: on this one-host cluster every critic would bind
-        # the same address and port (on a real cluster they sit on different nodes).
+        # Real PPO runs, one point at a time (2 cores); each critic binds port 0 and publishes it.
         [sys.executable, "-m", "slurm_align.cli", "sweep", str(EXAMPLE), "ppo.num_steps=3",
          "ppo.num_rollout_samples=4", "generation.max_new_tokens=8", "generation.prompt_batch_size=2",
-         "ppo.train_micro_batch_size=2", f"critic_server.port={free_port_block()}", "--profile", "local-slurm",
+         "ppo.train_micro_batch_size=2", "--profile", "local-slurm",
          "--nodes", "1,2", "--mode", "weak", "--sweep-dir", str(sweep), "--max-concurrent", "1", "--poll-s", "0.5"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -109,6 +108,8 @@ def test_real_sweep_on_slurm_then_scaling_report(slurm_cluster, tmp_path):
         assert sorted(set(table.spans["step"].tolist())) == [1, 2, 3]
         store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
         assert store.steps.tolist() == [1, 2, 3] and store.num_samples == 3 * samples
+    # The 2-node point is a whole PPO hetjob run (every step, sample, span and metric).
+    check_complete_run(sweep / "nodes2", steps=3, samples=8, actor_ranks=2)
     out = subprocess.run([sys.executable, "-m", "slurm_align.cli", "analyze", "scaling", str(sweep),
                           "--format", "json"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -140,7 +141,7 @@ def test_sweep_records_a_failing_point_and_refuses_one_that_cannot_start(slurm_c
     assert not never.exists()
 
     # A point whose job fails is recorded with where it failed; the others go on.
-    run = load_run_config(EXAMPLE, ["ppo.num_rollout_samples=4", f"critic_server.port={free_port_block()}"])
+    run = load_run_config(EXAMPLE, ["ppo.num_rollout_samples=4"])
     entry = Entry("report", scripts={"actor": Path(__file__).parent / "sweep_failing_actor.py"})
     manifest = start_sweep(run, load_profile("local-slurm"), [1, 2], "weak", tmp_path / "sweep", EXAMPLE,
                            entry=entry, max_concurrent=1, poll_s=0.5)

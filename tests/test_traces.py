@@ -19,7 +19,7 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 PER_STEP = (phases.GENERATE, phases.LOGPROBS, phases.TRAIN)
 
 _WRITER = textwrap.dedent("""
-    import sys, time
+    import os, sys, time
     from slurm_align.profiling.timers import Tracer
     run_dir, component, rank, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     with Tracer(run_dir, component, rank) as tracer:
@@ -28,30 +28,40 @@ _WRITER = textwrap.dedent("""
                 with tracer.span(phase, step):
                     time.sleep(0.001 * (rank + 1))
             tracer.step_done(step)
+            if step == steps // 2 - 1:   # half-way: hold until the reader has seen steps of every writer
+                deadline = time.monotonic() + 120
+                while not os.path.exists(os.path.join(run_dir, "reader_saw_steps")):
+                    assert time.monotonic() < deadline, "the reader never saw a whole step"
+                    time.sleep(0.01)
 """).format(phases=PER_STEP)
+WRITERS = [("actor", 0), ("actor", 1), ("actor", 2), ("critic", 0)]
 
 
 def test_concurrent_writers_lose_nothing_and_readers_see_whole_steps(tmp_path):
     steps = 12
     procs = [subprocess.Popen([sys.executable, "-c", _WRITER, str(tmp_path), comp, str(rank), str(steps)],
                               env=ENV, stderr=subprocess.PIPE, text=True)
-             for comp, rank in [("actor", 0), ("actor", 1), ("actor", 2), ("critic", 0)]]
-    # A reader polling while they write must only ever see whole steps.
-    seen_partial = []
+             for comp, rank in WRITERS]
+    # A reader polling while they write must only ever see whole steps. The writers hold half-way
+    # until it has seen at least one whole step of each of them (the file below), so it surely
+    # reads while they are still writing (their second half).
+    seen_partial, reads_with_steps = [], 0
     while any(p.poll() is None for p in procs):
         if (tmp_path / "traces.zarr" / "zarr.json").exists():
             try:
                 spans = read_traces(tmp_path / "traces.zarr").spans
             except (FileNotFoundError, KeyError):
                 continue  # a rank group being created right now
-            for comp in ("actor", "critic"):
-                for rank in range(3):
-                    n = int(np.sum((spans["component"] == comp) & (spans["rank"] == rank)))
-                    if n % len(PER_STEP):
-                        seen_partial.append((comp, rank, n))
+            counts = {(comp, rank): int(np.sum((spans["component"] == comp) & (spans["rank"] == rank)))
+                      for comp, rank in WRITERS}
+            seen_partial += [(*key, n) for key, n in counts.items() if n % len(PER_STEP)]
+            if all(n >= len(PER_STEP) for n in counts.values()):
+                reads_with_steps += 1
+                (tmp_path / "reader_saw_steps").touch()
         time.sleep(0.05)
     for p in procs:
         assert p.wait(timeout=60) == 0, p.stderr.read()
+    assert reads_with_steps >= 1, "the reader never read a whole step of every writer while they wrote"
     assert not seen_partial
     table = read_traces(tmp_path / "traces.zarr", {"actor": 3, "critic": 1})
     assert table.complete, table.problems()
@@ -59,7 +69,7 @@ def test_concurrent_writers_lose_nothing_and_readers_see_whole_steps(tmp_path):
     s = table.spans
     assert len(s) == 4 * steps * len(PER_STEP)
     assert np.all(np.diff(s["start_ns"]) >= 0)  # sorted by start
-    for comp, rank in [("actor", 0), ("actor", 1), ("actor", 2), ("critic", 0)]:
+    for comp, rank in WRITERS:
         mine = s[(s["component"] == comp) & (s["rank"] == rank)]
         assert sorted(mine["step"].tolist()) == sorted(list(range(steps)) * len(PER_STEP))
         # Each span slept (rank+1) ms: the recorded durations say so.

@@ -7,6 +7,7 @@ socket in /run/munge. Clients find the cluster through SLURM_CONF (see `env`).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
@@ -37,8 +38,16 @@ def slurm_installed() -> bool:
     return all(Path(p).exists() for p in (SLURMCTLD, SLURMD)) and shutil.which("sinfo") is not None
 
 
-def _free_port_block(count: int, low: int = 20000, high: int = 40000) -> int:
-    """First port of `count` consecutive ports that are free now (several clusters may coexist)."""
+# Slurm's daemons cannot bind port 0 (slurm.conf names their ports), so the cluster picks them.
+# Two rules keep that race-free: the block lies below the kernel's ephemeral range
+# (net.ipv4.ip_local_port_range, 32768.. here), so no port-0 bind or outgoing connection is ever
+# given one of its ports; and clusters pick and bind under one host-wide lock (PORT_LOCK), so two
+# clusters starting at once cannot pick the same free block.
+PORT_LOCK = Path("/tmp/sa-cluster-ports.lock")
+
+
+def _free_port_block(count: int, low: int = 20000, high: int = 32768) -> int:
+    """First port of `count` consecutive ports that are free now (call it holding PORT_LOCK)."""
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(low, high - count)
@@ -124,18 +133,21 @@ class LocalSlurmCluster:
         if munged is not None:
             self.started_munged = True
             self.pids["munged"] = munged.pid
-        self._write_conf()
-        env = self.env
         try:
-            ctld = procs.start_daemon([SLURMCTLD, "-D", "-i", "-f", str(self.conf_path)],
-                                      self.log_dir / "slurmctld.out", env)
-            self.pids["slurmctld"] = ctld.pid
-            for node in self.nodes:
-                d = procs.start_daemon([SLURMD, "-D", "-N", node, "-f", str(self.conf_path)],
-                                       self.log_dir / f"slurmd-{node}.out", env)
-                self.pids[node] = d.pid
-            self._save_state()
-            self._wait_idle(timeout)
+            # Held until every daemon listens (nodes idle): the ports are then bound, not just free.
+            with open(PORT_LOCK, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                self._write_conf()
+                env = self.env
+                ctld = procs.start_daemon([SLURMCTLD, "-D", "-i", "-f", str(self.conf_path)],
+                                          self.log_dir / "slurmctld.out", env)
+                self.pids["slurmctld"] = ctld.pid
+                for node in self.nodes:
+                    d = procs.start_daemon([SLURMD, "-D", "-N", node, "-f", str(self.conf_path)],
+                                           self.log_dir / f"slurmd-{node}.out", env)
+                    self.pids[node] = d.pid
+                self._save_state()
+                self._wait_idle(timeout)
         except BaseException:
             self.stop()
             raise
