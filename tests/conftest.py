@@ -59,7 +59,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slurm_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slurm)
-    _xdist_groups(items, loadgroup=bool(config.getvalue("loadgroup")))
+    _xdist_groups(items, loadgroup=bool(getattr(config.option, "loadgroup", False)))   # set on xdist workers
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items and not _cuda_available():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")

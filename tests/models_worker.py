@@ -17,8 +17,6 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 
 from slurm_align.config.run import ModelConfig  # noqa: E402
-from slurm_align.parallel.bootstrap import init_distributed  # noqa: E402
-from slurm_align.parallel.layout import initialize_model_parallel  # noqa: E402
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=260, max_seq_len=32)
 
@@ -26,6 +24,10 @@ MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_s
 def init_parallel(tp: int, pp: int):
     """The runtime's ParallelContext. No fallback: these tests are about slurm_align.parallel's
     layout, so an import error there must fail them, not silently test raw megatron instead."""
+    # Deferred: megatron's checkpoint writer re-imports this file in a spawned process, where
+    # importing the bootstrap (mpi4py) at module level would initialise MPI and hang it.
+    from slurm_align.parallel.bootstrap import init_distributed
+    from slurm_align.parallel.layout import initialize_model_parallel
     return initialize_model_parallel(init_distributed(), tp, pp)
 
 
