@@ -146,13 +146,14 @@ class ManifestPoint:
     rollout_samples: int
     run_dir: str
     """Relative to the sweep directory."""
-    component_nodes: dict[str, int] = field(default_factory=dict)
-    """Nodes of every component of the point's job ({'actor': 4, 'critic': 2})."""
     state: str = PLANNED
     job_id: str | None = None
     error: str | None = None
     started_at: float | None = None
     ended_at: float | None = None
+    component_nodes: dict[str, int] = field(default_factory=dict)
+    """Nodes of every component of the point's job ({'actor': 4, 'critic': 2}); last, so the
+    positional fields keep their order."""
 
 
 @dataclass
@@ -276,6 +277,6 @@ def start_sweep(run: RunConfig, profile: ClusterProfile, nodes: list[int], mode:
     if (sweep_dir / MANIFEST).exists():
         raise ConfigError.at("--sweep-dir", str(sweep_dir), "already holds a sweep; choose a new folder")
     manifest = Manifest(sweep_dir, str(config_path), profile.name, mode, [
-        ManifestPoint(p.nodes, p.critic_nodes, p.batch, p.name, p.component_nodes) for p in points])
+        ManifestPoint(p.nodes, p.critic_nodes, p.batch, p.name, component_nodes=p.component_nodes) for p in points])
     manifest.save()
     return run_sweep(points, manifest, **kwargs)
