@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from rich.console import Console
+from rich.text import Text
 
 from slurm_align.algorithms import commands as algorithm_commands
 from slurm_align.analysis import commands as analysis_commands
@@ -39,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ConfigError as e:
-        console.print(f"[bold red]error:[/] {e}", highlight=False)
+        # As plain text (a value such as `[rack1|rack2]` is not markup), never wrapped inside a
+        # value (a path must stay copyable).
+        console.print(Text.assemble(("error:", "bold red"), " ", str(e)), soft_wrap=True, highlight=False)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -47,7 +47,9 @@ def test_sinfo_shows_all_nodes_idle(slurm_cluster: LocalSlurmCluster) -> None:
     out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %P %t %c"], capture_output=True,
                          text=True, check=True, timeout=15).stdout  # SLURM_CONF from the fixture
     rows = sorted(line.split() for line in out.splitlines())
-    assert rows == [[n, "debug*", "idle", "2"] for n in slurm_cluster.nodes]
+    # Every node is in the default partition and in the two preemption test partitions.
+    partitions = ("debug*", "preemptible", "urgent")
+    assert rows == sorted([n, p, "idle", "2"] for n in slurm_cluster.nodes for p in partitions)
 
 
 def test_srun_pmix_mpi_spans_two_nodes(slurm_cluster: LocalSlurmCluster, tmp_path: Path) -> None:

@@ -22,7 +22,6 @@ import torch
 
 from slurm_align.config.run import ModelConfig
 from tests.test_hf_models import ROOT, TOL, _perturb, cli, mpirun, reference, save_tokenizer, tokens
-from tests.test_models_parallel import free_port
 
 transformers = pytest.importorskip("transformers")
 
@@ -244,7 +243,7 @@ def make_moe(root: Path, **shape) -> dict[str, Path]:
 
 def moe_mpirun(n: int, *args: str) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")   # rank 0 binds the rendezvous port itself
     cmd = ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, str(MOE_WORKER), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
