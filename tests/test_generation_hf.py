@@ -110,19 +110,21 @@ def make_hf_models(root: Path) -> dict[str, Path]:
     return out
 
 
-def test_imported_models_generate_as_transformers(tmp_path: Path):
+def assert_generates_as_transformers(folders: list[Path], tmp_path: Path) -> None:
+    """Both torch engines (tests/arch_generation_worker.py), refitted from each imported HF folder,
+    reproduce transformers' greedy generate token for token on four prompts of ids below 250."""
     t = pytest.importorskip("transformers")
-    folders = make_hf_models(tmp_path / "models")
     g = torch.Generator().manual_seed(5)
     prm = [torch.randint(0, 250, (n,), generator=g) for n in (6, 1, 11, 3)]
     out = tmp_path / "out"
     out.mkdir()
     torch.save(prm, out / "prompts.pt")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(WORKER), str(out), "--hf", *map(str, folders.values())], env=env,
+    proc = subprocess.run([sys.executable, str(WORKER), str(out), "--hf", *map(str, folders)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for name, folder in folders.items():
+    for folder in folders:
+        name = folder.name
         ours = torch.load(out / f"{name}.pt")
         model = t.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         for i, p in enumerate(prm):
@@ -132,3 +134,9 @@ def test_imported_models_generate_as_transformers(tmp_path: Path):
             want = want[0, p.numel():]
             assert torch.equal(ours["greedy"][i], want), f"{name} prompt {i}: {ours['greedy'][i]} != {want}"
             assert torch.equal(ours["naive"][i], want), f"{name} prompt {i} (naive)"
+
+
+def test_imported_models_generate_as_transformers(tmp_path: Path):
+    pytest.importorskip("transformers")
+    folders = make_hf_models(tmp_path / "models")
+    assert_generates_as_transformers(list(folders.values()), tmp_path)

@@ -123,28 +123,35 @@ def test_imported_logits_equal_transformers(zoo: Path, tp: int, pp: int):
         assert err <= TOL, f"{folder.name} TP={tp} PP={pp}: max |ours - transformers| = {err}"
 
 
-@pytest.mark.mpi
-def test_round_trip_import_train_export(zoo: Path, tmp_path: Path):
-    """import -> 10 SFT steps at TP=2 -> export: transformers loads the export and gives the
-    trained model's logits; the same weights saved at TP=1 export the very same files."""
-    llama = zoo / "models" / "llama"
+def import_train_export(hf_dir: Path, tmp_path: Path, steps: int, export: Path) -> Path:
+    """`import hf` -> `steps` SFT steps at TP=2 (CLI, local profile) -> `export hf` into `export`;
+    returns the trained checkpoint folder."""
     ckpt = tmp_path / "imported"
-    proc = cli("import", "hf", str(llama), str(ckpt))
+    proc = cli("import", "hf", str(hf_dir), str(ckpt))
     assert proc.returncode == 0, proc.stderr[-4000:]
     cfg = {"algorithm": "sft", "seed": 1,
-           "model": {"hf_path": str(llama), "init_checkpoint": str(ckpt)},
+           "model": {"hf_path": str(hf_dir), "init_checkpoint": str(ckpt)},
            "actor": {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1},
            "data": {"train_path": str(ROOT / "examples/synthetic/sft_train.jsonl")},
-           "trainer": {"num_steps": 10, "global_batch_size": 4, "micro_batch_size": 4, "lr": 1e-2,
+           "trainer": {"num_steps": steps, "global_batch_size": 4, "micro_batch_size": 4, "lr": 1e-2,
                        "save_interval": 0, "eval_interval": 0}}
     (tmp_path / "sft.yaml").write_text(json.dumps(cfg))
     run_dir = tmp_path / "run"
     proc = cli("train", "sft", str(tmp_path / "sft.yaml"), "--profile", "local", "--run-dir", str(run_dir), "--follow")
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    trained = run_dir / "checkpoints" / "sft" / "iter_0000010"
+    trained = run_dir / "checkpoints" / "sft" / f"iter_{steps:07d}"
     assert (trained / "manifest.json").is_file()
-    proc = cli("export", "hf", str(run_dir / "checkpoints" / "sft"), str(tmp_path / "export_tp2"))
+    proc = cli("export", "hf", str(run_dir / "checkpoints" / "sft"), str(export))
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return trained
+
+
+@pytest.mark.mpi
+def test_round_trip_import_train_export(zoo: Path, tmp_path: Path):
+    """import -> 10 SFT steps at TP=2 -> export: transformers loads the export and gives the
+    trained model's logits; the same weights saved at TP=1 export the very same files."""
+    llama = zoo / "models" / "llama"
+    trained = import_train_export(llama, tmp_path, steps=10, export=tmp_path / "export_tp2")
 
     work = tmp_path / "work"
     work.mkdir()

@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from slurm_align.config.run import ModelConfig
-from tests.test_hf_models import ROOT, TOL, _perturb, cli, mpirun, reference, save_tokenizer, tokens
+from tests.test_generation_hf import assert_generates_as_transformers
+from tests.test_hf_models import (ROOT, TOL, _perturb, cli, import_train_export, mpirun, reference, save_tokenizer,
+                                  tokens)
 
 transformers = pytest.importorskip("transformers")
 
-GEN_WORKER = Path(__file__).with_name("arch_generation_worker.py")
 # head_dim 16 with hidden 32 and 4 heads (hidden / heads = 8): q is 64 wide, o_proj 64 -> 32.
 QWEN3 = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, vocab_size=260, max_position_embeddings=64)
@@ -84,24 +85,7 @@ def test_qwen3_generates_as_transformers(tmp_path: Path):
                  bos_token_id=None, eos_token_id=None, initializer_range=0.3)
     folder = tmp_path / "qwen3_gen"
     _perturb(t.Qwen3ForCausalLM(t.Qwen3Config(**shape)), 21).save_pretrained(folder)
-    g = torch.Generator().manual_seed(5)
-    prm = [torch.randint(0, 250, (n,), generator=g) for n in (6, 1, 11, 3)]
-    out = tmp_path / "out"
-    out.mkdir()
-    torch.save(prm, out / "prompts.pt")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(GEN_WORKER), str(out), "--hf", str(folder)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    ours = torch.load(out / "qwen3_gen.pt")
-    model = t.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    for i, p in enumerate(prm):
-        with torch.no_grad():
-            want = model.generate(p[None], attention_mask=torch.ones(1, p.numel(), dtype=torch.long),
-                                  do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
-        want = want[0, p.numel():]
-        assert torch.equal(ours["greedy"][i], want), f"prompt {i}: {ours['greedy'][i]} != {want}"
-        assert torch.equal(ours["naive"][i], want), f"prompt {i} (naive)"
+    assert_generates_as_transformers([folder], tmp_path)
 
 
 @pytest.mark.slow
@@ -110,23 +94,7 @@ def test_qwen3_round_trip_import_train_export(zoo: Path, tmp_path: Path):
     """import -> 4 SFT steps at TP=2 -> export: transformers loads the export as a Qwen3 and
     gives the trained model's logits (the q/k norms trained and written back as q_norm/k_norm)."""
     qwen3 = zoo / "models" / "qwen3"
-    ckpt = tmp_path / "imported"
-    proc = cli("import", "hf", str(qwen3), str(ckpt))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    cfg = {"algorithm": "sft", "seed": 1,
-           "model": {"hf_path": str(qwen3), "init_checkpoint": str(ckpt)},
-           "actor": {"tensor_parallel": 2, "pipeline_parallel": 1, "data_parallel": 1},
-           "data": {"train_path": str(ROOT / "examples/synthetic/sft_train.jsonl")},
-           "trainer": {"num_steps": 4, "global_batch_size": 4, "micro_batch_size": 4, "lr": 1e-2,
-                       "save_interval": 0, "eval_interval": 0}}
-    (tmp_path / "sft.yaml").write_text(json.dumps(cfg))
-    run_dir = tmp_path / "run"
-    proc = cli("train", "sft", str(tmp_path / "sft.yaml"), "--profile", "local", "--run-dir", str(run_dir), "--follow")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    trained = run_dir / "checkpoints" / "sft" / "iter_0000004"
-    assert (trained / "manifest.json").is_file()
-    proc = cli("export", "hf", str(run_dir / "checkpoints" / "sft"), str(tmp_path / "export"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    trained = import_train_export(qwen3, tmp_path, steps=4, export=tmp_path / "export")
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3ForCausalLM"] and config["head_dim"] == 16
 
@@ -289,28 +257,9 @@ def test_moe_logits_equal_transformers(moe_zoo: Path, tp: int, pp: int, ep: int)
 def test_moe_generates_as_transformers(tmp_path: Path):
     """The torch engines run the MoE layers (router top-k, each expert on its tokens): greedy
     generation equals transformers' generate for both routings (large init: far from ties)."""
-    t = transformers
     folders = make_moe(tmp_path, hidden_size=64, vocab_size=250, max_position_embeddings=128,
                        bos_token_id=None, eos_token_id=None, initializer_range=0.3)
-    g = torch.Generator().manual_seed(5)
-    prm = [torch.randint(0, 250, (n,), generator=g) for n in (6, 1, 11, 3)]
-    out = tmp_path / "out"
-    out.mkdir()
-    torch.save(prm, out / "prompts.pt")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, str(GEN_WORKER), str(out), "--hf", *map(str, folders.values())], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for name, folder in folders.items():
-        ours = torch.load(out / f"{name}.pt")
-        model = t.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        for i, p in enumerate(prm):
-            with torch.no_grad():
-                want = model.generate(p[None], attention_mask=torch.ones(1, p.numel(), dtype=torch.long),
-                                      do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
-            want = want[0, p.numel():]
-            assert torch.equal(ours["greedy"][i], want), f"{name} prompt {i}: {ours['greedy'][i]} != {want}"
-            assert torch.equal(ours["naive"][i], want), f"{name} prompt {i} (naive)"
+    assert_generates_as_transformers(list(folders.values()), tmp_path)
 
 
 @pytest.mark.slow
