@@ -68,18 +68,8 @@ def hf_config(cfg: ModelConfig) -> dict[str, Any]:
 def hf_weights(full: dict[str, torch.Tensor], cfg: ModelConfig,
                dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """HF-named full tensors (vocab rows cut to the real vocabulary) from a full megatron dict."""
-    model_type = hf_model_type(cfg)
-    table = sources(cfg, model_type, value_head=False, score_head=False)
-    got = {k for k in full if not k.endswith("_extra_state")}
-    missing, extra = sorted(set(table) - got), sorted(got - set(table))
-    if missing or extra:
-        raise GenerationError(f"full state dict does not match the {model_type} model: "
-                              f"missing {missing[:5]}, unexpected {extra[:5]}")
-    out: dict[str, torch.Tensor] = {}
-    for name, src in table.items():
-        for hf_name, t in to_hf(src, full[name].detach(), cfg, model_type).items():
-            out[hf_name] = t.to(dtype or t.dtype).contiguous()
-    return out
+    converted = hf_bucket(full, check_full_names(full, cfg), cfg)
+    return {hf_name: t.to(dtype or t.dtype).contiguous() for hf_name, t in converted.items()}
 
 
 def hf_bucket(full: dict[str, torch.Tensor], names: list[str], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -95,7 +85,7 @@ def hf_bucket(full: dict[str, torch.Tensor], names: list[str], cfg: ModelConfig)
 
 def check_full_names(full: dict[str, torch.Tensor], cfg: ModelConfig) -> list[str]:
     """The megatron names of `full` in the model's order; a GenerationError when they do not
-    match the model (the same check hf_weights makes, without converting anything)."""
+    match the model (hf_weights checks with it before converting)."""
     model_type = hf_model_type(cfg)
     table = sources(cfg, model_type, value_head=False, score_head=False)
     got = {k for k in full if not k.endswith("_extra_state")}
