@@ -12,7 +12,6 @@ policy loss does (token_logprobs on the model output). Saves both with the engin
 from __future__ import annotations
 
 import sys
-import zlib
 from pathlib import Path
 
 import torch
@@ -29,25 +28,12 @@ from slurm_align.generation.torch_engine import KVCacheEngine  # noqa: E402
 from slurm_align.models.forward import forward_logits, forward_logprobs, model_inputs  # noqa: E402
 from slurm_align.models.packing import Batching  # noqa: E402
 from slurm_align.models.gpt import build_gpt  # noqa: E402
-from slurm_align.models.weights import local_tensors  # noqa: E402
 from slurm_align.parallel.bootstrap import init_distributed  # noqa: E402
 from slurm_align.parallel.layout import initialize_model_parallel  # noqa: E402
+from generation_worker import deterministic_init  # noqa: E402  (tests/, this script's folder, is on sys.path)
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=250, max_seq_len=48)
 TEMPERATURE = 0.7
-
-
-@torch.no_grad()
-def deterministic_init(chunks: list, pctx) -> None:
-    for name, t in local_tensors(chunks, pctx):
-        g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-        noise = torch.randn(t.shape, generator=g)
-        if "layernorm" in name and name.endswith("weight"):
-            t.copy_(1.0 + 0.1 * noise)
-        elif name.startswith("output_layer"):
-            t.copy_(0.5 * noise)
-        else:
-            t.copy_(0.1 * noise)
 
 
 def main(out_file: Path) -> None:
