@@ -31,14 +31,41 @@ fi
 PY=.venv/bin/python
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q -c .ci/constraints.txt)
 
+# uv installs in seconds what pip takes a minute for (measured here: torch and the test extra
+# in 16 s against 66 s, bytecode compiled by both, which every later import needs under
+# PYTHONDONTWRITEBYTECODE). uv reads neither pip.conf nor PIP_*: pip's own index settings are
+# handed to it. pip stays the fallback when uv cannot be had or fails.
+uv_index_args() {
+    "$PY" -m pip config list 2>/dev/null |
+        sed -n "s/^[^.]*\.\(find-links\|extra-index-url\|index-url\|constraint\)='\(.*\)'\$/\1 \2/p" |
+        while read -r key values; do
+            for v in $values; do
+                if [[ "$key" == constraint ]]; then printf '%s\n' -c "$v"; else printf '%s\n' "--$key" "$v"; fi
+            done
+        done
+}
+install() {
+    if [[ -z "${UV:-}" ]]; then
+        UV=none
+        "${PIP[@]}" uv >/dev/null 2>&1 && [[ -x .venv/bin/uv ]] && UV=.venv/bin/uv
+        mapfile -t UV_INDEX < <(uv_index_args)
+    fi
+    if [[ "$UV" != none ]] && "$UV" pip install -q --compile-bytecode --python "$PY" --index-strategy unsafe-best-match \
+            -c .ci/constraints.txt "${UV_INDEX[@]}" "$@"; then
+        return
+    fi
+    [[ "$UV" == none ]] || say "uv failed; installing with pip"
+    "${PIP[@]}" "$@"
+}
+
 # torch first, from its CPU build on local disk; the constraints file keeps it pinned after
 # (its version is read from there: one place for CI's exact versions).
 TORCH="$(sed -n 's/^torch==\([^ #]*\).*/\1/p' .ci/constraints.txt)"
 [[ -n "$TORCH" ]] || { say "ERROR: .ci/constraints.txt pins no torch==VERSION"; exit 1; }
 torch_version="$($PY -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null || true)"
 if [[ "$torch_version" != "$TORCH"* ]]; then
-    say "pip install torch==$TORCH (CPU build; found: ${torch_version:-none})"
-    "${PIP[@]}" "torch==$TORCH"
+    say "install torch==$TORCH (CPU build; found: ${torch_version:-none})"
+    install "torch==$TORCH"
 else
     say "torch $torch_version present"
 fi
@@ -49,8 +76,8 @@ stamp=.venv/.slurm-align-setup
 want="$(cat setup.cfg pyproject.toml .ci/constraints.txt | sha256sum | cut -d' ' -f1) $REPO"
 installed_from="$($PY -c 'import slurm_align, os; print(os.path.dirname(os.path.dirname(slurm_align.__file__)))' 2>/dev/null || true)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" || "$installed_from" != "$REPO" ]]; then
-    say "pip install -e '.[test]' (versions from .ci/constraints.txt, torch $TORCH)"
-    MPICC="${MPICC:-mpicc}" "${PIP[@]}" -e '.[test]'
+    say "install -e '.[test]' (versions from .ci/constraints.txt, torch $TORCH)"
+    MPICC="${MPICC:-mpicc}" install -e '.[test]'
     echo "$want" > "$stamp"
 else
     say "slurm-align installed (editable, $REPO) and up to date"

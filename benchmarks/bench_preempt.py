@@ -7,13 +7,15 @@ local test cluster that SLURM_CONF points at, in one or both ways a job is stopp
   stop point finishes the step in flight and saves it, so work lost is at most that step;
 - slurm: Slurm's own partition-priority preemption: the job runs on `preemptible`
   (PreemptMode=REQUEUE, GraceTime), and once a step is done a job on `urgent` asks for its
-  nodes; Slurm TERMs every step, the actor stops at its newest checkpoint (save_interval 1), the
-  step in flight is lost and redone. The signal time is the urgent job's submission.
+  nodes; Slurm TERMs every step. With --grace (preempt_grace_s, default 60: the partition's
+  GraceTime) the actor finishes the step in flight and saves it when it fits (nothing lost);
+  with --grace 0 it stops at once at its newest checkpoint (save_interval 1) and the step in
+  flight is lost and redone. The signal time is the urgent job's submission.
 The stages' times come from RUN_DIR/preemption.jsonl; lost_steps counts steps begun after the
 saved one (their spans, read before the requeued job starts). The last line is the slurm mode's.
 
     python -m tests.cluster up --workdir /tmp/sa-cluster   # prints export SLURM_CONF=...
-    python benchmarks/bench_preempt.py [--steps 4] [--mode usr2|slurm|both] [--out DIR]
+    python benchmarks/bench_preempt.py [--steps 4] [--mode usr2|slurm|both] [--grace 60] [--out DIR]
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="run directory parent (default: a temp folder)")
     ap.add_argument("--mode", choices=["usr2", "slurm", "both"], default="both",
                     help="the script's USR2 warning, Slurm's own partition preemption, or both (slurm last)")
+    ap.add_argument("--grace", type=int, default=60,
+                    help="slurm mode: the profile's preempt_grace_s (0: stop at once, the step in flight is redone)")
     args = ap.parse_args()
     if not os.environ.get("SLURM_CONF"):
         raise SystemExit("SLURM_CONF is not set: start the local test cluster with "
@@ -61,7 +65,7 @@ def main() -> None:
                                     "ppo.num_rollout_samples=8", "generation.max_new_tokens=8",
                                     "generation.prompt_batch_size=2", "ppo.train_micro_batch_size=2"])
     for mode in (["usr2", "slurm"] if args.mode == "both" else [args.mode]):
-        measure(run, mode, RunDir(out / f"run-{mode}"))
+        measure(run, mode, RunDir(out / f"run-{mode}"), args.grace)
 
 
 def _job_nodes(job_id: str) -> str:
@@ -72,7 +76,7 @@ def _job_nodes(job_id: str) -> str:
     return ",".join(sorted(set(hosts)))
 
 
-def measure(run, mode: str, rd: RunDir) -> None:
+def measure(run, mode: str, rd: RunDir, grace: int = 60) -> None:
     if mode == "usr2":
         job = launch_run(run, load_profile("local-slurm", ["requeue=true"]), rd.root)
         wait_event(rd, "first_step")
@@ -80,7 +84,8 @@ def measure(run, mode: str, rd: RunDir) -> None:
         subprocess.run(["scancel", "--signal=USR2", "--batch", job.job_id], check=True, timeout=30)
     else:
         run = run.model_copy(update={"ppo": run.ppo.model_copy(update={"save_interval": 1})})
-        job = launch_run(run, load_profile("local-slurm", ["partition=preemptible", "requeue=true"]), rd.root)
+        profile = load_profile("local-slurm", ["partition=preemptible", "requeue=true", f"preempt_grace_s={grace}"])
+        job = launch_run(run, profile, rd.root)
         wait_event(rd, "first_step")
         nodes = _job_nodes(job.job_id)
         t_signal = time.time()

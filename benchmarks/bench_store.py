@@ -59,6 +59,7 @@ def batch(rng: np.random.Generator, samples: int, prompt: int, response: int) ->
         "reward": rng.standard_normal(samples).astype(np.float32),
         "is_end": rng.random(samples) > 0.2,
         "rank": rng.integers(0, 8, samples),
+        "version": rng.integers(0, 4, samples),
     }
 
 
@@ -70,7 +71,7 @@ def npy_columns(b: dict) -> dict[str, np.ndarray]:
         "response_tokens": np.concatenate(b["response_tokens"]).astype(np.int32),
         "token_values": np.stack([np.concatenate(b[f]) for f in TOKEN_FIELDS]),
         "sample_values": np.stack([np.array([len(p) for p in b["prompt_tokens"]]), lengths,
-                                   b["rank"], b["is_end"]]).astype(np.int32),
+                                   b["rank"], b["is_end"], b["version"]]).astype(np.int32),
         "reward": np.asarray(b["reward"], dtype=np.float32),
     }
 

@@ -2,11 +2,12 @@
 
 import sys
 
-from slurm_align.algorithms.preemption import block_term
-
-block_term()   # before MPI, tritonserver and their threads start: see slurm_align.algorithms.preemption
-
-from slurm_align.critic.main import cli  # noqa: E402  (after block_term, on purpose)
-
+# Under the guard: spawned helper processes re-run this module as __mp_main__ (see actor.py).
 if __name__ == "__main__":
+    from slurm_align.algorithms.preemption import block_term
+
+    block_term()   # before MPI, tritonserver and their threads start: see slurm_align.algorithms.preemption
+
+    from slurm_align.critic.main import cli
+
     sys.exit(cli())

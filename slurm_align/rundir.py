@@ -12,7 +12,7 @@
     RUN_DIR/logs/<component>/exit_code, launcher.log; logs/first_failure
     RUN_DIR/stop_requested, stopped_step, requeue_count, preemption.jsonl   (preemption.py)
     RUN_DIR/run.secret             the run's secret (mode 0600), made at submit; critic requests carry it
-    RUN_DIR/critic_address.json    where the critic listens (host, port), published by the critic
+    RUN_DIR/<component>_address.json  where a component's service listens (critic, generator), published by it
 """
 
 from __future__ import annotations
@@ -75,10 +75,13 @@ class RunDir:
         """The run's secret: only this run's actor may call its critic (see create_run_secret)."""
         return self.root / "run.secret"
 
+    def address(self, component: str) -> Path:
+        """Where a component's service listens, published by it once it serves (publish_address)."""
+        return self.root / f"{component}_address.json"
+
     @property
     def critic_address(self) -> Path:
-        """Where the critic listens, published by it once it serves (see publish_critic_address)."""
-        return self.root / "critic_address.json"
+        return self.address("critic")
 
     @property
     def stop_requested(self) -> Path:
@@ -200,24 +203,26 @@ def current_start() -> str:
     return os.environ.get(START_ENV, "")
 
 
-def _address_tag(secret: str, host: str, port: int, start: str) -> str:
+def _address_tag(secret: str, component: str, host: str, port: int, start: str) -> str:
     # Proves the address was published by a holder of this submission's secret during this start
-    # of the job: the actor never sends the secret to an address left over from an older job, or
+    # of the job: a client never sends the secret to an address left over from an older job, or
     # from the start before a requeue (whose host:port another process may hold by now).
-    return hmac.new(secret.encode(), f"critic-address {host}:{port} start {start}".encode(),
+    return hmac.new(secret.encode(), f"{component}-address {host}:{port} start {start}".encode(),
                     hashlib.sha256).hexdigest()
 
 
-def publish_critic_address(rd: RunDir, host: str, port: int, secret: str) -> None:
+def publish_address(rd: RunDir, component: str, host: str, port: int, secret: str) -> None:
+    """RUN_DIR/<component>_address.json: host, port, this start of the job and a tag keyed by the
+    run's secret (only a holder of the secret can publish one that clients accept)."""
     start = current_start()
-    write_atomic(rd.critic_address, json.dumps({"host": host, "port": port, "start": start,
-                                                "tag": _address_tag(secret, host, port, start)}))
+    write_atomic(rd.address(component), json.dumps({"host": host, "port": port, "start": start,
+                                                    "tag": _address_tag(secret, component, host, port, start)}))
 
 
-def critic_address_problem(rd: RunDir, secret: str) -> tuple[tuple[str, int] | None, str]:
-    """((host, port), "") for an address this run's critic published during the current start;
-    else (None, why not)."""
-    path = rd.critic_address
+def address_problem(rd: RunDir, component: str, secret: str) -> tuple[tuple[str, int] | None, str]:
+    """((host, port), "") for an address this run's `component` published during the current
+    start; else (None, why not)."""
+    path = rd.address(component)
     try:
         data = json.loads(path.read_text())
         host, port, tag = str(data["host"]), int(data["port"]), str(data["tag"])
@@ -226,7 +231,7 @@ def critic_address_problem(rd: RunDir, secret: str) -> tuple[tuple[str, int] | N
         return None, f"no address published in {path} yet"
     except (ValueError, KeyError, TypeError):
         return None, f"no address published in {path} yet (the file there is not one)"
-    if not hmac.compare_digest(tag, _address_tag(secret, host, port, start)):
+    if not hmac.compare_digest(tag, _address_tag(secret, component, host, port, start)):
         return None, f"no address published in {path} yet (the one there is from another submission)"
     if start != current_start():
         return None, (f"no address published in {path} yet (the one there, {host}:{port}, is from start "
@@ -234,7 +239,15 @@ def critic_address_problem(rd: RunDir, secret: str) -> tuple[tuple[str, int] | N
     return (host, port), ""
 
 
+def publish_critic_address(rd: RunDir, host: str, port: int, secret: str) -> None:
+    publish_address(rd, "critic", host, port, secret)
+
+
+def critic_address_problem(rd: RunDir, secret: str) -> tuple[tuple[str, int] | None, str]:
+    return address_problem(rd, "critic", secret)
+
+
 def read_critic_address(rd: RunDir, secret: str) -> tuple[str, int] | None:
     """(host, port) published by this run's critic in this start of the job; None while there is
     none (or only a stale or foreign one)."""
-    return critic_address_problem(rd, secret)[0]
+    return address_problem(rd, "critic", secret)[0]

@@ -1,13 +1,13 @@
-"""Shared pytest set-up: session environment, marker logic, the two xdist workers' groups, the real
+"""Shared pytest set-up: session environment, marker logic, the xdist workers' groups, the real
 Slurm cluster and the end-to-end runs several test files share.
 
-The suite runs on two pytest-xdist workers (`-n 2 --dist loadgroup`, setup.cfg). A session or
+The suite runs on three pytest-xdist workers (`-n 3 --dist loadgroup`, setup.cfg). A session or
 module fixture is built once PER WORKER, so:
 - tests that use the `slurm_cluster` fixture all go to one worker (xdist group `slurm`);
 - tests that share a module- or session-scoped fixture of a test file go to one worker too (their
   group is made here from the fixture's name, see `_xdist_groups`), unless the fixture is listed
   in SHARED_ACROSS_WORKERS: those are built once for the whole session (`build_once`), whichever
-  worker asks first, and the other worker waits for them and reuses them.
+  worker asks first, and the other workers wait for them and reuse them.
 - a test can name its group itself with `@pytest.mark.xdist_group("name")`.
 
 Add fixtures of your own area in their own section below (keep one section per area).
@@ -31,7 +31,7 @@ SLURM_GROUP = "slurm"
 """xdist group of every test that uses the real Slurm cluster (one cluster, one worker)."""
 SHARED_ACROSS_WORKERS = {"slurm_cluster", "sft_checkpoint", "rm_checkpoint", "ppo_reference"}
 """Session fixtures that never pull their users into one group: `slurm_cluster` has its own
-group, the others are built once per session for both workers (`build_once`)."""
+group, the others are built once per session for all workers (`build_once`)."""
 
 # --- session environment ------------------------------------------------------
 # MPI as root, one thread per process (2 cores shared by every rank of every test).
@@ -39,6 +39,10 @@ SESSION_ENV = {
     "OMPI_ALLOW_RUN_AS_ROOT": "1",
     "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
     "OMP_NUM_THREADS": "1",
+    # megatron.core wraps its fused kernels in torch.compile at import, which loads TorchDynamo:
+    # ~2 s of CPU in every rank of every run (hundreds of processes a session). CPU tests never
+    # compile (eager math is what they compare with transformers), so skip dynamo in them.
+    "TORCHDYNAMO_DISABLE": "1",
 }
 
 
@@ -223,7 +227,7 @@ SFT_STEPS = 50
 def sft_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A weak SFT policy (examples/sft_tiny.yaml, SFT_STEPS steps on the synthetic sort task): it
     sorts some held-out prompts exactly (greedy) and leaves room to learn. Built once per session
-    for both workers; pass it as `model.init_checkpoint=<it>`. Read-only: never train into it."""
+    for all workers; pass it as `model.init_checkpoint=<it>`. Read-only: never train into it."""
     from slurm_align import REPO_ROOT
     from slurm_align.config import load_run_config
 
@@ -240,7 +244,7 @@ def sft_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def rm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A reward model trained on the synthetic preference pairs (examples/rm_tiny.yaml). Built once
-    per session for both workers; pass it as `critic_model.init_checkpoint=<it>` (PPO's critic
+    per session for all workers; pass it as `critic_model.init_checkpoint=<it>` (PPO's critic
     starts from it) or as the reward model. Read-only."""
     from slurm_align import REPO_ROOT
     from slurm_align.config import load_run_config
@@ -263,8 +267,8 @@ def ppo_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path
     with its rollouts and final weights (preempt_support.assert_same_final_state).
 
     Started in the background when a test first asks for the fixture; the fixture's value is a
-    function that waits for the run and returns its run directory. Built once per session for both
-    workers (the other worker's call waits for it)."""
+    function that waits for the run and returns its run directory. Built once per session for all
+    workers (the other workers' calls wait for it)."""
     from slurm_align.config import load_profile
     from slurm_align.slurm.launch import launch_run
     from tests.preempt_support import DETERMINISTIC, logs_text

@@ -6,37 +6,31 @@ of each group is kept instead of the best."""
 import argparse
 import sys
 
-from slurm_align.algorithms import advantages, policy_gradient, ppo
-from slurm_align.algorithms.rejection_sampling import best_of_groups
 
-_grpo, _rloo, _reinforce_pp, _keep_best = advantages.grpo, advantages.rloo, advantages.reinforce_pp, \
-    policy_gradient.keep_best
+def flipped(fn):
+    return lambda *args, **kwargs: -fn(*args, **kwargs)
 
 
-def flipped_grpo(*args, **kwargs):
-    return -_grpo(*args, **kwargs)
+def keep_worst(keep_best, best_of_groups):
+    def keep(batch):
+        """keep_best with the rewards negated: the worst sample of each group is trained on."""
+        reward = batch["reward"]
+        worst = best_of_groups(-reward.float(), batch["group"])
+        metrics = keep_best(batch)
+        batch.set_samples("train", worst)
+        return {**metrics, "kept_reward_sum": float((reward.float() * worst).sum()), "kept": float(worst.sum())}
+    return keep
 
 
-def flipped_rloo(*args, **kwargs):
-    return -_rloo(*args, **kwargs)
-
-
-def flipped_reinforce_pp(*args, **kwargs):
-    return -_reinforce_pp(*args, **kwargs)
-
-
-def keep_worst(batch):
-    """keep_best with the rewards negated: the worst sample of each group is trained on."""
-    reward = batch["reward"]
-    worst = best_of_groups(-reward.float(), batch["group"])
-    metrics = _keep_best(batch)
-    batch.set_samples("train", worst)
-    return {**metrics, "kept_reward_sum": float((reward.float() * worst).sum()), "kept": float(worst.sum())}
-
-
+# Imports under the guard: spawned helpers (megatron's checkpoint writer) re-run this file as
+# __mp_main__ and would import torch and megatron again for nothing.
 if __name__ == "__main__":
-    advantages.grpo, advantages.rloo, advantages.reinforce_pp = flipped_grpo, flipped_rloo, flipped_reinforce_pp
-    policy_gradient.keep_best = keep_worst
+    from slurm_align.algorithms import advantages, policy_gradient, ppo
+    from slurm_align.algorithms.rejection_sampling import best_of_groups
+
+    advantages.grpo, advantages.rloo, advantages.reinforce_pp = (
+        flipped(advantages.grpo), flipped(advantages.rloo), flipped(advantages.reinforce_pp))
+    policy_gradient.keep_best = keep_worst(policy_gradient.keep_best, best_of_groups)
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
     sys.exit(ppo.main(parser.parse_args().run_dir))

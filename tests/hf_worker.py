@@ -8,6 +8,8 @@
 - own_gpt: slurm-align's own GPT and reward model saved as checkpoints (see own_gpt);
 - resave:  the trained checkpoint named in DIR/ckpt.txt loaded at TP x PP: its logits, and the
            same weights saved again at this layout (see resave).
+
+tests/plan_worker.py runs several of these actions, at several layouts, in one launch.
 """
 
 from __future__ import annotations
@@ -94,10 +96,13 @@ def tied_grads(pctx, root: Path) -> None:
     torch.save(tied, root / f"tied_pp{pctx.pp_size}_rank{dist.get_rank()}.pt")
 
 
+ACTIONS = {"logits": logits, "resave": resave, "own_gpt": own_gpt, "tied_grads": tied_grads}
+
+
 def main(argv: list[str]) -> int:
     action, tp, pp, root = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
     pctx = init_parallel(tp, pp)
-    {"logits": logits, "resave": resave, "own_gpt": own_gpt, "tied_grads": tied_grads}[action](pctx, root)
+    ACTIONS[action](pctx, root)
     dist.barrier()
     pctx.destroy()
     return 0

@@ -6,10 +6,9 @@
           model.hf_path); rank 0 saves its logits on DIR/tokens.pt to
           DIR/out/<name>_tp<TP>_pp<PP>_ep<EP>.pt, every rank the names of the HF tensors it
           read to DIR/out/<name>_ep<EP>_read<rank>.pt;
-- save:   the folder named in DIR/hf_dir.txt imported at this layout and saved as a checkpoint
-          (with its model config, as `import hf` writes one) under DIR/ckpt_ep<EP>;
-- ckpt_logits: the training checkpoint in DIR/ckpt.txt loaded at this layout, its logits;
 - grads:  reduced gradients and their norm of one backward step (see grads).
+
+tests/plan_worker.py runs several of these actions, at several layouts, in one launch.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 
 from slurm_align.config.run import ModelConfig  # noqa: E402
-from slurm_align.models.checkpoint import load_weights, save_checkpoint  # noqa: E402
 from slurm_align.models.forward import forward_logits  # noqa: E402
 from slurm_align.models.gpt import build_gpt  # noqa: E402
 from slurm_align.models.hf.loader import SafetensorsFolder  # noqa: E402
@@ -42,33 +40,17 @@ def logits(pctx, root: Path) -> None:
         return plain_read(self, name, *args)
 
     SafetensorsFolder.read = recording_read
-    for folder in sorted((root / "models").iterdir()):
-        cfg = ModelConfig(hf_path=folder)
-        read.clear()
-        chunks = build_gpt(cfg, pctx, seed=5)
-        torch.save(sorted(set(read)), root / "out" / f"{folder.name}_ep{pctx.ep_size}_read{dist.get_rank()}.pt")
-        y = forward_logits(chunks, pctx, tokens, cfg.vocab_size, broadcast=True)
-        if dist.get_rank() == 0:
-            torch.save(y, root / "out" / f"{folder.name}_tp{pctx.tp_size}_pp{pctx.pp_size}_ep{pctx.ep_size}.pt")
-
-
-def save(pctx, root: Path) -> None:
-    cfg = ModelConfig(hf_path=(root / "hf_dir.txt").read_text().strip())
-    chunks = build_gpt(cfg, pctx, seed=5)
-    save_checkpoint(root / f"ckpt_ep{pctx.ep_size}", 0, chunks, None,
-                    {"model_config": cfg.model_dump(mode="json"), "value_head": False})
-
-
-def ckpt_logits(pctx, root: Path) -> None:
-    """The training checkpoint named in DIR/ckpt.txt loaded at this layout: rank 0 saves its
-    logits on DIR/tokens.pt to DIR/ckpt_logits.pt."""
-    ckpt = Path((root / "ckpt.txt").read_text().strip())
-    cfg = ModelConfig(hf_path=(root / "hf_dir.txt").read_text().strip(), init_checkpoint=ckpt)
-    chunks = build_gpt(cfg, pctx, seed=99)
-    load_weights(ckpt, chunks)
-    y = forward_logits(chunks, pctx, torch.load(root / "tokens.pt"), cfg.vocab_size, broadcast=True)
-    if dist.get_rank() == 0:
-        torch.save(y, root / "ckpt_logits.pt")
+    try:
+        for folder in sorted((root / "models").iterdir()):
+            cfg = ModelConfig(hf_path=folder)
+            read.clear()
+            chunks = build_gpt(cfg, pctx, seed=5)
+            torch.save(sorted(set(read)), root / "out" / f"{folder.name}_ep{pctx.ep_size}_read{dist.get_rank()}.pt")
+            y = forward_logits(chunks, pctx, tokens, cfg.vocab_size, broadcast=True)
+            if dist.get_rank() == 0:
+                torch.save(y, root / "out" / f"{folder.name}_tp{pctx.tp_size}_pp{pctx.pp_size}_ep{pctx.ep_size}.pt")
+    finally:   # plan_worker may run this again in the same process
+        SafetensorsFolder.read = plain_read
 
 
 def grads(pctx, root: Path) -> None:
@@ -97,10 +79,13 @@ def grads(pctx, root: Path) -> None:
         torch.save({"norm": norm, "grads": got}, root / f"grads_ep{pctx.ep_size}.pt")
 
 
+ACTIONS = {"logits": logits, "grads": grads}
+
+
 def main(argv: list[str]) -> int:
     action, tp, pp, ep, root = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
     pctx = initialize_model_parallel(init_distributed(), tp, pp, ep)
-    {"logits": logits, "save": save, "ckpt_logits": ckpt_logits, "grads": grads}[action](pctx, root)
+    ACTIONS[action](pctx, root)
     dist.barrier()
     pctx.destroy()
     return 0

@@ -5,19 +5,21 @@ run cannot finish first. Without RUN_DIR/test_hold it is the stock actor.
     test_hold = "stop"   hold after each job's first step until the job script wrote
                          RUN_DIR/stop_requested (Slurm's USR2: time limit or scancel)
     test_hold = "<N>"    hold after step N until killed
+    test_hold = "term"   hold in the first step of each job's first start (SLURM_RESTART_COUNT 0),
+                         before the critic's values are read, until this rank got SIGTERM; the
+                         step then goes on, its critic requests after the TERM (Slurm's
+                         preemption must arrive mid-step, however fast the machine)
 Each hold has a ceiling (HOLD_CEILING_S), after which the actor fails, saying so.
 """
 
 import argparse
+import os
 import sys
+import threading
 import time
 from pathlib import Path
 
-from slurm_align.algorithms import ppo
-from slurm_align.algorithms.preemption import StopPoint
-
 HOLD_CEILING_S = 600
-_after_step = StopPoint.after_step
 
 
 def after_step_with_hold(self, step, *, last, saved, save):
@@ -35,8 +37,38 @@ def after_step_with_hold(self, step, *, last, saved, save):
     return _after_step(self, step, last=last, saved=saved, save=save)
 
 
+_term = threading.Event()
+_held = []
+
+
+def on_term_noted(self):
+    _term.set()
+    _on_term(self)
+
+
+def critic_results_with_hold(self, pending, step):
+    hold = self.rd.root / "test_hold"
+    if (not _held and hold.exists() and hold.read_text().strip() == "term"
+            and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"):
+        _held.append(step)
+        if self.rank == 0:
+            print(f"test: holding in step {step} until SIGTERM", flush=True)   # tests wait for this line
+        if not _term.wait(HOLD_CEILING_S):
+            raise RuntimeError(f"test hold (term) in step {step}: no SIGTERM came in {HOLD_CEILING_S} s")
+    return _critic_results(self, pending, step)
+
+
+# Imports under the guard: spawned helpers (megatron's checkpoint writer) re-run this file as
+# __mp_main__ and would import torch and megatron again for nothing. The originals the wrappers
+# above call are bound here, as module globals.
 if __name__ == "__main__":
+    from slurm_align.algorithms import ppo
+    from slurm_align.algorithms.preemption import StopPoint
+
+    _after_step, _on_term, _critic_results = StopPoint.after_step, StopPoint._on_term, ppo.PPOActor.critic_results
     StopPoint.after_step = after_step_with_hold
+    StopPoint._on_term = on_term_noted
+    ppo.PPOActor.critic_results = critic_results_with_hold
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
     sys.exit(ppo.main(Path(parser.parse_args().run_dir)))

@@ -150,12 +150,15 @@ def test_clear_errors_for_bad_or_incomplete_runs(tmp_path, capsys):
     assert [s["step"] for s in data["steps"]] == [0]  # the step rank 1 lacks is left out
 
 
-def _write_rollouts(run_dir: Path, steps: int, samples: int, resp_len: int) -> None:
+def _write_rollouts(run_dir: Path, steps: int, samples: int, resp_len: int, env_tokens: int = 0) -> None:
+    """`env_tokens` of each response are a multi-turn environment's (loss_mask 0), the rest the model's."""
     store = RolloutStore.create(run_dir / "rollouts.zarr")
+    mask = [1.0] * (resp_len - env_tokens) + [0.0] * env_tokens
     for s in range(steps):
         store.append_step(s, {"prompt_tokens": [[1, 2]] * samples, "response_tokens": [[3] * resp_len] * samples,
-                              **{f: [[0.0] * resp_len] * samples for f in TOKEN_FIELDS},
-                              "reward": [0.0] * samples, "is_end": [True] * samples, "rank": [0] * samples})
+                              **{f: [[0.0] * resp_len] * samples for f in TOKEN_FIELDS}, "loss_mask": [mask] * samples,
+                              "reward": [0.0] * samples, "is_end": [True] * samples, "rank": [0] * samples,
+                              "version": [s] * samples})
 
 
 def test_scaling_report_hand_computed(tmp_path, capsys):
@@ -185,6 +188,18 @@ def test_scaling_report_hand_computed(tmp_path, capsys):
     assert_png(sweep / "scaling.png")
     assert main(["analyze", "scaling", str(tmp_path)]) == 2
     assert "not a sweep directory" in err_text(capsys)
+
+
+def test_scaling_counts_the_models_tokens_not_the_environments(tmp_path):
+    """Multi-turn rollouts: 4 of each response's 10 tokens came from the environment (tool
+    results); the token rate counts the 6 the model generated."""
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "nodes1", [("actor", 0, s, "generate", 200 * s, 200 * s + 100) for s in range(2)],
+              config=RunConfig(actor={"data_parallel": 1}, algorithm="sft"))
+    _write_rollouts(sweep / "nodes1", 2, 8, 10, env_tokens=4)
+    Manifest(sweep, "cfg.yaml", "local", "weak", [ManifestPoint(1, 0, 8, "nodes1", "COMPLETED")]).save()
+    (point,) = compute_scaling(sweep).points
+    assert point.samples_per_s == pytest.approx(80) and point.tokens_per_s == pytest.approx(8 * 6 / 0.100)
 
 
 def test_component_phase_times_hand_computed(tmp_path):

@@ -202,6 +202,43 @@ def test_chat_rows_in_sft_preference_and_prompt_datasets(folders, tmp_path: Path
     assert plain_fields == {"prompt": "x"}
 
 
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "Sort these digits: 7 3 9 1"},
+    {"role": "tool", "content": "1 3 7 9"},
+    {"role": "assistant", "content": "Two plus two is four."},
+    {"role": "user", "content": "Thanks!"},
+    {"role": "assistant", "content": "1 3 7 9"},
+]
+
+
+@pytest.mark.parametrize("style", ["chatml", "llama3"])
+def test_a_multi_turn_chat_row_trains_every_assistant_turn_and_nothing_else(folders, tmp_path: Path, style):
+    tok = HFTokenizer(folders[style])
+    ref = transformers.AutoTokenizer.from_pretrained(folders[style])
+    sft = SFTDataset(_jsonl(tmp_path / "sft.jsonl", [{"messages": TOOL_CONVERSATION}]), tok, max_len=512)
+    item = sft.items[0]
+    # the sequence is the rendered conversation (up to the last turn's end), the prompt its first turn
+    text = lambda ids: ref.decode(ids, skip_special_tokens=False)   # noqa: E731
+    full, eot = ref.apply_chat_template(TOOL_CONVERSATION, tokenize=False), text([tok.eos_id])
+    assert text(item.ids) == full[: full.rindex(eot) + len(eot)]
+    assert text(item.ids[:item.prompt_len]) == ref.apply_chat_template(
+        TOOL_CONVERSATION[:1], add_generation_prompt=True, tokenize=False)
+    # trained: exactly the three assistant turns, each with its end; tool and user turns are context
+    response = item.ids[item.prompt_len:]
+    runs, current = [], []
+    for token, keep in zip(response, item.trained, strict=True):
+        if keep:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    runs.append(current)
+    assert [text(r) for r in runs] == [m["content"] + eot for m in TOOL_CONVERSATION if m["role"] == "assistant"]
+    # the loss mask: position p predicts token p+1, so it counts exactly the trained tokens
+    assert sft.batch([0])["mask"][0].sum() == sum(item.trained)
+
+
 def test_llama3_response_ends_at_eot_and_eos_appended_when_template_lacks_it(folders, tmp_path: Path):
     llama = HFTokenizer(folders["llama3"])
     conv = CONVERSATIONS[1]

@@ -290,3 +290,19 @@ def test_a_tool_environment_conversation_renders_as_transformers(folders):
         assert "<|im_start|>assistant\n" + model_turn + "<|im_end|>" in text
     finally:
         env.close()
+
+
+def test_a_multi_turn_trajectory_reads_as_the_template_renders_the_conversation(folders):
+    # the collector's trajectory text: the rendered prompt (with the tools), the model's turn as it
+    # generated it (stopped at </tool_call>, no end-of-turn), then the environment's reply as
+    # TurnRenderer writes it; equal to transformers' rendering of the whole conversation
+    from slurm_align.environments.render import TurnRenderer
+    for style in STYLES:
+        ref = transformers.AutoTokenizer.from_pretrained(folders[style])
+        r = TurnRenderer(HFTokenizer(folders[style]), TOOLS)
+        conv = [{"role": "user", "content": "What is 123 * 456?"}]
+        model_turn = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 * 456"}}\n</tool_call>'
+        said = conv + [{"role": "assistant", "content": model_turn}]
+        reply = [{"role": "tool", "name": "calculator", "content": "56088"}]
+        text = r._render(conv, True) + model_turn + r.reply_text(said, reply, chat=True)
+        assert text == ref.apply_chat_template(said + reply, tools=TOOLS, tokenize=False, add_generation_prompt=True)

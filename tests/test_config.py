@@ -71,6 +71,8 @@ BAD_INPUTS = [
      ["generation.engine", "trtllm", "gpus_per_node=0"]),
     ("grace longer than the time limit", dict(profile="local-slurm", profile_set=["time=2", "signal_grace_s=300"]),
      ["signal_grace_s=300", "time='2'", "120 s"]),
+    ("negative preemption grace", dict(profile="local-slurm", profile_set=["preempt_grace_s=-5"]),
+     ["preempt_grace_s", "-5", "greater than or equal to 0"]),
 ]
 
 

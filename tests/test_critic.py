@@ -105,12 +105,18 @@ def test_64_concurrent_futures_are_matched_to_their_requests(critic):
                                     "prev_values": np.zeros((3, 8), np.float32),
                                     "mask": np.ones((3, 8), np.float32)},
      "'returns' must have the shape of tokens [3, 8]; got [3, 7]"),
+    ("critic_train", lambda t, ln: {"tokens": t, "lengths": ln, "returns": np.zeros((3, 8), np.float32),
+                                    "prev_values": np.zeros((3, 8), np.float32)},
+     "critic_train: needs the input(s) mask"),
+    ("critic_control", lambda t, ln: {"command": np.array([b"format_disk"], dtype=np.object_)},
+     "'command' must be one of critic_train, critic_save, critic_shutdown; got 'format_disk'"),
 ])
 def test_malformed_payloads_are_rejected_with_what_was_expected(critic, endpoint, inputs, expect):
     client, _, _ = critic
     tokens, lengths = random_batch(np.random.default_rng(4), 3, 8)
     with pytest.raises(CriticError) as err:
-        client._call(endpoint, inputs(tokens, lengths), ["loss"] if endpoint == "critic_train" else ["values"])
+        client._call(endpoint, inputs(tokens, lengths), {"critic_train": ["loss"], "critic_control": ["ack"]}.get(
+            endpoint, ["values"]))
     msg = str(err.value)
     assert expect in msg, msg
     assert f"critic at 127.0.0.1:{client.port}, endpoint {endpoint}" in msg

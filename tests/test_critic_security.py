@@ -61,8 +61,12 @@ def _tensor(name: str, arr: np.ndarray, dtype: str) -> dict:
     return {"name": name, "shape": list(arr.shape), "datatype": dtype, "data": arr.reshape(-1).tolist()}
 
 
+REQUESTS = (P.INFER, *P.COMMANDS)   # critic_infer, and critic_control's every command
+
+
 def well_formed(endpoint: str, save_name: str = "stranger.pt") -> dict:
-    """A request the endpoint would accept from its actor."""
+    """A request the endpoint (critic_infer, or a command of critic_control) would accept from
+    its actor."""
     tok = np.arange(8, dtype=np.int64).reshape(2, 4) % 50
     f = np.ones((2, 4), np.float32)
     if endpoint == P.INFER:
@@ -73,7 +77,9 @@ def well_formed(endpoint: str, save_name: str = "stranger.pt") -> dict:
     elif endpoint == P.SAVE:
         inputs = [{"name": "name", "shape": [1], "datatype": "BYTES", "data": [save_name]}]
     else:
-        inputs = [_tensor("flag", np.ones(1, np.int64), "INT64")]
+        inputs = []
+    if endpoint in P.COMMANDS:
+        inputs.append({"name": "command", "shape": [1], "datatype": "BYTES", "data": [endpoint]})
     return {"inputs": inputs}
 
 
@@ -89,7 +95,8 @@ def raw(addr, path: str, body: bytes | None = None, headers: dict | None = None,
 
 
 def raw_infer(addr, endpoint: str, headers: dict, body: dict | None = None) -> tuple[int, str]:
-    return raw(addr, f"/v2/models/{endpoint}/infer", json.dumps(body or well_formed(endpoint)).encode(),
+    model = P.CONTROL if endpoint in P.COMMANDS else endpoint
+    return raw(addr, f"/v2/models/{model}/infer", json.dumps(body or well_formed(endpoint)).encode(),
                {"Content-Type": "application/json", **headers})
 
 
@@ -116,7 +123,7 @@ def test_every_endpoint_refuses_strangers_and_nothing_changes(critic, tmp_path):
     before, rewards = client.infer(tokens, lengths)
     files = files_under(run_dir.parent)
     outside = tmp_path / "outside.pt"
-    for endpoint in P.ENDPOINTS:
+    for endpoint in REQUESTS:
         for how, headers in stranger_headers(critic["secret"], critic["other"]).items():
             body = well_formed(endpoint, save_name=str(outside)) if endpoint == P.SAVE else None
             status, text = raw_infer(addr, endpoint, headers, body)

@@ -22,6 +22,9 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "synthetic"
     ('{"input": "a", "output": 3}\n', r"line 1: values must be strings: 'output' is int"),
     ('["input", "output"]\n', r"line 1: expected a JSON object"),
     ("\n  \n", r"SFT data file is empty"),
+    ('{"input": "a", "output": [{"role": "tool", "content": "1"}]}\n',
+     r"line 1: 'output' has no 'assistant' segment: nothing to train on"),
+    ('{"input": "a", "output": [{"role": "assistant"}]}\n', r"line 1: output\[0\] needs string 'content'"),
 ])
 def test_malformed_sft_files_name_file_line_and_problem(tmp_path: Path, content: str, expected: str):
     path = tmp_path / "bad.jsonl"
@@ -49,6 +52,28 @@ def test_sft_mask_covers_response_and_eos_only(tmp_path: Path):
     assert b["tokens"][0].tolist() == [256, 97, 98, 61, 120, 121, 257]
     # position t predicts t+1: positions 3,4,5 predict 'x', 'y', EOS
     assert b["mask"][0].tolist() == [0, 0, 0, 1, 1, 1]
+
+
+def test_multi_turn_sft_output_trains_only_the_assistant_segments(tmp_path: Path):
+    """A tool's result inside the answer is context: the loss counts the assistant's segments
+    and EOS, not the tool's tokens (which the model never generates)."""
+    path = tmp_path / "s.jsonl"
+    path.write_text(json.dumps({"input": "ab=", "output": [
+        {"role": "assistant", "content": "x"}, {"role": "tool", "content": "yz"},
+        {"role": "assistant", "content": "w"}]}) + "\n")
+    b = SFTDataset(path, ByteTokenizer(), max_len=32).batch([0])
+    assert b["tokens"][0].tolist() == [256, 97, 98, 61, 120, 121, 122, 119, 257]
+    # positions 3..7 predict x, y, z, w, EOS: y and z are the tool's
+    assert b["mask"][0].tolist() == [0, 0, 0, 1, 0, 0, 1, 1]
+
+
+def test_context_token_that_nothing_predicts_masks_nothing():
+    """An empty prompt without BOS: the response's first token has no predicting position, so
+    its being context must not clear another position (index -1 is the last column)."""
+    from slurm_align.data.datasets import Sequence, response_mask
+
+    mask = response_mask([Sequence([5, 6, 7], 0, (0, 1, 1))], 3)
+    assert mask[0].tolist() == [1, 1]
 
 
 def test_preference_batch_keeps_pairs_aligned():

@@ -153,3 +153,25 @@ def test_settings_defaults_and_errors():
         "field 'environment.environment': got 'rule'; it scores answers with reward.rule, which is not set "
         "(give reward.rule 'module:function')"]
     assert check_against_run(EnvironmentConfig(environment="tests.test_environments:Echo"), 128, None) == []
+
+
+def test_run_config_environment_field():
+    from slurm_align.config.loading import validate
+    from slurm_align.config.run import RunConfig
+    base = {"algorithm": "grpo", "rl": {"n_samples_per_prompt": 2}, "reward": {"rule": RULE}}
+    assert not validate(RunConfig, base, "run.yaml").multi_turn      # the default: single-turn rule reward
+    run = validate(RunConfig, {**base, "environment": {"environment": "tools", "tools": ["calculator"],
+                                                       "max_turns": 3, "max_turn_tokens": 16}}, "run.yaml")
+    assert run.multi_turn and run.environment.max_turn_tokens == 16
+    assert RunConfig.model_fields["environment"].description
+    cases = [({"max_turns": 0}, r"run.yaml: field 'environment.max_turns': got 0"),
+             ({"environment": "nope"}, r"field 'environment.environment': got 'nope'; .*unknown environment"),
+             ({"max_turns": 2, "max_total_tokens": 500},
+              r"run.yaml: field 'environment.max_total_tokens': got 500; must be less than model.max_seq_len=128")]
+    for env, match in cases:
+        with pytest.raises(ConfigError, match=match):
+            validate(RunConfig, {**base, "environment": env}, "run.yaml")
+    with pytest.raises(ConfigError, match=r"field 'environment.environment': multi-turn rollouts with "
+                                          r"rollout.mode='disaggregated': not built yet"):
+        validate(RunConfig, {**base, "rollout": {"mode": "disaggregated"}, "environment": {"max_turns": 2}},
+                 "run.yaml")

@@ -76,6 +76,31 @@ def test_eos_stops_and_sets_is_end(engine):
             assert torch.equal(got, ref)
 
 
+@pytest.mark.parametrize("kind", ["torch", "naive"])
+def test_stop_token_sequences_end_a_sample_where_they_first_complete(kind):
+    """A multi-turn stop string, tokenized: the sample ends right after the first occurrence of
+    the sequence (kept, is_end), its tokens and log-probs before it unchanged."""
+    e = make_engine(kind, SHAPE)
+    e.refit(random_weights(0))
+    prm = prompts(16, seed=2)
+    params = SamplingParams(max_new_tokens=25, temperature=1.0, seed=7)
+    free_run = e.generate(prm, params)
+    toks = free_run.response_tokens
+    stop = (int(toks[0, 3]), int(toks[0, 4]))   # a pair that at least sample 0 emits
+    out = e.generate(prm, SamplingParams(max_new_tokens=25, temperature=1.0, seed=7, stop_token_sequences=(stop,)))
+    ended = 0
+    for i, (ref, got) in enumerate(zip(free_run.responses(), out.responses())):
+        at = [t + 2 for t in range(len(ref) - 1) if (int(ref[t]), int(ref[t + 1])) == stop]
+        n = at[0] if at else len(ref)
+        ended += bool(at)
+        assert bool(out.is_end[i]) == bool(at) and int(out.response_lengths[i]) == n, i
+        assert torch.equal(got, ref[:n])
+        assert torch.allclose(out.logprobs[i, :n], free_run.logprobs[i, :n], atol=1e-5)
+    assert ended >= 1   # sample 0 at least
+    with pytest.raises(GenerationError, match="stop_token_sequences"):
+        SamplingParams(stop_token_sequences=((),))
+
+
 def test_length_limit_is_a_clear_error(engine):
     too_long = [torch.zeros(30, dtype=torch.long), torch.zeros(3, dtype=torch.long)]
     with pytest.raises(GenerationError, match="prompt 0 has 30 tokens.*max_seq_len=40"):

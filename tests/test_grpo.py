@@ -59,7 +59,8 @@ def val_score(run_dir: Path) -> dict[int, float]:
 
 def check_rollouts(run_dir: Path, steps: list[int], samples: int, group: int) -> None:
     """Every stored step is whole: its rewards are the rule's, its groups hold `group` samples of
-    one prompt each, and the group advantages of GRPO sum to ~0 per group."""
+    one prompt each, and the group advantages of GRPO sum to ~0 per group. (Runs without a KL
+    term: the reference pass was skipped, its log-probs are NaN.)"""
     store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
     assert store.steps.tolist() == steps
     tok = ByteTokenizer()
@@ -75,6 +76,7 @@ def check_rollouts(run_dir: Path, steps: list[int], samples: int, group: int) ->
             assert len(set(prompts[g * group:(g + 1) * group])) == 1
         first_token_adv = np.array([d["advantages"][ro[i]] if ro[i + 1] > ro[i] else 0.0 for i in range(samples)])
         assert np.isfinite(d["advantages"]).all()
+        assert np.isnan(d["ref_logprobs"]).all()
         assert np.abs(first_token_adv.reshape(-1, group).sum(1)).max() < 1e-3
 
 
@@ -86,6 +88,10 @@ def test_job_shape_follows_the_algorithm():
     assert not grpo_config("reward.model=true").critic_trains           # reward-only critic
     assert grpo_config("algorithm=rloo").advantage_estimator == "rloo"
     assert not grpo_config().kl_in_reward and grpo_config("algorithm=reinforce_pp").kl_in_reward
+    # the reference log-prob pass runs only for a KL term (the runs below show it in their spans)
+    assert not grpo_config().uses_reference and grpo_config("rl.kl_loss_coef=0.1").uses_reference
+    assert grpo_config("algorithm=reinforce_pp").uses_reference
+    assert not grpo_config("algorithm=reinforce_pp", "ppo.kl_coef=0").uses_reference
 
 
 @pytest.mark.parametrize("overrides,match", [
@@ -113,6 +119,7 @@ def check_single_component_run(run_dir: Path, filtered: bool = False) -> None:
     for m in records[1:]:
         assert {"train_rollouts/rewards", "train_optim/loss", "train_optim/ppo_ratio",
                 "train_optim/optimizer_steps"} <= set(m) and "train_optim/critic_loss" not in m
+        assert "train_rollouts/kl" not in m                 # no KL term: no reference pass
         assert m["train_optim/optimizer_steps"] == 2        # 32 rollouts in global batches of 16
         if filtered:   # dynamic sampling: groups of 4 with equal rewards (e.g. all wrong) are dropped
             assert 0 <= m["train_rollouts/dropped_groups"] <= 8
@@ -120,6 +127,7 @@ def check_single_component_run(run_dir: Path, filtered: bool = False) -> None:
     table = read_traces(run_dir / "traces.zarr", {"actor": 2})
     assert table.complete, table.problems()
     assert {P.GENERATE, P.LOGPROBS, P.TRAIN} <= set(table.spans["phase"].tolist())
+    assert P.INIT_LOGPROBS not in set(table.spans["phase"].tolist())   # skipped: nothing reads it
 
 
 @pytest.mark.slurm
@@ -134,18 +142,23 @@ def test_grpo_single_component_as_plain_slurm_job(slurm_cluster, tmp_path):
 @pytest.mark.slurm
 def test_grpo_with_reward_model_as_hetjob(slurm_cluster, tmp_path):
     """Rule + reward model: the critic component serves the reward model only (no value model,
-    no critic training); the reward is model_weight x RM score + rule_weight x rule."""
+    no critic training); the reward is model_weight x RM score + rule_weight x rule. With a KL loss
+    term the reference log-prob pass runs (without one it is skipped: the run above)."""
     run = grpo_config("reward.model=true", "reward.model_weight=0.5", "reward.rule_weight=2.0",
-                      "critic_server.connect_timeout_s=300")
+                      "rl.kl_loss_coef=0.05", "critic_server.connect_timeout_s=300")
     launch(tmp_path, run, profile="local-slurm")
     run_dir = tmp_path / "run"
     assert json.loads((run_dir / "job.json").read_text())["components"] == ["actor", "critic"]
     table = read_traces(run_dir / "traces.zarr", {"actor": 2, "critic": 1})
     critic = set(table.spans[table.spans["component"] == "critic"]["phase"].tolist())
     assert P.CRITIC_INFER in critic and P.CRITIC_TRAIN not in critic
+    ref = table.spans[(table.spans["component"] == "actor") & (table.spans["phase"] == P.INIT_LOGPROBS)]
+    assert sorted(set(zip(ref["rank"].tolist(), ref["step"].tolist()))) == [(0, 1), (0, 2), (1, 1), (1, 2)]
+    assert all("train_rollouts/kl" in m for m in metrics(run_dir)[1:])
     assert not list((run_dir / "checkpoints").glob("critic/*"))       # nothing trained, nothing saved
     store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
     d = store.read(1)
+    assert np.isfinite(d["ref_logprobs"]).all() and (d["ref_logprobs"] <= 0).all()
     tok = ByteTokenizer()
     po, ro = d["prompt_offsets"], d["response_offsets"]
     rule = np.array([sort.exact(tok.decode(d["response_tokens"][ro[i]:ro[i + 1]]),
@@ -204,16 +217,15 @@ def weak_sft(sft_checkpoint) -> Path:
 # --- PPO mini-batches -------------------------------------------------------------------------
 def test_ppo_global_batches_move_the_ratio_and_clip(tmp_path, weak_sft):
     """8 rollouts in global batches of 2: the later optimizer steps see a policy that already
-    moved, so the ratio leaves 1 and the clip acts; with one global batch it cannot. (From the
-    SFT policy: PPO's loss counts only responses that ended, which a random init rarely does.)"""
+    moved, so the ratio leaves 1 and the clip acts. (From the SFT policy: PPO's loss counts only
+    responses that ended, which a random init rarely does.) With one global batch it cannot: that
+    control is asserted on a run the suite makes anyway, PPO's learning run
+    (tests/test_ppo.py::test_ppo_raises_its_reward_and_a_flipped_advantage_does_not)."""
     fast = ["ppo.num_steps=1", "ppo.actor_lr=1e-2", "ppo.train_micro_batch_size=1", f"model.init_checkpoint={weak_sft}"]
     split = metrics(run_ppo(tmp_path, "local", *fast, "ppo.global_batch_size=2", name="split"))[-1]
-    whole = metrics(run_ppo(tmp_path, "local", *fast, name="whole"))[-1]
-    assert split["train_optim/optimizer_steps"] == 4 and whole["train_optim/optimizer_steps"] == 1
+    assert split["train_optim/optimizer_steps"] == 4
     assert split["train_optim/ppo_ratio_clamped"] > 0.0
     assert abs(split["train_optim/ppo_ratio"] - 1.0) > 1e-3
-    assert whole["train_optim/ppo_ratio_clamped"] == 0.0
-    assert abs(whole["train_optim/ppo_ratio"] - 1.0) < 1e-4
 
 
 # --- learning on the task ---------------------------------------------------------------------
@@ -223,7 +235,9 @@ def learning_config(sft: Path, *overrides: str):
         f"model.init_checkpoint={sft}", *LEARN, *overrides])
 
 
-LEARN = ["ppo.num_steps=60", "ppo.num_rollout_samples=32", "rl.n_samples_per_prompt=8",
+# Static prompt sharding: each rank trains on the same samples whatever the machine's speed, so a
+# learning run gives the same scores every time (work stealing would reorder the batches).
+LEARN = ["switches.dynamic_prompts=false", "ppo.num_steps=60", "ppo.num_rollout_samples=32", "rl.n_samples_per_prompt=8",
          "ppo.global_batch_size=128", "ppo.actor_lr=5e-4", "eval.interval=60"]
 MARGIN = 0.06
 
@@ -234,6 +248,12 @@ def accuracy_gain(run_dir: Path) -> float:
 
 
 BROKEN_ACTOR = Path(__file__).parent / "grpo_flipped_actor.py"
+BROKEN_STEPS = ["ppo.num_steps=20", "eval.interval=20"]
+"""The broken twin runs 20 steps (held-out score at its last): that is enough to show it does not
+rise. Measured from the 0.28 start: every twin at 0.0 after 20 steps (0.005 for rejection
+sampling), as after 60. The good runs keep 60: at 20 and 40 steps grpo gains only +0.06 and
++0.045, rloo +0.05 and +0.08, reinforce_pp +0.065 and +0.07, grpo_lora +0.04 and +0.055
+(MARGIN 0.06)."""
 
 
 # Each algorithm against its own broken twin (tests/grpo_flipped_actor.py): the advantage's sign
@@ -242,14 +262,19 @@ BROKEN_ACTOR = Path(__file__).parent / "grpo_flipped_actor.py"
 @pytest.mark.timeout(1500)   # two or more end-to-end runs: a hang guard sized for a loaded 2-core machine
 @pytest.mark.parametrize("algorithm,overrides", [
     ("grpo", []),
-    ("rloo", []),
+    # RLOO at GRPO's lr overshoots here (measured, held-out every 20 steps: 5e-4 peaks at step 40,
+    # 0.28 -> 0.35, and ends at 0.295; 2.5e-4 rises every time, 0.33, 0.36, 0.37).
+    ("rloo", ["ppo.actor_lr=2.5e-4"]),
     ("reinforce_pp", []),
     ("rejection_sampling", ["ppo.num_steps=20", "eval.interval=20"]),
-], ids=["grpo", "rloo", "reinforce_pp", "rejection_sampling"])
+    # LoRA adapters only (base frozen, reference = adapters off, merged refit): a higher rate
+    ("grpo", ["model.lora.rank=8", "model.lora.alpha=16", "ppo.actor_lr=2e-3"]),
+], ids=["grpo", "rloo", "reinforce_pp", "rejection_sampling", "grpo_lora"])
 def test_raises_heldout_accuracy_and_its_broken_twin_does_not(tmp_path, weak_sft, algorithm, overrides):
     run = learning_config(weak_sft, f"algorithm={algorithm}", *overrides)
     launch(tmp_path, run, name="good")
-    launch(tmp_path, run, name="broken", entry=Entry(scripts={"actor": BROKEN_ACTOR}))
+    launch(tmp_path, learning_config(weak_sft, f"algorithm={algorithm}", *overrides, *BROKEN_STEPS), name="broken",
+           entry=Entry(scripts={"actor": BROKEN_ACTOR}))
     good, broken = accuracy_gain(tmp_path / "good"), accuracy_gain(tmp_path / "broken")
     print(f"{algorithm}: held-out exact accuracy gain {good:+.3f}, broken twin {broken:+.3f}")
     assert good > MARGIN, f"{algorithm} raised held-out exact accuracy by {good:+.3f} only " \

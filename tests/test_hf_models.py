@@ -4,7 +4,7 @@ Tiny random Llama (GQA, untied, Llama-3 RoPE scaling), Qwen2 (QKV bias, tied), M
 (learned positions, LayerNorm, gelu_new, Conv1D, tied) and a Llama reward model
 (ForSequenceClassification) are made by transformers here and saved with save_pretrained; their
 import into megatron on real mpirun ranks (tests/hf_worker.py) must give transformers' logits at
-TP=1, TP=2 and PP=2. Round trip: import, 10 SFT steps at TP=2 with the real CLI, export,
+TP=1, TP=2 and PP=2. Round trip: import, 4 SFT steps at TP=2 with the real CLI, export,
 transformers loads it. Bad folders and targets are refused with nothing written.
 """
 
@@ -25,18 +25,26 @@ from slurm_align.config.run import ModelConfig
 transformers = pytest.importorskip("transformers")
 
 WORKER = Path(__file__).with_name("hf_worker.py")
+PLAN_WORKER = Path(__file__).with_name("plan_worker.py")
 ROOT = WORKER.parent.parent
 TOL = 1e-4
 SHAPE = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=260, max_position_embeddings=64)
 
 
-def mpirun(n: int, *args: str, timeout: int = 300) -> None:
+def mpirun(n: int, *args: str, timeout: int = 300, worker: Path = WORKER) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, str(WORKER), *args]
+    cmd = ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, str(worker), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
+
+
+def mpirun_plan(n: int, plan: list[tuple], path: Path) -> None:
+    """One mpirun launch of `n` ranks running every (worker, action, tp, pp, ep, dir) of `plan` in
+    turn (tests/plan_worker.py): the ranks import megatron once for all these layouts."""
+    path.write_text(json.dumps([[*step[:5], str(step[5])] for step in plan]))
+    mpirun(n, str(path), worker=PLAN_WORKER)
 
 
 def cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
@@ -108,10 +116,24 @@ def zoo(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def launched(zoo: Path) -> Path:
+    """This file's rank programs that need nothing but the zoo, all layouts in two launches (one
+    rank, two ranks): the logits at TP=1, TP=2 and PP=2, the tied gradients at PP=1 and PP=2,
+    slurm-align's own GPT (saved under zoo/own)."""
+    (zoo / "own").mkdir()
+    torch.save(tokens(), zoo / "own" / "tokens.pt")
+    mpirun_plan(1, [("hf", "logits", 1, 1, 1, zoo), ("hf", "tied_grads", 1, 1, 1, zoo),
+                    ("hf", "own_gpt", 1, 1, 1, zoo / "own")], zoo / "plan1.json")
+    mpirun_plan(2, [("hf", "logits", 2, 1, 1, zoo), ("hf", "logits", 1, 2, 1, zoo),
+                    ("hf", "tied_grads", 1, 2, 1, zoo)], zoo / "plan2.json")
+    return zoo
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_imported_logits_equal_transformers(zoo: Path, tp: int, pp: int):
-    mpirun(tp * pp, "logits", str(tp), str(pp), str(zoo))
+def test_imported_logits_equal_transformers(launched: Path, tp: int, pp: int):
+    zoo = launched
     toks = torch.load(zoo / "tokens.pt")
     for folder in sorted((zoo / "models").iterdir()):
         ours = torch.load(zoo / "out" / f"{folder.name}_tp{tp}_pp{pp}.pt")
@@ -148,10 +170,10 @@ def import_train_export(hf_dir: Path, tmp_path: Path, steps: int, export: Path) 
 
 @pytest.mark.mpi
 def test_round_trip_import_train_export(zoo: Path, tmp_path: Path):
-    """import -> 10 SFT steps at TP=2 -> export: transformers loads the export and gives the
+    """import -> 4 SFT steps at TP=2 -> export: transformers loads the export and gives the
     trained model's logits; the same weights saved at TP=1 export the very same files."""
     llama = zoo / "models" / "llama"
-    trained = import_train_export(llama, tmp_path, steps=10, export=tmp_path / "export_tp2")
+    trained = import_train_export(llama, tmp_path, steps=4, export=tmp_path / "export_tp2")
 
     work = tmp_path / "work"
     work.mkdir()
@@ -164,7 +186,7 @@ def test_round_trip_import_train_export(zoo: Path, tmp_path: Path):
     with torch.no_grad():
         exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export_tp2")(tokens()).logits
     assert (exported - ours).abs().max().item() <= TOL
-    assert (reference(llama, tokens()) - ours).abs().max().item() > 1e-3, "10 SFT steps changed nothing"
+    assert (reference(llama, tokens()) - ours).abs().max().item() > 1e-3, "the SFT steps changed nothing"
     proc = cli("export", "hf", str(work / "resaved" / "checkpoints" / "sft"), str(tmp_path / "export_tp1"))
     assert proc.returncode == 0, proc.stderr[-4000:]
     names = sorted(p.name for p in (tmp_path / "export_tp2").iterdir())
@@ -177,11 +199,10 @@ def test_round_trip_import_train_export(zoo: Path, tmp_path: Path):
 
 
 @pytest.mark.mpi
-def test_tied_embedding_gradient_under_pp2(zoo: Path):
+def test_tied_embedding_gradient_under_pp2(launched: Path):
     """Qwen2's tied embedding at PP=2 (a copy on the last stage): after the trainers' gradient
     reduction both copies hold the PP=1 gradient (input side + output side), so they stay equal."""
-    mpirun(1, "tied_grads", "1", "1", str(zoo))
-    mpirun(2, "tied_grads", "1", "2", str(zoo))
+    zoo = launched
     want = torch.load(zoo / "tied_pp1_rank0.pt")["embedding"]
     first, last = torch.load(zoo / "tied_pp2_rank0.pt"), torch.load(zoo / "tied_pp2_rank1.pt")
     assert want.abs().max() > 0
@@ -190,17 +211,16 @@ def test_tied_embedding_gradient_under_pp2(zoo: Path):
 
 
 @pytest.mark.mpi
-def test_own_gpt_exports_as_gpt2(tmp_path: Path):
+def test_own_gpt_exports_as_gpt2(launched: Path, tmp_path: Path):
     """slurm-align's own GPT (learned positions, LayerNorm, exact GELU, untied) is written as a
     GPT-2 that transformers reproduces; its reward model as GPT2ForSequenceClassification."""
-    torch.save(tokens(), tmp_path / "tokens.pt")
-    mpirun(1, "own_gpt", "1", "1", str(tmp_path))
+    own = launched / "own"
     for kind in ("lm", "rm"):
-        proc = cli("export", "hf", str(tmp_path / f"own_{kind}"), str(tmp_path / f"hf_{kind}"))
+        proc = cli("export", "hf", str(own / f"own_{kind}"), str(tmp_path / f"hf_{kind}"))
         assert proc.returncode == 0, proc.stderr[-4000:]
         config = json.loads((tmp_path / f"hf_{kind}" / "config.json").read_text())
         assert config["model_type"] == "gpt2" and config["activation_function"] == "gelu"
-        ours = torch.load(tmp_path / f"own_{kind}.pt")
+        ours = torch.load(own / f"own_{kind}.pt")
         with torch.no_grad():
             if kind == "lm":
                 assert config["tie_word_embeddings"] is False

@@ -12,9 +12,6 @@ transformers' apply_chat_template.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +19,8 @@ import torch
 
 from slurm_align.config.run import ModelConfig
 from tests.test_generation_hf import assert_generates_as_transformers
-from tests.test_hf_models import (ROOT, TOL, _perturb, cli, import_train_export, mpirun, reference, save_tokenizer,
-                                  tokens)
+from tests.test_hf_models import (ROOT, TOL, _perturb, cli, import_train_export, mpirun, mpirun_plan, reference,
+                                  save_tokenizer, tokens)
 
 transformers = pytest.importorskip("transformers")
 
@@ -64,8 +61,7 @@ def test_qwen3_fields_from_config(zoo: Path):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_qwen3_logits_equal_transformers(zoo: Path, tp: int, pp: int):
-    mpirun(tp * pp, "logits", str(tp), str(pp), str(zoo))
+def test_qwen3_logits_equal_transformers(launched: None, zoo: Path, tp: int, pp: int):
     toks = torch.load(zoo / "tokens.pt")
     for folder in sorted((zoo / "models").iterdir()):
         ours = torch.load(zoo / "out" / f"{folder.name}_tp{tp}_pp{pp}.pt")
@@ -187,7 +183,6 @@ def test_qwen3_chat_template_renders_as_transformers(tmp_path: Path, gen_prompt:
 
 # --- mixture of experts: Qwen3-MoE (softmax over all experts, top-k not renormalised) and
 # Mixtral (softmax over the top-k logits) -----------------------------------------------------
-MOE_WORKER = Path(__file__).with_name("moe_worker.py")
 MOE = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=260,
            max_position_embeddings=64, num_experts_per_tok=2)
 
@@ -209,20 +204,28 @@ def make_moe(root: Path, **shape) -> dict[str, Path]:
     return out
 
 
-def moe_mpirun(n: int, *args: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", OMPI_ALLOW_RUN_AS_ROOT="1",
-               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")   # rank 0 binds the rendezvous port itself
-    cmd = ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, str(MOE_WORKER), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(cmd)}:\n{proc.stdout[-2000:]}\n{proc.stderr[-5000:]}"
-
-
 @pytest.fixture(scope="module")
 def moe_zoo(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("moe")
     make_moe(root)
     torch.save(tokens(), root / "tokens.pt")
     return root
+
+
+@pytest.fixture(scope="module")
+def launched(zoo: Path, moe_zoo: Path) -> None:
+    """This file's rank programs that need nothing but the zoos, all layouts in two launches (one
+    rank, two ranks): Qwen3's logits at TP=1, TP=2, PP=2 (zoo/out), the MoE logits at EP=1,
+    EP=2, PP=2 (moe_zoo/out), the MoE gradients at EP=1 and DP=2 x EP=2 (moe_zoo/grads)."""
+    grads = moe_zoo / "grads"
+    grads.mkdir()
+    (grads / "hf_dir.txt").write_text(str(moe_zoo / "models" / "qwen3_moe"))
+    torch.save(tokens()[:2], grads / "tokens.pt")
+    mpirun_plan(1, [("hf", "logits", 1, 1, 1, zoo), ("moe", "logits", 1, 1, 1, moe_zoo),
+                    ("moe", "grads", 1, 1, 1, grads)], moe_zoo / "plan1.json")
+    mpirun_plan(2, [("hf", "logits", 2, 1, 1, zoo), ("hf", "logits", 1, 2, 1, zoo),
+                    ("moe", "logits", 1, 1, 2, moe_zoo), ("moe", "logits", 1, 2, 1, moe_zoo),
+                    ("moe", "grads", 1, 1, 2, grads)], moe_zoo / "plan2.json")
 
 
 def test_moe_fields_from_config(moe_zoo: Path):
@@ -236,9 +239,8 @@ def test_moe_fields_from_config(moe_zoo: Path):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("tp,pp,ep", [(1, 1, 1), (1, 1, 2), (1, 2, 1)])
-def test_moe_logits_equal_transformers(moe_zoo: Path, tp: int, pp: int, ep: int):
+def test_moe_logits_equal_transformers(launched: None, moe_zoo: Path, tp: int, pp: int, ep: int):
     """Each EP rank reads and holds only its experts; tokens reach them by all-to-all (gloo)."""
-    moe_mpirun(tp * pp * ep, "logits", str(tp), str(pp), str(ep), str(moe_zoo))
     toks = torch.load(moe_zoo / "tokens.pt")
     for folder in sorted((moe_zoo / "models").iterdir()):
         ours = torch.load(moe_zoo / "out" / f"{folder.name}_tp{tp}_pp{pp}_ep{ep}.pt")
@@ -262,29 +264,54 @@ def test_moe_generates_as_transformers(tmp_path: Path):
     assert_generates_as_transformers(list(folders.values()), tmp_path)
 
 
+@pytest.fixture(scope="module")
+def moe_sft(moe_zoo: Path, tmp_path_factory) -> Path:
+    """One SFT of the imported Qwen3-MoE at DP=2 x EP=2 (expert gradients reduced over their own
+    replicas) with the aux loss on, 3 steps, for the tests below: DIR/run (its metrics and EP=2
+    checkpoint), DIR/export_ep2 (that checkpoint's export), DIR/work/trained_logits.pt (the
+    checkpoint loaded at EP=1: its logits), DIR/export_ep1 (the export of the same weights saved
+    again at EP=1, tests/hf_worker.py resave)."""
+    tmp = tmp_path_factory.mktemp("moe_sft")
+    folder = moe_zoo / "models" / "qwen3_moe"
+    cfg = {"algorithm": "sft", "seed": 1, "model": {"hf_path": str(folder), "moe_aux_loss_coeff": 0.01},
+           "actor": {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2, "expert_parallel": 2},
+           "data": {"train_path": str(ROOT / "examples/synthetic/sft_train.jsonl")},
+           "trainer": {"num_steps": 3, "global_batch_size": 4, "micro_batch_size": 2, "lr": 1e-2,
+                       "save_interval": 0, "eval_interval": 0}}
+    (tmp / "sft.yaml").write_text(json.dumps(cfg))
+    run_dir = tmp / "run"
+    proc = cli("train", "sft", str(tmp / "sft.yaml"), "--profile", "local", "--run-dir", str(run_dir), "--follow")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    proc = cli("export", "hf", str(run_dir / "checkpoints" / "sft"), str(tmp / "export_ep2"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    work = tmp / "work"
+    work.mkdir()
+    (work / "hf_dir.txt").write_text(str(folder))
+    (work / "ckpt.txt").write_text(str(run_dir / "checkpoints" / "sft" / "iter_0000003"))
+    torch.save(tokens(), work / "tokens.pt")
+    mpirun(1, "resave", "1", "1", str(work))   # one rank: EP=1
+    proc = cli("export", "hf", str(work / "resaved" / "checkpoints" / "sft"), str(tmp / "export_ep1"))
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return tmp
+
+
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_moe_ep2_checkpoint_exports_as_ep1(moe_zoo: Path, tmp_path: Path):
-    """The same Qwen3-MoE saved at EP=2 (two ranks, two experts each) and at EP=1 exports the
-    very same files; transformers loads the export with the original logits."""
-    folder = moe_zoo / "models" / "qwen3_moe"
-    (tmp_path / "hf_dir.txt").write_text(str(folder))
-    moe_mpirun(2, "save", "1", "1", "2", str(tmp_path))
-    moe_mpirun(1, "save", "1", "1", "1", str(tmp_path))
-    for ep in (1, 2):
-        proc = cli("export", "hf", str(tmp_path / f"ckpt_ep{ep}"), str(tmp_path / f"export_ep{ep}"))
-        assert proc.returncode == 0, proc.stderr[-4000:]
-    names = sorted(p.name for p in (tmp_path / "export_ep2").iterdir())
+def test_moe_ep2_checkpoint_exports_as_ep1(moe_sft: Path):
+    """The same Qwen3-MoE weights saved at EP=2 (the SFT's two ranks, two experts each) and at
+    EP=1 export the very same files; transformers loads the export with the logits of the EP=2
+    checkpoint loaded at EP=1."""
+    names = sorted(p.name for p in (moe_sft / "export_ep2").iterdir())
     assert {"config.json", "model.safetensors"} <= set(names)
-    assert names == sorted(p.name for p in (tmp_path / "export_ep1").iterdir())
+    assert names == sorted(p.name for p in (moe_sft / "export_ep1").iterdir())
     for name in names:
-        a, b = (tmp_path / "export_ep2" / name).read_bytes(), (tmp_path / "export_ep1" / name).read_bytes()
+        a, b = (moe_sft / "export_ep2" / name).read_bytes(), (moe_sft / "export_ep1" / name).read_bytes()
         assert a == b, f"{name} differs between the EP=2 and the EP=1 checkpoint's export"
-    config = json.loads((tmp_path / "export_ep2" / "config.json").read_text())
+    config = json.loads((moe_sft / "export_ep2" / "config.json").read_text())
     assert config["architectures"] == ["Qwen3MoeForCausalLM"] and config["norm_topk_prob"] is False
     with torch.no_grad():
-        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export_ep2")(tokens()).logits
-    assert (exported - reference(folder, tokens())).abs().max().item() <= TOL
+        exported = transformers.AutoModelForCausalLM.from_pretrained(moe_sft / "export_ep1")(tokens()).logits
+    assert (exported - torch.load(moe_sft / "work" / "trained_logits.pt")).abs().max().item() <= TOL
 
 
 @pytest.mark.parametrize("actor,needles", [
@@ -321,37 +348,21 @@ def test_expert_parallel_on_a_dense_model_is_refused(zoo: Path, tmp_path: Path):
 
 @pytest.mark.slow
 @pytest.mark.mpi
-def test_moe_sft_with_expert_parallel_exports_and_logs_router_stats(moe_zoo: Path, tmp_path: Path):
-    """SFT of the imported Qwen3-MoE at DP=2 x EP=2 (expert gradients reduced over their own
-    replicas) with the aux loss on: router statistics in the metrics; the EP=2 training
-    checkpoint, loaded at EP=1, gives the logits transformers gives for its export."""
-    folder = moe_zoo / "models" / "qwen3_moe"
-    cfg = {"algorithm": "sft", "seed": 1, "model": {"hf_path": str(folder), "moe_aux_loss_coeff": 0.01},
-           "actor": {"tensor_parallel": 1, "pipeline_parallel": 1, "data_parallel": 2, "expert_parallel": 2},
-           "data": {"train_path": str(ROOT / "examples/synthetic/sft_train.jsonl")},
-           "trainer": {"num_steps": 3, "global_batch_size": 4, "micro_batch_size": 2, "lr": 1e-2,
-                       "save_interval": 0, "eval_interval": 0}}
-    (tmp_path / "sft.yaml").write_text(json.dumps(cfg))
-    run_dir = tmp_path / "run"
-    proc = cli("train", "sft", str(tmp_path / "sft.yaml"), "--profile", "local", "--run-dir", str(run_dir), "--follow")
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def test_moe_sft_with_expert_parallel_exports_and_logs_router_stats(moe_zoo: Path, moe_sft: Path):
+    """SFT of the imported Qwen3-MoE at DP=2 x EP=2 with the aux loss on (the `moe_sft` run):
+    router statistics in the metrics; the EP=2 training checkpoint, loaded at EP=1, gives the
+    logits transformers gives for its export, and they are not the untrained ones."""
+    rows = [json.loads(line) for line in (moe_sft / "run" / "metrics.jsonl").read_text().splitlines() if line.strip()]
     steps = [r for r in rows if "moe/load_max_over_mean" in json.dumps(r)]
     assert len(steps) == 3, rows[-3:]
     flat = json.dumps(steps[-1])
     assert all(f'"moe/expert_load_{e}"' in flat for e in range(4)) and '"moe/aux_loss"' in flat, flat
-    trained = run_dir / "checkpoints" / "sft" / "iter_0000003"
-    proc = cli("export", "hf", str(run_dir / "checkpoints" / "sft"), str(tmp_path / "export"))
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    (tmp_path / "hf_dir.txt").write_text(str(folder))
-    (tmp_path / "ckpt.txt").write_text(str(trained))
-    torch.save(tokens(), tmp_path / "tokens.pt")
-    moe_mpirun(1, "ckpt_logits", "1", "1", "1", str(tmp_path))
-    ours = torch.load(tmp_path / "ckpt_logits.pt")
+    ours = torch.load(moe_sft / "work" / "trained_logits.pt")
     with torch.no_grad():
-        exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")(tokens()).logits
+        exported = transformers.AutoModelForCausalLM.from_pretrained(moe_sft / "export_ep2")(tokens()).logits
     assert (exported - ours).abs().max().item() <= TOL
-    assert (reference(folder, tokens()) - ours).abs().max().item() > 1e-3, "the SFT steps changed nothing"
+    assert (reference(moe_zoo / "models" / "qwen3_moe", tokens()) - ours).abs().max().item() > 1e-3, \
+        "the SFT steps changed nothing"
 
 
 # --- TensorRT-LLM mapping (pure torch; the engine itself is tested on GPUs) ----------------------
@@ -383,15 +394,12 @@ def test_trtllm_mapping_gives_back_the_hf_tensors(zoo: Path, moe_zoo: Path, name
 
 
 @pytest.mark.mpi
-def test_moe_gradients_under_expert_parallel_equal_ep1(moe_zoo: Path, tmp_path: Path):
+def test_moe_gradients_under_expert_parallel_equal_ep1(launched: None, moe_zoo: Path):
     """The same two sequences at EP=1 (one rank, two micro-batches) and at DP=2 x EP=2 (one
     each): after the trainers' reduction every gradient (experts: over their own replicas, the
     rest: over DP) and the global norm (experts summed over EP) are the EP=1 ones."""
-    (tmp_path / "hf_dir.txt").write_text(str(moe_zoo / "models" / "qwen3_moe"))
-    torch.save(tokens()[:2], tmp_path / "tokens.pt")
-    moe_mpirun(1, "grads", "1", "1", "1", str(tmp_path))
-    moe_mpirun(2, "grads", "1", "1", "2", str(tmp_path))
-    one, two = torch.load(tmp_path / "grads_ep1.pt"), torch.load(tmp_path / "grads_ep2.pt")
+    grads = moe_zoo / "grads"
+    one, two = torch.load(grads / "grads_ep1.pt"), torch.load(grads / "grads_ep2.pt")
     assert sorted(one["grads"]) == sorted(two["grads"])
     assert any(".experts." in k for k in one["grads"])
     for k, g in one["grads"].items():

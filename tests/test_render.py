@@ -25,7 +25,9 @@ SHELLCHECK = shutil.which("shellcheck", path=str(Path(sys.executable).parent)) o
 
 CASES = {
     # name: (profile, run-config overrides, profile overrides)
-    "hetjob_gpu_cluster": ("example-gpu-cluster", ["data.train_path=/lustre/datasets/prompts.jsonl"],
+    # with a user's rule-reward module (the tests package: mounted read-only at its own path)
+    "hetjob_gpu_cluster": ("example-gpu-cluster", ["data.train_path=/lustre/datasets/prompts.jsonl",
+                                                   "reward.rule=tests.toy_algorithm:length_reward"],
                            ["python=/opt/venv/bin/python", "container.setup=['source /opt/env.sh']"]),
     "hetjob_local_slurm": ("local-slurm", [], ["python=/opt/venv/bin/python"]),
     "single_local_slurm": ("local-slurm", [], ["python=/opt/venv/bin/python", "job_shape=single"]),
@@ -34,9 +36,11 @@ CASES = {
 
 
 def _render(name: str) -> str:
+    """The case's script, this checkout's path written as /repo (golden files hold no worktree path)."""
     profile, overrides, profile_set = CASES[name]
     run = load_run_config(EXAMPLE, overrides)
-    return render_script(run, load_profile(profile, profile_set), RUN_DIR, Entry("report"))
+    return render_script(run, load_profile(profile, profile_set), RUN_DIR, Entry("report")).replace(
+        str(REPO_ROOT), "/repo")
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -82,7 +86,7 @@ def test_container_job_runs_the_installed_package_in_the_run_dir():
 
 
 def test_unknown_launcher_is_named():
-    with pytest.raises(ConfigError, match="no launcher 'nope'; available: actor, critic, report, train"):
+    with pytest.raises(ConfigError, match="no launcher 'nope'; available: actor, critic, generator, report, train"):
         render_script(load_run_config(EXAMPLE), load_profile("local"), RUN_DIR, Entry("nope"))
 
 
@@ -215,12 +219,26 @@ def test_container_sees_the_run_and_its_inputs_at_their_own_paths():
                                     "model.init_checkpoint=/lustre/ckpt/sft"])
     text = render_script(run, load_profile("example-gpu-cluster", ["container.setup=['source /opt/env.sh']"]),
                          RUN_DIR, Entry("report"))
-    mounts = (f"--container-mounts={RUN_DIR}:{RUN_DIR},/lustre/ckpt/sft:/lustre/ckpt/sft:ro,"
-              "/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/lustre/datasets:/data:ro,"
-              "/lustre/users/me:/work")
+    # inputs in the config's field order (data, then model), then the profile's own mounts
+    mounts = (f"--container-mounts={RUN_DIR}:{RUN_DIR},/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,"
+              "/lustre/ckpt/sft:/lustre/ckpt/sft:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work")
     for comp in ("actor", "critic"):
         flags = f"--container-name=slurm-align-{comp} --container-workdir={RUN_DIR} {mounts} --no-container-mount-home"
         assert text.count(flags) == 2, comp   # the pre-flight and the ranks
     assert text.count('bash -c \'. "$SLURM_ALIGN_RUN_DIR/container_setup.sh"; ') == 4
     home = render_script(run, load_profile("example-gpu-cluster", ["container.mount_home=true"]), RUN_DIR)
     assert "--no-container-mount-home" not in home and "container_setup.sh" not in home
+
+
+def test_user_rule_modules_are_mounted_and_installed_ones_are_not():
+    """reward.rule / eval.scorer / plugins of the user's own code: its top-level package folder
+    is mounted read-only at its own path; slurm_align's shipped rules and the standard library
+    come with the image."""
+    profile = load_profile("example-gpu-cluster")
+    user = render_script(load_run_config(EXAMPLE, ["eval.scorer=tests.toy_algorithm:length_reward"]), profile,
+                         RUN_DIR, Entry("report"))
+    tests_dir = Path(__file__).parent.resolve()
+    assert user.count(f",{tests_dir}:{tests_dir}:ro,") == 4   # both components, pre-flight and ranks
+    shipped = render_script(load_run_config(EXAMPLE, ["reward.rule=slurm_align.rewards.sort:exact",
+                                                      "plugins=[json]"]), profile, RUN_DIR, Entry("report"))
+    assert f"{tests_dir}:" not in shipped and "/slurm_align" not in shipped.split("--container-mounts=")[1].split()[0]

@@ -30,6 +30,7 @@ def make_batch(seed: int, n: int) -> dict:
         "reward": rng.standard_normal(n).astype(np.float32),
         "is_end": rng.random(n) > 0.3,
         "rank": rng.integers(0, 4, n),
+        "version": rng.integers(0, 9, n),
     }
 
 
@@ -49,6 +50,7 @@ def assert_same(got: dict, batches: list[tuple[int, dict]]) -> None:
         assert got["reward"][j] == b["reward"][i]
         assert got["is_end"][j] == b["is_end"][i]
         assert got["rank"][j] == b["rank"][i]
+        assert got["version"][j] == b["version"][i]
 
 
 def test_pack_unpack_round_trip():

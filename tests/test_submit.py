@@ -105,6 +105,29 @@ def test_status_and_cancel_on_real_slurm(slurm_cluster, tmp_path):
 
 
 @pytest.mark.slurm
+def test_a_cancelled_job_reads_cancelled_whatever_exit_code_its_ranks_left(slurm_cluster, tmp_path):
+    """The cancel's SIGTERM ends the ranks with non-zero codes, and the job script may write them
+    before its TERM trap runs (the race behind a CI failure: FAILED read for a cancel). A real
+    job, the race's outcome written by hand: while Slurm runs the job a non-zero code still
+    means FAILED at once; once Slurm says CANCELLED, the job is CANCELLED."""
+    from slurm_align.slurm.launch import Job, JobRecord
+    sub = slurm_cluster.run("sbatch", "--parsable", "-p", slurm_cluster.partition, "-o", "/dev/null",
+                            "--wrap", "sleep 300")
+    job_id = sub.stdout.strip().split(";")[0]
+    run_dir = tmp_path / "run"
+    (run_dir / "logs" / "actor").mkdir(parents=True)
+    job = Job(JobRecord("slurm", job_id, str(run_dir), ["actor"], "local-slurm"))
+    deadline = time.monotonic() + 120
+    while job.state() != "RUNNING":
+        assert time.monotonic() < deadline, f"job {job_id} did not start: {job.state()}"
+        time.sleep(0.2)
+    (run_dir / "logs" / "actor" / "exit_code").write_text("143\n")
+    assert job.state() == "FAILED"   # a component's failure is known before Slurm tears down
+    slurm_cluster.run("scancel", job_id)
+    assert job.wait(timeout_s=60, poll_s=0.2) == "CANCELLED"
+
+
+@pytest.mark.slurm
 def test_component_crash_on_real_slurm_is_failed_with_logs(slurm_cluster, tmp_path):
     run = load_run_config(EXAMPLE)
     # As on the local profile: the actor's hold is far past the wait's ceiling.
@@ -121,6 +144,8 @@ def test_component_crash_on_real_slurm_is_failed_with_logs(slurm_cluster, tmp_pa
     ("mpirun noticed that process rank 2 with PID 4242 on node host exited on signal 9 (Killed).\n", 2,
      "exited on signal 9 (Killed)"),
     ("", 1, "Python exception"),   # nothing from the launcher: the rank whose log has a traceback
+    # rank 2 only lost its peer (a gloo error) and happened to be listed first: rank 0 died
+    ("srun: error: n2: task 2: Exited with exit code 1\nsrun: error: n1: task 0: Killed\n", 0, "Killed"),
 ])
 def test_status_names_the_rank_that_failed_first(tmp_path, launcher, rank, why):
     from slurm_align.rundir import RunDir
@@ -132,10 +157,40 @@ def test_status_names_the_rank_that_failed_first(tmp_path, launcher, rank, why):
     (logs / "launcher.log").write_text(launcher)
     for r in range(3):
         text = f"rank {r} working\n" + ("Traceback (most recent call last):\nValueError: boom\n" if r == 1 else "")
+        if r == 2:
+            text += ("Traceback (most recent call last):\nRuntimeError: [gloo/transport/tcp/pair.cc:537] Read error "
+                     "[127.0.0.1]:19855: Connection reset by peer.\n")
         (logs / f"rank{r}.log").write_text(text)
     failed = failing_rank(rd, "critic", lines=2)
     assert (failed.component, failed.rank, failed.why) == ("critic", rank, why)
     assert failed.log == logs / f"rank{rank}.log" and failed.tail == (logs / f"rank{rank}.log").read_text().splitlines()[-2:]
+
+
+def test_status_names_the_component_whose_rank_died_not_the_one_that_lost_its_stream(tmp_path):
+    """As in a CI run: generator rank 1 was killed, the actor (reading its stream) failed with
+    StreamClosed and its srun returned first, so the job script wrote actor to first_failure."""
+    from slurm_align.rundir import RunDir
+    from slurm_align.slurm.status import first_failure
+
+    rd = RunDir(tmp_path)
+    for comp, launcher, logs in [
+        ("actor", "srun: error: n1: task 0: Exited with exit code 1\n",
+         {0: "Traceback (most recent call last):\n  File \"stream.py\", line 76, in _recv_exact\n"
+             "slurm_align.generation.stream.StreamClosed: the peer closed the stream\n"}),
+        ("generator", "srun: error: n2: task 1: Killed\nsrun: error: n2: task 0: Killed\n",
+         {0: "generating\n", 1: "generating\n"}),
+    ]:
+        (rd.logs / comp).mkdir(parents=True)
+        (rd.logs / comp / "launcher.log").write_text(launcher)
+        for r, text in logs.items():
+            (rd.logs / comp / f"rank{r}.log").write_text(text)
+    failed = first_failure(rd, "actor", ["actor", "generator"])
+    assert (failed.component, failed.rank, failed.why) == ("generator", 1, "Killed")
+    # the actor's own failure (not a lost stream) stays the one named
+    (rd.logs / "actor" / "rank0.log").write_text("Traceback (most recent call last):\nValueError: boom\n")
+    failed = first_failure(rd, "actor", ["actor", "generator"])
+    assert (failed.component, failed.rank) == ("actor", 0)
+    assert first_failure(rd, None, []) is None
 
 
 def _scontrol_fields(job_id: str, name: str) -> list[str]:
@@ -292,7 +347,7 @@ def test_single_allocation_shape_runs_tiny_ppo_to_completion(slurm_cluster, tmp_
     run as sruns on disjoint node sets of it, find each other as in a hetjob, and the tiny PPO
     completes with every step stored."""
     from slurm_align.store.rollouts import RolloutStore
-    from tests.test_ppo import tiny_run
+    from tests.test_ppo import check_complete_run, tiny_run
 
     run_dir = tmp_path / "run"
     job = launch_run(tiny_run(), load_profile("local-slurm", ["job_shape=single"]), run_dir)
@@ -301,4 +356,6 @@ def test_single_allocation_shape_runs_tiny_ppo_to_completion(slurm_cluster, tmp_
     assert state == "COMPLETED", "\n".join(p.read_text()[-2000:] for p in (run_dir / "logs").rglob("*.log"))
     assert "#SBATCH hetjob" not in script and "--het-group" not in script
     assert RolloutStore.open(run_dir / "rollouts.zarr", read_only=True).steps.tolist() == [1, 2]
+    # every sample of every step, spans and metrics: work stealing over the actor's 2 DP ranks
+    check_complete_run(run_dir, steps=2, samples=8, actor_ranks=2)
     assert 'srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist="$SLURM_ALIGN_NODELIST_0"' in script

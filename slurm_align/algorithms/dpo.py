@@ -1,7 +1,8 @@
 """DPO: -log sigmoid(beta * ((log pi(c) - log ref(c)) - (log pi(r) - log ref(r)))).
 
 The frozen reference is the initial policy, kept in host memory by HostSwap and swapped into
-the same model for its forward pass (no second model on the device).
+the same model for its forward pass (no second model on the device); for a LoRA model it is
+the same model with its adapters off (models/lora.py).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 
 from slurm_align.data.datasets import PreferenceDataset
 from slurm_align.models.forward import run_schedule, sequence_token_logprobs
-from slurm_align.models.weights import HostSwap
+from slurm_align.models.lora import reference_policy
 
 
 class DPO:
@@ -22,7 +23,7 @@ class DPO:
     def __init__(self, run):
         self.vocab_size = run.model.vocab_size
         self.beta = run.trainer.dpo_beta
-        self.reference: HostSwap | None = None
+        self.reference = None   # HostSwap, or AdaptersOff for a LoRA model
 
     def dataset(self, path, tok, max_len):
         return PreferenceDataset(path, tok, max_len)
@@ -37,7 +38,7 @@ class DPO:
     def setup(self, trainer) -> None:
         # Called after the init checkpoint is loaded and before any resume: the reference is
         # the initial policy.
-        self.reference = HostSwap(trainer.chunks)
+        self.reference = reference_policy(trainer.chunks)
 
     @torch.no_grad()
     def prepare(self, trainer, microbatches) -> None:

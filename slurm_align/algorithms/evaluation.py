@@ -2,7 +2,9 @@
 
 The task's own score, beside the reward: a policy that pleases a reward model without solving
 the task shows here. `eval.interval` sets how often; results are `val/score` (the scorer's
-mean) and `val/response_length` in metrics.jsonl.
+mean) and `val/response_length` in metrics.jsonl. Multi-turn runs (run.multi_turn) run the
+rollouts' loop greedily with the environment and score the model's last turn; the length counts
+the model's tokens only, and `val/tool_calls` is the mean number of tool calls per answer.
 
 Runs in the generation layout after a refit: each generation replica takes a strided share of
 the prompts (all its ranks in lock-step, as for rollouts), its requester scores them, and one
@@ -19,7 +21,6 @@ import torch
 
 from slurm_align.config.run import RunConfig
 from slurm_align.data.datasets import PromptDataset
-from slurm_align.generation.params import SamplingParams
 from slurm_align.rewards.rule import RuleReward
 
 
@@ -47,27 +48,32 @@ class EvalSet:
         return step % run.eval.interval == 0 or step == run.ppo.num_steps
 
 
-def greedy_params(run: RunConfig, tokenizer) -> SamplingParams:
-    return SamplingParams(max_new_tokens=run.generation.max_new_tokens, temperature=0.0,
-                          eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id, return_logprobs=False)
-
-
 @torch.no_grad()
-def evaluate(engine, layout, comm, evalset: EvalSet, params: SamplingParams, tokenizer,
-             batch_size: int) -> dict[str, float]:
-    """Collective over `comm` (the component's world), inside `generation_layout`, engine refitted."""
+def evaluate(collector, layout, comm, evalset: EvalSet, max_new_tokens: int, batch_size: int) -> dict[str, float]:
+    """Collective over `comm` (the component's world), inside `generation_layout`, the
+    collector's engine refitted (algorithms/rollout_collector.py: its greedy engine call)."""
     mine = list(range(layout.dp_rank, len(evalset.rows), layout.dp_size))
-    total = np.zeros(3)          # score sum, response tokens, responses
+    total = np.zeros(4)          # score sum, response tokens, responses, tool calls
     for a in range(0, len(mine), batch_size):
         idx = mine[a:a + batch_size]
-        out = engine.generate([torch.from_numpy(evalset.prompts[i]) for i in idx], params, seeds=[0] * len(idx))
+        if collector.env is not None:   # multi-turn: the same loop as the rollouts, greedy
+            convs = collector.greedy_conversations([evalset.prompts[i] for i in idx], [evalset.rows[i] for i in idx])
+            texts = [c.messages[-1]["content"] for c in convs]     # the answer: the model's last turn
+            scores = evalset.scorer.many(texts, [evalset.rows[i] for i in idx])
+            total += [sum(scores), sum(len(t.tokens) for c in convs for t in c.turns if t.role == "model"),
+                      len(idx), sum(c.metrics.get("tool_calls", 0.0) for c in convs)]
+            continue
+        out = collector.greedy([evalset.prompts[i] for i in idx], max_new_tokens)
         if not layout.is_requester:
             continue             # the replica's other ranks ran the same batch in lock-step
         responses = out.responses()
-        texts = [tokenizer.decode(r.tolist()) for r in responses]   # decode drops EOS (a special)
+        texts = [collector.tokenizer.decode(r.tolist()) for r in responses]   # decode drops EOS (a special)
         lengths = [len(r) for r in responses]
         scores = evalset.scorer.many(texts, [evalset.rows[i] for i in idx])
-        total += [sum(scores), sum(lengths), len(idx)]
-    score, tokens, count = comm.allreduce(total)
+        total += [sum(scores), sum(lengths), len(idx), 0.0]
+    score, tokens, count, calls = comm.allreduce(total)
     count = max(count, 1.0)
-    return {"val/score": score / count, "val/response_length": tokens / count}
+    out = {"val/score": score / count, "val/response_length": tokens / count}
+    if collector.env is not None:
+        out["val/tool_calls"] = calls / count
+    return out

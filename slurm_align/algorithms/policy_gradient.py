@@ -62,7 +62,7 @@ def combine_rewards(run: RunConfig, model_score: torch.Tensor | None, rule_score
     parts = []
     if cfg.use_model:
         parts.append(cfg.model_weight * model_score.double())
-    if cfg.rule is not None:
+    if cfg.rule is not None or run.multi_turn:   # multi-turn: the environment's return
         parts.append(cfg.rule_weight * rule_score.double())
     return sum(parts).float()
 
@@ -85,10 +85,16 @@ def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
     return deco
 
 
+def _reference(batch: RolloutBatch, kl_coef: float) -> torch.Tensor:
+    # Without a KL penalty the reference pass is skipped (its column is NaN, and 0 * NaN is NaN):
+    # the policy's own log-probs make the penalty the 0 it is.
+    return batch["ref_logprobs"] if kl_coef > 0 else batch["logprobs"]
+
+
 @register_estimator("gae")
 def _gae(run: RunConfig, batch: RolloutBatch, dp_group, kl_coef: float):
     mask = batch.mask
-    rewards = ppo_math.kl_penalized_rewards(batch["reward"].float(), batch["logprobs"], batch["ref_logprobs"],
+    rewards = ppo_math.kl_penalized_rewards(batch["reward"].float(), batch["logprobs"], _reference(batch, kl_coef),
                                             mask, kl_coef)
     adv, returns = ppo_math.gae(rewards, batch["values"], mask, run.ppo.gamma, run.ppo.lam)
     return ppo_math.masked_whiten(adv, mask, dp_group), returns
@@ -96,7 +102,7 @@ def _gae(run: RunConfig, batch: RolloutBatch, dp_group, kl_coef: float):
 
 @register_estimator("reinforce_pp")
 def _reinforce_pp(run: RunConfig, batch: RolloutBatch, dp_group, kl_coef: float):
-    mask, score, logp, ref = batch.mask, batch["reward"].float(), batch["logprobs"], batch["ref_logprobs"]
+    mask, score, logp, ref = batch.mask, batch["reward"].float(), batch["logprobs"], _reference(batch, kl_coef)
     adv = A.reinforce_pp(score, logp, ref, mask, kl_coef, group=dp_group)
     rewards = ppo_math.kl_penalized_rewards(score, logp, ref, mask, kl_coef)
     return adv, rewards.flip(1).cumsum(1).flip(1) * mask
@@ -104,7 +110,7 @@ def _reinforce_pp(run: RunConfig, batch: RolloutBatch, dp_group, kl_coef: float)
 
 def _group_returns(batch: RolloutBatch, kl_coef: float) -> torch.Tensor:
     # With the KL in the reward, a sample's return is its score minus its summed KL penalty.
-    return batch["reward"].float() - kl_coef * ((batch["logprobs"] - batch["ref_logprobs"]) * batch.mask).sum(1)
+    return batch["reward"].float() - kl_coef * ((batch["logprobs"] - _reference(batch, kl_coef)) * batch.mask).sum(1)
 
 
 @register_estimator("grpo")

@@ -4,7 +4,8 @@ One step, as in ../shared/DESIGN.md ("Data flow of one PPO step") and as `PPOAct
 
     refit -> generate (prompt server, PP refolded into DP; each finished micro-batch goes to the
     critic at once) -> rebalance (one alltoall: each training DP rank gets its token-balanced
-    shard as a RolloutBatch) -> logprobs / init_logprobs on the shard (the critic works
+    shard as a RolloutBatch) -> logprobs / init_logprobs on the shard (init_logprobs, the
+    reference's, only where a KL term reads them: RunConfig.uses_reference; the critic works
     meanwhile) -> critic_wait (values and rewards follow their samples along the same route) ->
     advantages (KL-penalised rewards, GAE, whitening by all-reduce) -> rank 0 gathers the step
     -> store -> train (the critic's update goes out first and overlaps it)
@@ -13,6 +14,12 @@ GRPO, RLOO, REINFORCE++ and rejection sampling run the same loop (algorithms/pol
 n_samples_per_prompt samples per prompt (a group, kept on one DP rank), no critic unless a
 reward model scores, their own advantages and loss. A rule reward scores each micro-batch on the
 rank that generated it; `eval:` scores greedy answers to held-out prompts (val/ metrics).
+
+Generation itself (prompt order, per-sample seeds, engine calls, rule rewards, critic dispatch)
+is the rollout collector's (algorithms/rollout_collector.py). With rollout.mode 'disaggregated'
+the generator component runs it instead (algorithms/generator.py): the step's samples arrive
+over its stream (no refit, no generate here), samples older than rollout.max_off_policy_steps
+versions get train weight 0, and after the update the weights go back (weight_sync).
 
 Every phase is a span in RUN_DIR/traces.zarr. Rollouts go to RUN_DIR/rollouts.zarr (rank 0).
 Steps count from 1, as in the trainers: step k's metrics, spans and rollouts carry k, and
@@ -29,30 +36,31 @@ import time
 import traceback
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 from rich.progress import Progress
 
-from slurm_align.algorithms.evaluation import EvalSet, evaluate, greedy_params
+from slurm_align.algorithms.evaluation import EvalSet, evaluate
+from slurm_align.algorithms.generator import RemoteRollouts, stale_mask
 from slurm_align.algorithms.policy_gradient import PolicyUpdate, Rewards, combine_rewards, estimate_advantages
 from slurm_align.algorithms.preemption import StopPoint
-from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, rollout_logprobs
-from slurm_align.balance.replica import open_prompt_source, replica_batches
+from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
+from slurm_align.algorithms.rollout_collector import RolloutCollector
 from slurm_align.config import RunConfig, load_run_config
 from slurm_align.critic.client import CriticClient
 from slurm_align.data.datasets import PromptDataset
 from slurm_align.generation import Engine, engine_from_config
 from slurm_align.generation.memory import TrainingStateOffload, generation_phase
-from slurm_align.generation.params import SamplingParams, logprob_temperature
+from slurm_align.generation.params import logprob_temperature
 from slurm_align.generation.refit import refit_from_training
 from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_weights, save_checkpoint
 from slurm_align.models.forward import forward_logprobs
 from slurm_align.models.gpt import build_gpt
+from slurm_align.models.lora import attach_configured, lora_base, reference_policy, trainable_parameters
+from slurm_align.models.moe_stats import RouterStats
 from slurm_align.models.packing import run_batching
 from slurm_align.models.tokenizer import build_tokenizer
-from slurm_align.models.weights import HostSwap
 from slurm_align.parallel.bootstrap import DistEnv, init_distributed
 from slurm_align.parallel.layout import ParallelContext, initialize_model_parallel
 from slurm_align.profiling import phases as P
@@ -61,14 +69,8 @@ from slurm_align.profiling.timers import Tracer
 from slurm_align.rundir import RunDir
 from slurm_align.store.rollouts import TOKEN_FIELDS, RolloutStore
 
-STORED_SAMPLE_FIELDS = ("reward", "is_end", "rank")
+STORED_SAMPLE_FIELDS = ("reward", "is_end", "rank", "version")
 """Per-sample columns the rollout store keeps (its per-token ones are store.rollouts.TOKEN_FIELDS)."""
-
-
-def sample_seed(run_seed: int, draws: int, index: int) -> int:
-    """Per-sample sampling seed: the same sample draws the same tokens whoever generates it.
-    `draws` keys the step (the number of steps before it)."""
-    return (run_seed * 1_000_003 + draws * 100_003 + index) % (2**62)
 
 
 def actor_engine(run: RunConfig, env: DistEnv, pctx: ParallelContext) -> Engine:
@@ -82,9 +84,10 @@ class PPOActor:
     """One actor rank's parts (made by `build_actor`) and the PPO loop over them."""
 
     def __init__(self, run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext, *, tokenizer,
-                 prompts: list[np.ndarray], policy: list, optimizer: torch.optim.Optimizer, reference: HostSwap,
+                 prompts: list[np.ndarray], policy: list, optimizer: torch.optim.Optimizer, reference,
                  offload: TrainingStateOffload | None, engine: Engine, critic: CriticClient | None, tracer: Tracer,
-                 store: RolloutStore | None, metrics: MetricsLogger, start_step: int, rewards: Rewards, evalset: EvalSet | None):
+                 store: RolloutStore | None, metrics: MetricsLogger, start_step: int, rewards: Rewards, evalset: EvalSet | None,
+                 remote: RemoteRollouts | None = None):
         self.run, self.rd, self.env, self.pctx = run, rd, env, pctx
         self.rank = env.rank
         self.tokenizer, self.prompts = tokenizer, prompts
@@ -92,62 +95,50 @@ class PPOActor:
         self.engine, self.critic, self.tracer, self.store, self.metrics = engine, critic, tracer, store, metrics
         self.start_step = start_step
         self.rewards, self.evalset = rewards, evalset
+        self.init_checkpoint = None   # the resolved model.init_checkpoint (build_actor sets it)
+        self.remote = remote   # rollout.mode 'disaggregated': the generator component's stream
         self.update = PolicyUpdate(run, policy, optimizer, pctx,
                                    loss=run.spec.loss)
         self.pad_id = tokenizer.pad_id
+        self.collector = RolloutCollector(run, engine, tokenizer, prompts, rewards, rank=env.rank, tracer=tracer,
+                                          critic=critic)
+        # MoE: per-expert load and the load-balancing loss of the update's forward passes
+        self.router_stats = RouterStats(policy, run.model.num_experts) if run.model.num_experts else None
 
     # -- phases ------------------------------------------------------------------------------
     def generate(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Future | None]]]:
-        """Refit, then generate this rank's share of the step's prompts, n_samples_per_prompt
-        samples each (sample i * n + j of prompt slot i, group i: a group never splits); every
-        finished micro-batch is scored by the rule reward here and goes to the critic at once.
-        Returns this rank's rollouts (empty on ranks that do not request prompts) and the critic
-        futures (None without a critic) with their micro-batches."""
+        """Refit, then the collector generates this rank's share of the step's prompts (rule
+        rewards, critic dispatch: algorithms/rollout_collector.py). Returns this rank's rollouts
+        (empty on ranks that do not request prompts) and the critic futures (None without a
+        critic) with their micro-batches."""
         run = self.run
-        k = run.rl.n_samples_per_prompt
         with self.tracer.span(P.REFIT, step):
             refit_from_training(self.engine, self.policy, self.pctx, refold=run.switches.refold)
-        n = run.ppo.num_rollout_samples
-        draws = step - 1   # the step's random draws are keyed by the number of steps before it
-        rng = np.random.default_rng(run.seed + draws)
-        order = rng.choice(len(self.prompts), size=n, replace=n > len(self.prompts)) if n != len(self.prompts) \
-            else rng.permutation(n)
-        # Dataset positions may repeat when n > dataset; the step-local index keeps samples unique.
-        params = SamplingParams.from_config(run.generation, eos_id=self.tokenizer.eos_id, pad_id=self.pad_id)
-        pending: list[tuple[RolloutBatch, Future]] = []
+        self.collector.set_version(step - 1)   # the weights after step - 1 optimizer steps
         with self.pctx.generation_layout(run.switches.refold) as layout:
-            source = open_prompt_source(self.env.comm, layout, n, dynamic=run.switches.dynamic_prompts,
-                                        tracer=self.tracer, step=step)
-            for batch in replica_batches(layout, source, run.generation.prompt_batch_size):
-                idx = [int(i) * k + j for i in batch for j in range(k)]
-                prompts = [self.prompts[order[i // k]] for i in idx]
-                with self.tracer.span(P.GENERATE, step):
-                    out = self.engine.generate([torch.from_numpy(p) for p in prompts], params,
-                                               seeds=[sample_seed(run.seed, draws, i) for i in idx])
-                if not layout.is_requester:
-                    continue    # the replica's other ranks ran the same batch in lock-step
-                mb = RolloutBatch.from_sequences(prompts, out.responses(), self.pad_id, index=idx,
-                                                 group=[i // k for i in idx], is_end=out.is_end.numpy(),
-                                                 rank=[self.rank] * len(idx))
-                mb.set_tokens("rollout_logprobs", rollout_logprobs(out, mb.max_response))
-                rule = self.rewards.score(out.responses(), [int(order[i // k]) for i in idx])
-                if rule is not None:
-                    mb.set_samples("rule_reward", rule)
-                if self.critic is None:
-                    pending.append((mb, None))
-                    continue
-                fut = self.critic.infer_async(mb.tokens.numpy(), mb.seq_lengths.numpy(), step=step)
-                if not run.switches.async_critic:
-                    with self.tracer.span(P.CRITIC_WAIT, step):
-                        fut.result()
-                pending.append((mb, fut))
-            source.close()
-        return RolloutBatch.cat([mb for mb, _ in pending], self.pad_id), pending
+            got = self.collector.collect(step, self.env.comm, layout)
+        return got.batch, got.pending
+
+    def receive(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Future | None]]]:
+        """Disaggregated: the step's samples from the generator (all on rank 0; the rebalance
+        spreads them). Waiting for them is the trainer's idle time (no span)."""
+        mbs = self.remote.receive(step)
+        return RolloutBatch.cat(mbs, self.pad_id), [(mb, None) for mb in mbs]
+
+    def weight_sync(self, step: int) -> dict[str, float]:
+        """Disaggregated: the weights after `step` optimizer steps to the generator (not after
+        the last step: nobody generates with them)."""
+        if self.remote is None or step >= self.run.ppo.num_steps:
+            return {}
+        with self.tracer.span(P.WEIGHT_SYNC, step):
+            got = self.remote.sync(self.policy, self.pctx, version=step)
+        return {"bytes": got["weight_sync_bytes"], "seconds": got["weight_sync_s"]}
 
     @torch.no_grad()
     def logprobs(self, shard: RolloutBatch, step: int) -> None:
         """Policy and reference log-probs of the shard's responses (every rank of the shard's
-        model-parallel group gets them)."""
+        model-parallel group gets them). The reference pass only where a KL term reads it
+        (run.uses_reference); otherwise ref_logprobs is NaN (so is its stored column)."""
         vocab = self.run.model.vocab_size
         batching = run_batching(self.run, "actor", self.run.ppo.train_micro_batch_size)
         temperature = logprob_temperature(self.run.generation.temperature)   # the engine's, too
@@ -159,6 +150,9 @@ class PPOActor:
 
         with self.tracer.span(P.LOGPROBS, step):
             shard.set_tokens("logprobs", response_logprobs())
+        if not self.run.uses_reference:
+            shard.set_tokens("ref_logprobs", torch.full_like(shard["logprobs"], float("nan")))
+            return
         with self.tracer.span(P.INIT_LOGPROBS, step):
             self.reference.swap()
             try:
@@ -199,8 +193,14 @@ class PPOActor:
 
     def train(self, shard: RolloutBatch, step: int) -> dict:
         """The policy update on this DP rank's shard: epochs x optimizer batches (grads summed
-        over DP); the clipped surrogate, or the SFT loss for rejection sampling."""
-        return self.update.train(shard, step, self.tracer)
+        over DP); the clipped surrogate, or the SFT loss for rejection sampling. MoE: the
+        router statistics of the update's forward passes (moe/*)."""
+        if self.router_stats is not None:
+            self.router_stats.reset()   # the log-prob passes routed too; those are not the update's
+        out = self.update.train(shard, step, self.tracer)
+        if self.router_stats is not None:
+            out.update(self.router_stats.collect())   # collective over the actor's ranks
+        return out
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The held-out task score of the policy after `step` steps (refit, greedy answers); a
@@ -210,24 +210,34 @@ class PPOActor:
         with span, generation_phase(self.engine, self.offload, free_engine_after=False):
             refit_from_training(self.engine, self.policy, self.pctx, refold=run.switches.refold)
             with self.pctx.generation_layout(run.switches.refold) as layout:
-                return evaluate(self.engine, layout, self.env.comm, self.evalset, greedy_params(run, self.tokenizer),
-                                self.tokenizer, run.generation.prompt_batch_size * run.rl.n_samples_per_prompt)
+                return evaluate(self.collector, layout, self.env.comm, self.evalset, run.generation.max_new_tokens,
+                                run.generation.prompt_batch_size * run.rl.n_samples_per_prompt)
 
     def rollout_metrics(self, shard: RolloutBatch) -> dict:
         """Means over the whole step (sums all-reduced over DP)."""
         mask = shard.mask
-        s = all_reduce_sums({"reward": shard["reward"].double().sum(), "samples": shard.size,
-                             "kl": ((shard["logprobs"] - shard["ref_logprobs"]) * mask).sum(),
+        # kl: only where the reference pass ran (run.uses_reference)
+        kl = ((shard["logprobs"] - shard["ref_logprobs"]) * mask).sum() if self.run.uses_reference else 0.0
+        s = all_reduce_sums({"reward": shard["reward"].double().sum(), "samples": shard.size, "kl": kl,
                              "tokens": mask.sum(), "ended": shard["is_end"].sum()}, self.pctx.dp_group)
-        return {"rewards": s["reward"] / s["samples"], "kl": s["kl"] / s["tokens"],
-                "response_lengths": s["tokens"] / s["samples"],
-                "fraction_of_samples_properly_ended": s["ended"] / s["samples"]}
+        out = {"rewards": s["reward"] / s["samples"],
+               **({"kl": s["kl"] / s["tokens"]} if self.run.uses_reference else {}),
+               "response_lengths": s["tokens"] / s["samples"],   # the model's tokens (multi-turn: mask)
+               "fraction_of_samples_properly_ended": s["ended"] / s["samples"]}
+        if "turns" in shard.samples:   # multi-turn: per-conversation means
+            t = all_reduce_sums({k: shard[k].double().sum() for k in ("turns", "tool_calls", "tool_errors")},
+                                self.pctx.dp_group)
+            out.update({k: v / s["samples"] for k, v in t.items()})
+        return out
 
     # -- the loop ----------------------------------------------------------------------------
     def step(self, step: int) -> dict:
         run, pctx = self.run, self.pctx
-        with generation_phase(self.engine, self.offload, free_engine_after=False):
-            local, pending = self.generate(step)
+        if self.remote is None:
+            with generation_phase(self.engine, self.offload, free_engine_after=False):
+                local, pending = self.generate(step)
+        else:
+            local, pending = self.receive(step)
         with self.tracer.span(P.REBALANCE, step):
             route = local.route(self.env.comm, pctx.dp_rank, pctx.dp_size, expected=run.rollouts_per_step)
             shard = local.moved(route)
@@ -236,6 +246,8 @@ class PPOActor:
         with self.tracer.span(P.REBALANCE, step):
             shard.merge(results.moved(route, samples=["index", "reward"], per_token=["values"], with_tokens=False))
             advantage_metrics = estimate_advantages(run, shard, pctx.dp_group)
+            if self.remote is not None:   # never train on a sample older than k versions
+                advantage_metrics.update(stale_mask(run, shard, step, pctx.dp_group))
             step_batch = self.gather_step(shard)
         with self.tracer.span(P.STORE, step):
             if self.store is not None:
@@ -246,11 +258,13 @@ class PPOActor:
         if critic_future is not None:
             with self.tracer.span(P.CRITIC_WAIT, step):
                 optim["critic_loss"] = critic_future.result()
+        sync = self.weight_sync(step)
         # Named as NeMo-Aligner users know them: train_rollouts/, train_optim/, timers/.
         val = self.evaluate(step) if self.evalset is not None and self.evalset.due(run, step) else {}
         rollouts = {**self.rollout_metrics(shard), **advantage_metrics}
         return {"step": step, **val, **{f"train_rollouts/{k}": v for k, v in rollouts.items()},
                 **{f"train_optim/{k}": v for k, v in optim.items()},
+                **{f"weight_sync/{k}": v for k, v in sync.items()},
                 **{f"timers/{k}": v for k, v in self.tracer.durations(step).items()}}
 
     def save_checkpoint(self, step: int) -> None:
@@ -259,16 +273,22 @@ class PPOActor:
         # The critic first: the actor's manifest, written last, commits the step for both roles.
         if self.rank == 0 and self.run.critic_trains:
             self.critic.save(str(self.rd.checkpoints("critic") / f"iter_{step:07d}.pt"))
-        save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer, {"algorithm": self.run.algorithm})
+        save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer,
+                        {"algorithm": self.run.algorithm, **lora_base(self.run.model, self.run.seed, self.init_checkpoint)})
 
     def run_loop(self, stop: StopPoint | None = None) -> bool:
         """Run the remaining steps; True when `stop` ended the run early (after saving)."""
         run = self.run
         with Progress(disable=self.rank != 0, transient=False) as progress:
             task = progress.add_task(run.algorithm, total=run.ppo.num_steps, completed=self.start_step - 1)
+            if self.remote is not None:   # the generator starts from the trainer's weights
+                self.remote.connect(self.start_step)
+                self.remote.sync(self.policy, self.pctx, version=self.start_step - 1)
             if self.evalset is not None and self.start_step == 1:
                 self.log({"step": 0, **self.evaluate(0)}, progress.console)   # the initial policy
             for step in range(self.start_step, run.ppo.num_steps + 1):
+                if stop is not None:
+                    stop.step_begins()
                 t0 = time.perf_counter()
                 metrics = self.step(step)
                 metrics["timers/step"] = time.perf_counter() - t0
@@ -303,11 +323,14 @@ class PPOActor:
             f"{m('timers/step'):.2f}s", highlight=False)
 
     def close(self) -> None:
+        self.collector.close()
         if self.store is not None:
             self.store.close()
         self.metrics.close()
         self.tracer.close()
         self.env.comm.Barrier()
+        if self.remote is not None:
+            self.remote.close()
         if self.critic is not None:
             if self.rank == 0:
                 self.critic.shutdown_critic()
@@ -345,12 +368,16 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len)
     prompts = dataset.token_arrays()
     policy = build_gpt(run.model, pctx, seed=run.seed)
-    optimizer = torch.optim.AdamW([p for c in policy for p in c.parameters()], lr=run.ppo.actor_lr, weight_decay=0.0)
+    init_checkpoint = None
     if run.model.init_checkpoint is not None:
         # an iter_* folder, or a trainer's checkpoints folder (then its newest complete one)
-        load_weights(find_latest(run.model.init_checkpoint) or run.model.init_checkpoint, policy)
-    # The reference policy is the initial policy; it lives in host memory and is swapped in.
-    reference = HostSwap(policy)
+        init_checkpoint = find_latest(run.model.init_checkpoint) or run.model.init_checkpoint
+        load_weights(init_checkpoint, policy)
+    attach_configured(policy, run.model, pctx, run.seed)   # LoRA: on the loaded base
+    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=run.ppo.actor_lr, weight_decay=0.0)
+    # The reference policy is the initial policy: in host memory and swapped in, or (LoRA) the
+    # same model with its adapters off.
+    reference = reference_policy(policy)
     start_step = _resume(rd, policy, optimizer)
     offload = TrainingStateOffload(optimizer, policy) if run.switches.offload_optimizer else None
     engine = actor_engine(run, env, pctx)
@@ -364,10 +391,14 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     store = _open_store(rd, start_step) if env.rank == 0 else None
     metrics = MetricsLogger(run, rd.root, enabled=env.rank == 0)
     metrics.start_at(start_step)
-    return PPOActor(run, rd, env, pctx, tokenizer=tokenizer, prompts=prompts, policy=policy, optimizer=optimizer,
-                    reference=reference, offload=offload, engine=engine, critic=critic, tracer=tracer, store=store,
-                    metrics=metrics, start_step=start_step,
-                    rewards=Rewards(run, tokenizer, dataset.fields()), evalset=EvalSet.from_run(run, tokenizer))
+    actor = PPOActor(run, rd, env, pctx, tokenizer=tokenizer, prompts=prompts, policy=policy, optimizer=optimizer,
+                     reference=reference, offload=offload, engine=engine, critic=critic, tracer=tracer, store=store,
+                     metrics=metrics, start_step=start_step,
+                     rewards=Rewards(run, tokenizer, dataset.fields()), evalset=EvalSet.from_run(run, tokenizer),
+                     remote=RemoteRollouts(run, rd, env.rank, tokenizer.pad_id) if "generator" in run.components
+                     else None)
+    actor.init_checkpoint = init_checkpoint   # the base a LoRA checkpoint refers to
+    return actor
 
 
 def main(run_dir: str | Path) -> int:

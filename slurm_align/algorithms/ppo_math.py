@@ -20,9 +20,9 @@ def kl_penalized_rewards(score: torch.Tensor, logp: torch.Tensor, logp_ref: torc
     """Per-token reward: -kl_coef * (logp - logp_ref), plus the reward model's score at the last
     response token of each sample."""
     rewards = -kl_coef * (logp - logp_ref) * mask
-    lengths = mask.sum(dim=1).long()
-    last = (lengths - 1).clamp_min(0)
-    has_tokens = lengths > 0
+    has_tokens = mask.sum(dim=1) > 0
+    # the last masked token (a multi-turn mask has holes where the environment's tokens are)
+    last = mask.shape[1] - 1 - (mask.flip(1) > 0).to(torch.int64).argmax(dim=1)
     rows = torch.arange(score.shape[0])[has_tokens]
     rewards[rows, last[has_tokens]] += score[has_tokens].to(rewards.dtype)
     return rewards
@@ -32,7 +32,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation, next value 0 after each sample's last token.
 
-    Returns (advantages, returns), both zero on padding; returns = advantages + values.
+    Positions where mask is 0 are skipped: after the end (padding), and inside a multi-turn
+    trajectory (the environment's tokens), so the model's turns chain across them.
+    Returns (advantages, returns), both zero where mask is 0; returns = advantages + values.
     """
     B, T = rewards.shape
     adv = torch.zeros_like(rewards)
@@ -41,10 +43,10 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     for t in reversed(range(T)):
         m = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last_gae = (delta + gamma * lam * last_gae) * m
-        adv[:, t] = last_gae
+        last_gae = torch.where(m > 0, delta + gamma * lam * last_gae, last_gae)
+        adv[:, t] = last_gae * m
         # Padding after the end keeps "next value 0" for the last real token.
-        next_value = values[:, t] * m
+        next_value = torch.where(m > 0, values[:, t], next_value)
     returns = (adv + values) * mask
     return adv, returns
 

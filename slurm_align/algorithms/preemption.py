@@ -20,17 +20,24 @@ late. The ranks catch it themselves: under Slurm the launchers block SIGTERM bef
 starts (`block_term`), so every thread and child process (megatron's checkpoint writer,
 tritonserver and its Python backends) inherits the block and lives on, and one thread per rank
 waits for the signal (`sigwait`):
-- on the actor's ranks a TERM stops the run at once at its newest complete checkpoint (the step in
-  flight cannot finish: the critic's Triton model backends die of the same TERM, see
-  StopPoint._on_term); rank 0 writes stopped_step and `stopped_by` = TERM, every rank exits 0, and
-  the script requeues the job (with requeue true) as for the warning: a job that ends within
-  GraceTime is not requeued by Slurm itself (measured: FAILED, Restarts=0). With save_interval 1
-  at most one step is redone;
-- the critic's own ranks live on after a TERM until the actor has stopped (stopped_step), then
-  exit 0;
+- on the actor's ranks a TERM is a stop request like the warning, with a deadline: the profile's
+  `preempt_grace_s` (the partition's GraceTime, exported as SLURM_ALIGN_PREEMPT_GRACE_S). When
+  the step in flight can end and be saved within it (StopPoint._on_term), the ranks finish it and
+  stop at that step boundary as for USR2 (nothing is redone); otherwise, or when the step has not
+  ended by the deadline, rank 0 stops the run at once at its newest complete checkpoint and the
+  step in flight is redone after the restart. Either way rank 0 writes stopped_step and
+  `stopped_by` = TERM, every rank exits 0, and the script requeues the job (with requeue true)
+  as for the warning: a job that ends within GraceTime is not requeued by Slurm itself
+  (measured: FAILED, Restarts=0);
+- the critic's own ranks serve on after a TERM until the actor has stopped (stopped_step), then
+  exit 0. Its tritonserver inherits the block; the Python backend stubs tritonserver starts
+  unblock every signal but handle TERM themselves (they live on), and PyTriton's tensor store,
+  a multiprocessing process each stub spawns, would die of it (measured: every request after the
+  TERM then fails with BrokenPipeError): under Slurm with a preemption grace the critic runs
+  PyTriton without it (PYTRITON_NO_TENSORSTORE: tensors travel base64-encoded over the stub's
+  socket);
 - where the job is being torn down anyway (logs/first_failure or logs/cancelled exists: the script
   or `slurm-align cancel` sent the TERM), any rank exits at once.
-A TERM therefore needs only seconds of GraceTime; a larger save_interval loses more steps.
 
 Times of the stages go to RUN_DIR/preemption.jsonl (the script adds stop_requested and
 requeued), for post-mortems and benchmarks/bench_preempt.py.
@@ -47,6 +54,7 @@ from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any, Callable
 
+from slurm_align.models.checkpoint_names import find_latest
 from slurm_align.rundir import RunDir, write_atomic
 
 STOPPED_EXIT_CODE = 75
@@ -71,6 +79,20 @@ def read_events(rd: RunDir) -> list[dict]:
 
 TERM_EXIT_CODE = 128 + signal.SIGTERM
 """Exit code of a rank that a TERM ended at once (the job was failing or cancelled)."""
+
+GRACE_ENV = "SLURM_ALIGN_PREEMPT_GRACE_S"
+"""The profile's preempt_grace_s, exported by the job script (Slurm profiles)."""
+
+EXIT_MARGIN_S = 5.0
+"""Of the grace, what the actor keeps for writing stopped_step, exiting and the script's requeue."""
+
+CRITIC_EXTRA_S = 30.0
+"""The critic waits for the actor's stop up to the grace plus this (Slurm's KILL comes first)."""
+
+
+def preempt_grace_s() -> float:
+    """Seconds from Slurm's TERM to its KILL that this job may use (0 outside Slurm profiles)."""
+    return float(os.environ.get(GRACE_ENV, "0") or 0)
 
 
 def block_term() -> bool:
@@ -113,10 +135,12 @@ def on_term(callback: Callable[[], None]) -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: callback())
 
 
-def critic_survives_term(rd: RunDir, limit_s: float = 900.0, poll_s: float = 0.2) -> list[Callable[[], None]]:
-    """For the critic (every rank): a TERM from Slurm's preemption is not the end yet. Exit once
-    the actor has stopped (stopped_step), or at once when the job is being torn down, or after
-    `limit_s` without either. Only where `block_term` blocked TERM (under Slurm).
+def critic_survives_term(rd: RunDir, limit_s: float | None = None, poll_s: float = 0.2) -> list[Callable[[], None]]:
+    """For the critic (every rank): a TERM from Slurm's preemption is not the end yet. Serve on
+    (requests in flight and new ones: the actor may be finishing its step and saving) and exit
+    once the actor has stopped (stopped_step), or at once when the job is being torn down, or
+    after `limit_s` (default: the preemption grace plus CRITIC_EXTRA_S) without either. Only where
+    `block_term` blocked TERM (under Slurm); call before PyTriton starts.
 
     Returns a list the caller appends clean-ups to (the server's stop): they run before the exit.
     They must: tritonserver, started with TERM blocked, would outlive the critic and keep its
@@ -124,6 +148,12 @@ def critic_survives_term(rd: RunDir, limit_s: float = 900.0, poll_s: float = 0.2
     cleanups: list[Callable[[], None]] = []
     if not term_blocked():
         return cleanups
+    if preempt_grace_s() > EXIT_MARGIN_S:
+        # the actor may finish its step after the TERM, and PyTriton's tensor store process would
+        # die of it (module docstring); without a grace the shared-memory path stays (faster:
+        # base64 there and back took 0.4 s for an 8 MiB request, measured on the test machine)
+        os.environ["PYTRITON_NO_TENSORSTORE"] = "1"
+    limit_s = preempt_grace_s() + CRITIC_EXTRA_S if limit_s is None else limit_s
     started = threading.Event()
 
     def leave(code: int) -> None:
@@ -146,7 +176,8 @@ def critic_survives_term(rd: RunDir, limit_s: float = 900.0, poll_s: float = 0.2
     def on_signal() -> None:
         if not started.is_set():
             started.set()
-            print("critic: SIGTERM received (preemption?): serving on until the actor has stopped", flush=True)
+            print(f"critic: SIGTERM received (preemption?): serving on until the actor has stopped "
+                  f"(at most {limit_s:.0f} s)", flush=True)
             threading.Thread(target=wait_for_actor, name="term-wait", daemon=True).start()
 
     on_term(on_signal)
@@ -164,12 +195,18 @@ def ignore_stop_signal() -> None:
 class StopPoint:
     """Install in the actor before the run starts; call `after_step` after every step."""
 
-    def __init__(self, comm, rd: RunDir):
+    def __init__(self, comm, rd: RunDir, grace_s: float | None = None):
         self.comm, self.rd = comm, rd
         self.rank = comm.Get_rank()
+        self.grace_s = preempt_grace_s() if grace_s is None else grace_s
         self._signalled = False
         self._terminated = False
         self._first_step_done = False
+        self._lock = threading.Lock()    # the TERM thread and the loop: one of them stops the run
+        self._stopping = False           # the loop reached its stop point or its last step
+        self._last_done = 0              # the newest step whose after_step ran
+        self._step_started = time.monotonic()
+        self._last_step_s: float | None = None   # the previous step of this job, its save included
         signal.signal(signal.SIGUSR2, self._on_signal)
         on_term(self._on_term)
 
@@ -177,44 +214,96 @@ class StopPoint:
         self._signalled = True   # only a flag: the decision is taken at the step boundary
 
     def _on_term(self) -> None:
-        """Slurm's SIGTERM (preemption, cancel): stop at once at the newest complete checkpoint.
+        """Slurm's SIGTERM (preemption, cancel), on this rank's TERM thread.
 
-        The step in flight cannot be finished: the critic's PyTriton model backends
-        (triton_python_backend_stub, started by tritonserver with every signal unblocked) die of
-        the same TERM, so every critic request fails from now on (measured on the test cluster).
-        What the newest checkpoint N holds is whole (its rollouts flushed before the commit, its
-        metrics and spans written before the save), and a resume cuts the stores back to N, so
-        the step in flight is simply lost and redone: with save_interval 1, at most one step."""
+        Slurm KILLs the job `grace_s` after the TERM. When the step in flight fits (the previous
+        step's time, its save included, left from when this one started, ends before the grace
+        minus EXIT_MARGIN_S), the TERM only flags the stop: the ranks agree on it at this step's
+        boundary (`agreed` answers 2), the step is saved, nothing is redone. Otherwise rank 0
+        stops the run at once at the newest complete checkpoint (`_abandon`), and a watchdog
+        does the same if the step has not ended by the deadline. What checkpoint N holds is
+        whole (its rollouts flushed before the commit, its metrics and spans written before the
+        save), and a resume cuts the stores back to N: the step in flight is then lost and redone.
+        Ranks other than 0 follow rank 0's decision (`_follow`)."""
         if job_ending(self.rd):   # the script or a cancel is ending the job: no save
             os._exit(TERM_EXIT_CODE)
-        if self._terminated:
+        now = time.monotonic()
+        with self._lock:
+            if self._terminated:
+                return
+            self._terminated = True
+            in_flight = self._last_done + 1
+        deadline = now + self.grace_s - EXIT_MARGIN_S
+        if self.rank != 0:
+            threading.Thread(target=self._follow, name="term-follow", daemon=True).start()
             return
-        self._terminated = True
-        if self.rank == 0:
-            # deferred: checkpoint imports torch, and this module is imported before block_term
-            from slurm_align.models.checkpoint import find_latest
+        expected_end = None if self._last_step_s is None else self._step_started + self._last_step_s
+        fits = self.grace_s > EXIT_MARGIN_S and (expected_end is None or expected_end <= deadline)
+        record_event(self.rd, "term_received", in_flight=in_flight, grace_s=self.grace_s,
+                     finish=fits, expected_s=None if expected_end is None else round(expected_end - now, 3))
+        if not fits:
+            self._abandon(f"the step in flight ({in_flight}) cannot end within preempt_grace_s={self.grace_s:g}")
+            return
+        print(f"SIGTERM received (Slurm preempts or ends the job): finishing step {in_flight}, then saving "
+              f"(preempt_grace_s={self.grace_s:g})", flush=True)
 
-            record_event(self.rd, "term_received")
+        def watchdog() -> None:
+            time.sleep(max(0.0, deadline - time.monotonic()))
+            self._abandon(f"step {in_flight} did not end within preempt_grace_s={self.grace_s:g}")
+        threading.Thread(target=watchdog, name="term-watchdog", daemon=True).start()
+
+    def _abandon(self, why: str) -> None:
+        """Rank 0: stop now at the newest complete checkpoint, unless the loop already reached its
+        stop point (then it saves and stops by itself). The lock is held to the exit: the loop
+        cannot reach its stop point meanwhile."""
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
             latest = find_latest(self.rd.checkpoints("actor"))
             step = int(latest.name.split("_")[-1]) if latest is not None else 0
             write_atomic(self.rd.stopped_by, "TERM\n")
             write_atomic(self.rd.stopped_step, f"{step}\n")   # last: the script and the critic read it
-            record_event(self.rd, "saved", step=step, by="TERM")
-            print(f"SIGTERM received (Slurm preempts or ends the job): stopped at the checkpoint of step "
-                  f"{step}; the step in flight is redone after the restart", flush=True)
-        os._exit(0)   # every rank, at once: the others got the same TERM (srun kills none that exit 0)
+            record_event(self.rd, "saved", step=step, by="TERM", abandoned=True)
+            print(f"SIGTERM received: {why}: stopped at the checkpoint of step {step}; the steps after it "
+                  "are redone after the restart", flush=True)
+            os._exit(0)   # the other ranks follow (srun kills none that exit 0)
+
+    def _follow(self, poll_s: float = 0.1) -> None:
+        """Ranks > 0 after a TERM: when rank 0 gave up the step in flight (stopped_step written
+        while this rank is not at the stop point), exit 0 too; their collectives would hang."""
+        while True:
+            with self._lock:
+                if self._stopping:
+                    return
+                if self.rd.stopped_step.exists():
+                    self._stopping = True
+                    print(f"rank {self.rank}: the run stopped at Slurm's SIGTERM; exiting", flush=True)
+                    os._exit(0)
+            time.sleep(poll_s)
 
     def exit_if_stopped_by_term(self) -> None:
-        """Call where a rank failed: when rank 0 has already stopped the run at Slurm's TERM (its
-        exit broke this rank's collective before this rank's own TERM was handled), exit 0 as
-        the others did instead of failing the job."""
-        if self._terminated or (self.rd.stopped_step.exists() and self.rd.stopped_by.exists()
-                                and self.rd.stopped_by.read_text().strip() == "TERM"):
+        """Call where a rank failed. After a TERM, rank 0 gives the step in flight up and stops at
+        the newest checkpoint (`_abandon`: the step is redone after the restart) rather than fail
+        the job. On the other ranks: when rank 0 has stopped the run at Slurm's TERM (its exit
+        broke this rank's collective), exit 0 as it did. Any other failure is left to the caller."""
+        if self._terminated and self.rank == 0:
+            self._abandon("the step in flight failed after it")   # exits, unless already at the stop point
+        if (self.rd.stopped_step.exists() and self.rd.stopped_by.exists()
+                and self.rd.stopped_by.read_text().strip() == "TERM"):
             print(f"rank {self.rank}: the run stopped at Slurm's SIGTERM; exiting", flush=True)
             os._exit(0)
 
+    def step_begins(self) -> None:
+        """Call as each step starts: a TERM's estimate times the steps from here (not the set-up
+        before the first one)."""
+        self._step_started = time.monotonic()
+
     def resumed(self, start_step: int, checkpoint: Path | None) -> None:
-        """Rank 0 says where a resumed run goes on from (the log line users look for)."""
+        """Where this start goes on from (rank 0 says it when resumed: the log line users look for)."""
+        with self._lock:
+            self._last_done = start_step - 1
+        self._step_started = time.monotonic()
         if self.rank == 0 and checkpoint is not None:
             print(f"resuming from step {start_step} (checkpoint {checkpoint})", flush=True)
             record_event(self.rd, "resumed", step=start_step)
@@ -233,11 +322,18 @@ class StopPoint:
             self._first_step_done = True
             if self.rank == 0:
                 record_event(self.rd, "first_step", step=step)
+        now = time.monotonic()
+        self._last_step_s, self._step_started = now - self._step_started, now
+        with self._lock:
+            self._last_done = step
+            self._stopping = self._stopping or last   # the run ends by itself: no give-up after this
         if last:
             return False
         why = self.agreed()
         if not why:
             return False
+        with self._lock:   # from here on a TERM's give-up (`_abandon`, `_follow`) leaves the stop to us
+            self._stopping = True
         if not saved:
             save(step)
         if self.rank == 0:

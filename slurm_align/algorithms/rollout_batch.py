@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from slurm_align.balance.rebalance import Route
 from slurm_align.models.packing import Batching, micro_batch_inputs
+from slurm_align.store.rollouts import TURN_DEFAULTS
 
 
 # -- the sequence <-> response mapping ---------------------------------------------------------
@@ -164,8 +165,11 @@ class RolloutBatch:
 
     @property
     def mask(self) -> torch.Tensor:
-        """[B, T] float: 1 on real response tokens."""
-        return response_positions(self.prompt_lengths, self.response_lengths, self.max_response)[1]
+        """[B, T] float: 1 on the response tokens that are trained: real tokens, times the
+        `loss_mask` column where a multi-turn batch has one (the environment's tokens are 0: in
+        the context, out of the policy loss, the KL, the value loss and the length statistics)."""
+        mask = response_positions(self.prompt_lengths, self.response_lengths, self.max_response)[1]
+        return mask * self.per_token["loss_mask"] if "loss_mask" in self.per_token else mask
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self.samples:
@@ -196,6 +200,9 @@ class RolloutBatch:
                                  self.tokens.shape[1])
 
     def position_mask(self) -> torch.Tensor:
+        """[B, L]: 1 at the positions that predict a trained response token (self.mask)."""
+        if "loss_mask" in self.per_token:
+            return scatter_positions(self.mask, self.prompt_lengths, self.response_lengths, self.tokens.shape[1])
         return position_mask(self.prompt_lengths, self.response_lengths, self.tokens.shape[1])
 
     # selection ------------------------------------------------------------------------------
@@ -339,6 +346,8 @@ class RolloutBatch:
         cols: dict[str, Any] = {"prompt_tokens": [tok[i, :p] for i, p in enumerate(plen)],
                                 "response_tokens": [tok[i, p:p + r] for i, (p, r) in enumerate(zip(plen, rlen))]}
         for k in names:
+            if k not in self.per_token and k in TURN_DEFAULTS:
+                continue   # single-turn: the store fills in its defaults
             col = self.per_token[k].numpy()
             cols[k] = [col[i, :r] for i, r in enumerate(rlen)]
         for k in sample_names:

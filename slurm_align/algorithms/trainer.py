@@ -26,6 +26,7 @@ from slurm_align.data.datasets import DataOrder
 from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_weights, save_checkpoint
 from slurm_align.models.forward import run_schedule
 from slurm_align.models.gpt import build_gpt
+from slurm_align.models.lora import attach_configured, lora_base, trainable_parameters
 from slurm_align.models.moe_stats import RouterStats
 from slurm_align.models.packing import Batching, PackedLayout, run_batching
 from slurm_align.models.tokenizer import build_tokenizer
@@ -140,10 +141,11 @@ class Trainer:
         self.chunks = build_gpt(run.model, pctx, value_head=algo.value_head, seed=run.seed)
         if run.model.init_checkpoint:
             load_weights(run.model.init_checkpoint, self.chunks)
+        attach_configured(self.chunks, run.model, pctx, run.seed)   # LoRA: on the loaded base
         # MoE: per-expert load and the load-balancing loss in the step's metrics
         self.router_stats = RouterStats(self.chunks, run.model.num_experts) if run.model.num_experts else None
         algo.setup(self)
-        self.params = [p for c in self.chunks for p in c.parameters()]
+        self.params = trainable_parameters(self.chunks)   # LoRA: the adapters only
         self.device = self.params[0].device  # collectives run here (gloo: CPU, NCCL: the GPU)
         self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
         self.order = DataOrder(len(self.train_ds), tc.global_batch_size, run.seed)
@@ -218,7 +220,7 @@ class Trainer:
     def save(self) -> Path:
         return save_checkpoint(self.ckpt_root, self.step, self.chunks, self.optimizer,
                                {"consumed_samples": self.step * self.run.trainer.global_batch_size,
-                                "algorithm": self.algo.name})
+                                "algorithm": self.algo.name, **lora_base(self.run.model, self.run.seed)})
 
     def resume(self) -> bool:
         latest = find_latest(self.ckpt_root)

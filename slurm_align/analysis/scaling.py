@@ -3,7 +3,7 @@
 Efficiency is relative to the smallest point (N = nodes / smallest nodes, T1 its step time):
 weak scaling (batch grows with nodes) T1 / TN; strong scaling (fixed batch) T1 / (N * TN).
 Samples and tokens per step come from the run's rollout store when it has one (tokens are the
-generated response tokens), else the samples from the sweep manifest and no token rate.
+model's generated response tokens, a multi-turn environment's excluded), else the samples from the sweep manifest and no token rate.
 """
 
 from __future__ import annotations
@@ -76,11 +76,15 @@ def _rollout_rates(run_dir: Path, steps: np.ndarray) -> tuple[float, float] | No
     path = run_dir / "rollouts.zarr"
     if not (path / "zarr.json").is_file():
         return None
-    sizes = RolloutStore.open(path, read_only=True).step_sizes()
+    store = RolloutStore.open(path, read_only=True)
+    sizes = store.step_sizes()
     idx = np.flatnonzero(np.isin(sizes["step"], steps))
     if not len(idx):
         return None
-    return float(sizes["num_samples"][idx].mean()), float(sizes["num_response_tokens"][idx].mean())
+    # Multi-turn trajectories hold the environment's tokens too (loss_mask 0): the rate is the
+    # model's own generated tokens.
+    tokens = [float(store.read(int(s))["loss_mask"].sum()) for s in sizes["step"][idx]]
+    return float(sizes["num_samples"][idx].mean()), float(np.mean(tokens))
 
 
 def compute_scaling(sweep_dir: str | Path, *, allow_incomplete: bool = False, skip_steps: int = 0,

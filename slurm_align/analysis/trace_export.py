@@ -11,9 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from slurm_align.config.run import COMPONENTS as COMPONENT_ORDER   # the declared order: actor, critic, generator
 from slurm_align.rundir import write_atomic
-
-COMPONENT_ORDER = ("actor", "critic")
 
 
 def chrome_trace(spans: np.ndarray, run_name: str = "run") -> dict:

@@ -44,6 +44,11 @@ class ConfigError(ValueError):
                 msg = "required field is missing"
                 problems.append(f"field '{loc}': {msg}")
                 continue
+            if not loc and msg.startswith("Value error, field '"):
+                # a cross-field check that names its own fields (RunConfig's environment checks)
+                first, *rest = msg[len("Value error, "):].split("; field '")
+                problems += [first, *(f"field '{p}" for p in rest)]
+                continue
             ctx = e.get("ctx") or {}
             if "expected" in ctx:
                 msg = f"{msg} (allowed: {ctx['expected']})"

@@ -63,7 +63,7 @@ def time_limit_seconds(text: str) -> int | None:
 
 
 class ComponentResources(StrictModel):
-    """Resources of one hetjob component (actor or critic)."""
+    """Resources of one hetjob component (actor, critic or generator)."""
 
     nodes: int = Field(1, ge=1)
     """Nodes for this component (components never share a node)."""
@@ -176,9 +176,10 @@ class ClusterProfile(StrictModel):
     """Default time limit."""
     constraint: str | None = None
     """Node feature constraint (sbatch --constraint)."""
-    components: dict[Literal["actor", "critic"], ComponentResources] = {
-        "actor": ComponentResources(), "critic": ComponentResources()}
-    """Per-component resources; sft/rm/dpo jobs use 'actor'."""
+    components: dict[Literal["actor", "critic", "generator"], ComponentResources] = {
+        "actor": ComponentResources(), "critic": ComponentResources(), "generator": ComponentResources()}
+    """Per-component resources; sft/rm/dpo jobs use 'actor'; 'generator' is the rollout
+    generator of rollout.mode 'disaggregated' (it may sit on a partition of its own)."""
     modules: list[str] = []
     """Environment modules to `module load` before the job runs."""
     setup: list[str] = []
@@ -232,6 +233,16 @@ class ClusterProfile(StrictModel):
     (actor, critic with its optimizer state, RNG, data position). Make it longer than one step
     plus one checkpoint. 0: no warning (the job is killed at its limit). A preemption sends the
     same signal only where the cluster sets `PreemptParameters=send_user_signal`."""
+    preempt_grace_s: int = Field(0, ge=0, le=65535)
+    """Seconds the run allows itself between Slurm's SIGTERM and its SIGKILL when Slurm preempts
+    the job: the preemptible partition's GraceTime (`scontrol show partition`). At a TERM the
+    actor finishes the step in flight and saves it when that fits: the step, taking as long as
+    the job's previous one with its save (the job's first step: tried), ends within this minus
+    5 s for the exit; otherwise, or when it has not ended by then, it stops at once at its newest
+    checkpoint and the step in flight is redone after the restart. The critic serves on until
+    the actor has stopped (at most this plus 30 s). 0 (Slurm's default GraceTime): stop at once.
+    A plain `scancel` sends the same TERM with Slurm's KillWait (30 s by default) before the
+    KILL instead."""
     requeue: bool = False
     """After a stop for preemption or the time limit, requeue the job (`scontrol requeue`): the same
     job id starts again and resumes from the checkpoint. False: the job ends with

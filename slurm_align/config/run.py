@@ -15,8 +15,10 @@ from pydantic import Field, field_validator, model_validator
 
 from slurm_align.config.algorithms import REGISTRY, AlgorithmSpec, algorithm_spec
 from slurm_align.config.base import StrictModel
+from slurm_align.environments.config import EnvironmentConfig, check_against_run
 
-COMPONENTS = ("actor", "critic")
+COMPONENTS = ("actor", "critic", "generator")
+"""Every component a run may declare, in het-group order (RunConfig.components picks its own)."""
 
 
 class TokenizerConfig(StrictModel):
@@ -52,6 +54,34 @@ class RopeScalingConfig(StrictModel):
             raise ValueError(f"high_freq_factor={self.high_freq_factor} must be greater than "
                              f"low_freq_factor={self.low_freq_factor}")
         return self
+
+
+LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+
+
+class LoraConfig(StrictModel):
+    """Low-rank adapters (LoRA) on the transformer's linear layers: each target's output gets
+    (alpha / rank) * B(A(dropout(x))), A [rank, in] and B [out, rank], B starting at 0. Only
+    the adapters are trained; the base weights stay frozen."""
+
+    rank: int = Field(8, ge=1)
+    """Rank r of every adapter. Default 8."""
+    alpha: float = Field(16.0, gt=0)
+    """Scale numerator: the update is multiplied by alpha / rank (PEFT's lora_alpha). Default 16."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapter's input while training (PEFT's lora_dropout). Default 0."""
+    targets: list[Literal["qkv", "proj", "fc1", "fc2"]] = Field(default_factory=lambda: list(LORA_TARGETS))
+    """Layers that get adapters, among qkv (fused query/key/value projection), proj (attention
+    output projection), fc1 (MLP input; SwiGLU gate and up) and fc2 (MLP output). Default all four."""
+
+    @field_validator("targets")
+    @classmethod
+    def _some_targets(cls, v):
+        if not v:
+            raise ValueError(f"needs at least one of {', '.join(LORA_TARGETS)}")
+        if len(set(v)) != len(v):
+            raise ValueError(f"lists a target twice: {v}")
+        return v
 
 
 class ModelConfig(StrictModel):
@@ -120,6 +150,9 @@ class ModelConfig(StrictModel):
     """Tokenizer to turn text data into ids."""
     init_checkpoint: Path | None = None
     """Checkpoint to start from (an SFT result for the policy, an RM result for the critic)."""
+    lora: LoraConfig | None = None
+    """Train low-rank adapters instead of the full weights (the base is hf_path or
+    init_checkpoint, frozen); checkpoints then hold only the adapters. Default: none (full)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -145,6 +178,12 @@ class ModelConfig(StrictModel):
             raise ValueError("rope_scaling needs position_embedding='rope'")
         if self.num_experts is not None and self.moe_router_topk > self.num_experts:
             raise ValueError(f"moe_router_topk={self.moe_router_topk} must be <= num_experts={self.num_experts}")
+        if self.lora is not None and self.num_experts is not None:
+            experts = [t for t in self.lora.targets if t in ("fc1", "fc2")]
+            if experts:
+                # a mixture-of-experts model's MLP is its routed experts: no single fc1/fc2 layer
+                raise ValueError(f"lora.targets={self.lora.targets}: {', '.join(experts)} do not exist in a "
+                                 "mixture-of-experts model (its MLP is the routed experts); allowed: qkv, proj")
         return self
 
     @property
@@ -353,6 +392,41 @@ class RolloutCorrectionConfig(StrictModel):
     """C, the truncation / masking bound (> 1)."""
 
 
+class RolloutConfig(StrictModel):
+    """Where rollouts are generated, and how stale they may be."""
+
+    mode: Literal["colocated", "disaggregated"] = "colocated"
+    """colocated: the actor ranks generate and train in turn (the default). disaggregated: a
+    `generator` component (its own resources in the profile, its own ranks) runs the engine, the
+    prompt server and the rule reward and streams finished groups to the actor, which trains and
+    streams its weights back after each optimizer step (algorithms/generator.py)."""
+    max_off_policy_steps: int = Field(1, ge=0)
+    """k, disaggregated only: the generator may generate with weights up to k optimizer steps
+    older than the trainer's (0: it waits for the newest weights, on-policy; 1: it generates step
+    s+1 while the trainer trains on step s). The trainer never trains on an older sample (dropped,
+    counted in train_rollouts/dropped_stale)."""
+    weight_bucket_mb: float = Field(64.0, gt=0)
+    """Size of one bucket of the weight stream (trainer -> generator), in MiB."""
+    connect_timeout_s: float = Field(300.0, gt=0)
+    """How long the actor waits for the generator's published address (it starts an engine),
+    and the generator for the actor to connect."""
+    bind_host: str | None = None
+    """Address the generator's stream binds; default: this host's own address from the job's
+    node list (never 0.0.0.0). Only the actor's rank 0, holding the run's secret, is served."""
+    record_weight_digests: bool = False
+    """Per weight version, the sha256 of every tensor the trainer sent (RUN_DIR/trainer_weights.jsonl)
+    and of every tensor the generator's engine holds once it applied it (generator_weights.jsonl):
+    an audit of the weight stream; costs a hash of the model per step on each side."""
+
+    @field_validator("bind_host")
+    @classmethod
+    def _one_interface(cls, host: str | None) -> str | None:
+        if host is not None and host.strip() in ("", "0.0.0.0", "::", "[::]"):
+            raise ValueError(f"bind_host={host!r} would listen on every interface; give this node's own "
+                             "address or leave it unset")
+        return host
+
+
 class RewardConfig(StrictModel):
     """Where rewards come from: a reward model on the critic component, a rule, or both."""
 
@@ -515,6 +589,9 @@ class RunConfig(StrictModel):
     """Parallel layout of the actor (or the single component for sft/rm/dpo)."""
     critic: ParallelConfig = ParallelConfig()
     """Parallel layout of the critic (ppo only)."""
+    generator: ParallelConfig = ParallelConfig()
+    """Parallel layout of the generator component (rollout.mode 'disaggregated'): its ranks
+    generate at TP 1 (each a replica, data_parallel of them), whatever the actor's layout."""
     data: DataConfig = DataConfig()
     """Datasets."""
     generation: GenerationConfig = GenerationConfig()
@@ -528,10 +605,17 @@ class RunConfig(StrictModel):
     """Groups, KL placement and loss shape of the policy-gradient family."""
     reward: RewardConfig = RewardConfig()
     """Reward model, rule reward, or both."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Colocated or disaggregated generation, and the staleness bound."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Importance-weight correction of the policy loss for engine/trainer mismatch."""
     eval: EvalConfig = EvalConfig()
     """Held-out task evaluation during rollout algorithms."""
+    environment: EnvironmentConfig = EnvironmentConfig()
+    """What the rollout's conversation talks to between the model's turns (environment, max
+    turns, per-turn and total token budgets, stop sequences, tools). The default ('rule', one
+    turn) is the single-turn rollout; any other environment or max_turns > 1 runs the
+    multi-turn collector (algorithms/rollout_collector.py)."""
     trainer: TrainerConfig = TrainerConfig()
     """SFT / RM / DPO hyper-parameters."""
     critic_server: CriticServerConfig = CriticServerConfig()
@@ -585,6 +669,17 @@ class RunConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _lora_where_it_trains(self):
+        # LoRA trains the policy's adapters; a value model's fresh scalar head would stay frozen.
+        if self.model.lora is not None and self.algorithm == "rm":
+            raise ValueError("model.lora: reward-model training (algorithm=rm) trains a new value head, "
+                             "which LoRA would keep frozen; LoRA is for sft, dpo and the RL algorithms")
+        if self.critic_model is not None and self.critic_model.lora is not None:
+            raise ValueError("critic_model.lora: the critic trains its full weights; LoRA applies to the "
+                             "policy (model.lora)")
+        return self
+
+    @model_validator(mode="after")
     def _rollout_options_fit(self):
         spec = self.spec
         if not spec.rollout:
@@ -593,7 +688,7 @@ class RunConfig(StrictModel):
         if n < spec.min_group_size:
             raise ValueError(f"rl.n_samples_per_prompt={n}: {self.algorithm} compares the samples of one prompt, "
                              f"so it needs at least {spec.min_group_size}")
-        if not self.reward.use_model and self.reward.rule is None:
+        if not self.reward.use_model and self.reward.rule is None and not self.multi_turn:
             raise ValueError("reward: neither a reward model (reward.model) nor a rule (reward.rule) gives rewards")
         if not spec.group_filter and self.rl.filter_equal_reward_groups:
             allowed = ", ".join(a.name for a in REGISTRY.values() if a.rollout and a.group_filter)
@@ -611,6 +706,37 @@ class RunConfig(StrictModel):
             raise ValueError(f"rollout_correction.mode={rc.mode!r} with generation.engine='trtllm' needs "
                              f"generation.temperature=1 (got {self.generation.temperature}): TensorRT-LLM reports "
                              "log-probs without temperature scaling, so at another temperature it returns none")
+        if self.rollout.mode == "disaggregated" and "critic" in self.components:
+            raise ValueError(f"rollout.mode='disaggregated' with a critic component ({self.algorithm}"
+                             f"{', reward.model' if self.reward.use_model else ''}): not built yet; the generator "
+                             "scores with the rule reward only (use a rule reward without a reward model, or "
+                             "rollout.mode='colocated')")
+        if self.rollout.mode == "disaggregated":
+            g = self.generator
+            if g.tensor_parallel != 1 or g.pipeline_parallel != 1:
+                raise ValueError(f"generator.tensor_parallel={g.tensor_parallel}, pipeline_parallel="
+                                 f"{g.pipeline_parallel}: the generator's ranks generate at TP 1 and PP 1 (one "
+                                 "replica each, the trainer's shards are gathered before they are streamed); "
+                                 "give its ranks as generator.data_parallel")
+            if self.generation.engine == "trtllm":
+                raise ValueError("generation.engine='trtllm' with rollout.mode='disaggregated': not built yet "
+                                 "(the generator runs the torch engines); use 'torch' or rollout.mode='colocated'")
+        if self.multi_turn:
+            problems = check_against_run(self.environment, self.model.max_seq_len, self.reward.rule)
+            if self.rollout.mode == "disaggregated":
+                problems.append("field 'environment.environment': multi-turn rollouts with rollout.mode="
+                                "'disaggregated': not built yet (use rollout.mode 'colocated')")
+            if self.reward.use_model:
+                problems.append("field 'environment.environment': multi-turn rollouts with a reward model "
+                                "(reward.model): not built yet; the environment's rewards score them")
+            if self.actor.tensor_parallel > 1:
+                problems.append(f"field 'actor.tensor_parallel': got {self.actor.tensor_parallel}; multi-turn "
+                                "rollouts with generation replicas of several ranks: not built yet (use 1)")
+            if self.spec.loss != "policy":
+                problems.append(f"field 'environment.environment': multi-turn rollouts with {self.algorithm} "
+                                "(SFT loss on best samples): not built yet; use grpo, rloo, reinforce_pp or ppo")
+            if problems:
+                raise ValueError("; ".join(problems))
         if self.eval.interval and self.eval.val_path is None:
             raise ValueError(f"eval.interval={self.eval.interval} needs eval.val_path (held-out prompts)")
         if self.eval.interval and (self.eval.scorer or self.reward.rule) is None:
@@ -622,9 +748,18 @@ class RunConfig(StrictModel):
         """Job components this run needs: actor and critic for PPO; for the other rollout
         algorithms the actor, plus a reward-only critic when a reward model scores; one for
         the trainers."""
-        if self.spec.value_model or (self.spec.rollout and self.reward.use_model):
-            return COMPONENTS
-        return ("actor",)
+        if not self.spec.rollout:
+            return ("actor",)
+        critic = self.spec.value_model or self.reward.use_model
+        generator = self.rollout.mode == "disaggregated"
+        return ("actor",) + (("critic",) if critic else ()) + (("generator",) if generator else ())
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether rollouts are conversations (the environment settings differ from the
+        single-turn rule reward's), run by the collector's multi-turn path."""
+        env = self.environment
+        return env.environment != "rule" or env.max_turns > 1
 
     @property
     def critic_trains(self) -> bool:
@@ -643,13 +778,20 @@ class RunConfig(StrictModel):
         return self.spec.kl_in_reward
 
     @property
+    def uses_reference(self) -> bool:
+        """Whether anything reads the reference policy's log-probs: a KL penalty in the reward
+        (ppo.kl_coef > 0) or a KL loss term (rl.kl_loss_coef > 0). Without one the actor skips the
+        reference pass: the stored ref_logprobs are NaN and train_rollouts/kl is not reported."""
+        return (self.kl_in_reward and self.ppo.kl_coef > 0) or self.rl.kl_loss_coef > 0
+
+    @property
     def advantage_estimator(self) -> str | None:
         """gae, grpo, rloo or reinforce_pp, or a plugin's (None for rejection sampling and the
         trainers)."""
         return self.spec.estimator
 
     def parallel(self, component: str) -> ParallelConfig:
-        return {"actor": self.actor, "critic": self.critic}[component]
+        return {"actor": self.actor, "critic": self.critic, "generator": self.generator}[component]
 
     @property
     def critic_model_config(self) -> ModelConfig:

@@ -155,11 +155,17 @@ class CriticClient:
         return c
 
     def _call(self, endpoint: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
+        """One request to a Triton model; a critic_control command (P.COMMANDS) is sent to that
+        model with its `command` input, and errors name the command."""
         # deferred: tritonclient start-up cost, paid on first call
         import tritonclient.http as th
         from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
         self.connect()
+        label = endpoint
+        if endpoint in P.COMMANDS:
+            inputs = {"command": np.array([endpoint.encode()], dtype=np.object_), **inputs}
+            endpoint = P.CONTROL
         reqs = []
         for name, arr in inputs.items():
             inp = th.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
@@ -170,11 +176,11 @@ class CriticClient:
             res = self._http().infer(endpoint, reqs, headers=self._headers, outputs=[
                 th.InferRequestedOutput(n, binary_data=True) for n in outputs])
         except InferenceServerException as e:
-            raise CriticError(f"{self._where(endpoint)}: {_server_reason(e.message() or str(e))}") from None
+            raise CriticError(f"{self._where(label)}: {_server_reason(e.message() or str(e))}") from None
         except Exception as e:  # connection refused/reset, timeouts: the critic is gone or hung
             self._local.client = None  # a broken connection must not be reused
             took = time.monotonic() - t0
-            raise CriticError(f"{self._where(endpoint)}: request failed after {took:.1f} s "
+            raise CriticError(f"{self._where(label)}: request failed after {took:.1f} s "
                               f"(request_timeout_s={self.request_timeout_s:g}): "
                               f"{type(e).__name__}: {e}") from None
         return {n: res.as_numpy(n) for n in outputs}
@@ -227,7 +233,7 @@ class CriticClient:
 
     def shutdown_critic(self) -> None:
         """Ask the critic to stop (all its ranks exit cleanly)."""
-        self._pool.submit(lambda: self._call(P.SHUTDOWN, {"flag": np.ones(1, dtype=np.int64)}, ["ack"])).result()
+        self._pool.submit(lambda: self._call(P.SHUTDOWN, {}, ["ack"])).result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

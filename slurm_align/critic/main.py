@@ -26,12 +26,12 @@ from slurm_align.models.packing import run_batching
 from slurm_align.models.checkpoint import find_latest, load_weights, verify_checkpoint
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.weights import full_state_dict, load_full_state_dict
-from slurm_align.parallel.bootstrap import INTERFACE_ENV, init_distributed, interface_address
+from slurm_align.parallel.bootstrap import init_distributed
 from slurm_align.parallel.layout import initialize_model_parallel
 from slurm_align.profiling import phases
 from slurm_align.profiling.timers import Tracer
 from slurm_align.rundir import RunDir
-from slurm_align.slurm.hetenv import HetEnv
+from slurm_align.slurm.hetenv import service_host
 
 
 def load_full_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -123,13 +123,8 @@ def resume_step(rd: RunDir) -> int | None:
 
 
 def bind_host(run: RunConfig) -> str:
-    """critic_server.bind_host, else the address of the profile's network.interface on this node
-    (the high-speed network), else the node's address as Slurm knows it (NodeAddr)."""
-    if run.critic_server.bind_host:
-        return run.critic_server.bind_host
-    if os.environ.get(INTERFACE_ENV):
-        return interface_address(os.environ[INTERFACE_ENV])
-    return HetEnv.from_environ().address("critic")
+    """critic_server.bind_host, else this node's address (slurm.hetenv.service_host)."""
+    return service_host("critic", run.critic_server.bind_host)
 
 
 def restore(worker: CriticWorker, rd: RunDir, step: int, pctx) -> None:

@@ -2,18 +2,20 @@
 
 Both sides import this module, so a change of layout is made in one place.
 
+Two Triton models (each one costs its own Python backend process, ~2 s at start and at stop):
     critic_infer    tokens int64 [B,T] (right-padded), lengths int64 [B] (sent as [B,1]:
                     dynamic batching prepends the batch axis to every input)
                     -> values float32 [B,T] (per token), rewards float32 [B] (per sequence),
                        compute_ms float32 [B] (the critic's time on the merged batch, for traces)
-    critic_train    tokens int64 [B,T], lengths int64 [B], returns float32 [B,T],
-                    prev_values float32 [B,T], mask float32 [B,T] -> loss float32 [1]
+    critic_control  command bytes [1], one of the commands below, with that command's inputs:
+      critic_train    tokens int64 [B,T], lengths int64 [B], returns float32 [B,T],
+                      prev_values float32 [B,T], mask float32 [B,T] -> loss float32 [1]
+      critic_save     name bytes [1] -> path bytes [1], returned once the checkpoint is durable. A
+                      checkpoint name, not a path: the critic writes only inside its run's
+                      checkpoints/critic folder.
+      critic_shutdown -> ack int64 [1]; the critic stops after answering
     critic_infer and critic_train also take an optional `step` int64 (the actor's PPO step; [B,1]
     resp. [1]) that labels the critic's trace spans.
-    critic_save     name bytes [1] -> path bytes [1], returned once the checkpoint is durable. A
-                    checkpoint name, not a path: the critic writes only inside its run's
-                    checkpoints/critic folder.
-    critic_shutdown flag int64 [1] -> ack int64 [1]; the critic stops after answering
 
 Every request carries two headers (see server.py for why two):
     triton-access-token   gate_token(secret): Triton itself refuses requests without it
@@ -29,10 +31,13 @@ import re
 import numpy as np
 
 INFER = "critic_infer"
-TRAIN = "critic_train"
+CONTROL = "critic_control"
+ENDPOINTS = (INFER, CONTROL)   # the Triton models
+TRAIN = "critic_train"         # critic_control's commands
 SAVE = "critic_save"
 SHUTDOWN = "critic_shutdown"
-ENDPOINTS = (INFER, TRAIN, SAVE, SHUTDOWN)
+COMMANDS = {TRAIN: ("tokens", "lengths", "returns", "prev_values", "mask"), SAVE: ("name",), SHUTDOWN: ()}
+"""Each command of critic_control with the inputs it needs."""
 
 TRAIN_FLOAT_INPUTS = ("returns", "prev_values", "mask")
 
@@ -114,6 +119,19 @@ def validate_train(tokens: np.ndarray, lengths: np.ndarray, floats: dict[str, np
     if float(floats["mask"].sum()) <= 0:
         _fail(TRAIN, "'mask' selects no position (its sum must be > 0)")
     return lengths
+
+
+def validate_command(raw: np.ndarray, given: set[str]) -> str:
+    """critic_control's `command`: one of COMMANDS, sent with every input that command needs."""
+    raw = raw.reshape(-1)
+    value = raw[0] if raw.size == 1 else None
+    name = value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+    if name not in COMMANDS:
+        _fail(CONTROL, f"'command' must be one of {', '.join(COMMANDS)}; got {name[:100]!r}")
+    missing = [n for n in COMMANDS[name] if n not in given]
+    if missing:
+        _fail(name, f"needs the input(s) {', '.join(missing)}")
+    return name
 
 
 def validate_checkpoint_name(raw: np.ndarray) -> str:

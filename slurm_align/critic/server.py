@@ -281,20 +281,18 @@ class CriticServer:
                     config=ModelConfig(max_batch_size=lim.max_batch_size, batcher=DynamicBatcher(
                         max_queue_delay_microseconds=lim.max_queue_delay_us)),
                     strict=True)
-        triton.bind(P.TRAIN, self._train,
-                    inputs=[Tensor(name="tokens", dtype=i64, shape=(-1, -1)),
-                            Tensor(name="lengths", dtype=i64, shape=(-1,)),
-                            *[Tensor(name=n, dtype=f32, shape=(-1, -1)) for n in P.TRAIN_FLOAT_INPUTS],
-                            Tensor(name="step", dtype=i64, shape=(1,), optional=True)],
-                    outputs=[Tensor(name="loss", dtype=f32, shape=(1,))],
-                    config=ModelConfig(batching=False), strict=True)
-        triton.bind(P.SAVE, self._save,
-                    inputs=[Tensor(name="name", dtype=np.bytes_, shape=(1,))],
-                    outputs=[Tensor(name="path", dtype=np.bytes_, shape=(1,))],
-                    config=ModelConfig(batching=False), strict=True)
-        triton.bind(P.SHUTDOWN, self._shutdown,
-                    inputs=[Tensor(name="flag", dtype=i64, shape=(1,))],
-                    outputs=[Tensor(name="ack", dtype=i64, shape=(1,))],
+        # train, save and shutdown share one model: each model is one more Python backend
+        # process for Triton to start and stop (~2 s each, on every run's critical path).
+        triton.bind(P.CONTROL, self._control,
+                    inputs=[Tensor(name="command", dtype=np.bytes_, shape=(1,)),
+                            Tensor(name="tokens", dtype=i64, shape=(-1, -1), optional=True),
+                            Tensor(name="lengths", dtype=i64, shape=(-1,), optional=True),
+                            *[Tensor(name=n, dtype=f32, shape=(-1, -1), optional=True) for n in P.TRAIN_FLOAT_INPUTS],
+                            Tensor(name="step", dtype=i64, shape=(1,), optional=True),
+                            Tensor(name="name", dtype=np.bytes_, shape=(1,), optional=True)],
+                    outputs=[Tensor(name="loss", dtype=f32, shape=(1,)),
+                             Tensor(name="path", dtype=np.bytes_, shape=(1,)),
+                             Tensor(name="ack", dtype=i64, shape=(1,))],
                     config=ModelConfig(batching=False), strict=True)
 
     def _infer(self, requests) -> list[dict]:
@@ -332,29 +330,25 @@ class CriticServer:
             row += b
         return out
 
-    def _train(self, requests) -> list[dict]:
-        self._authorize(P.TRAIN, requests)
+    def _control(self, requests) -> list[dict]:
+        # The secret first: nothing of a stranger's request is read before it is checked.
+        self._authorize(P.CONTROL, requests)
+        handlers = {P.TRAIN: self._train, P.SAVE: self._save, P.SHUTDOWN: self._shutdown}
+        return [handlers[P.validate_command(r["command"], set(r.keys()))](r) for r in requests]
+
+    def _train(self, r) -> dict:   # one request is one optimizer step
         lim = self.limits
-        out = []
-        for r in requests:  # one request is one optimizer step
-            floats = {n: r[n] for n in P.TRAIN_FLOAT_INPUTS}
-            lengths = P.validate_train(r["tokens"], r["lengths"], floats,
-                                       max_seq_len=lim.max_seq_len, vocab_size=lim.vocab_size)
-            loss = self._submit("train", {"tokens": r["tokens"], "lengths": lengths, **floats,
-                                          "step": _step([r])})
-            out.append({"loss": np.array([loss], dtype=np.float32)})
-        return out
+        floats = {n: r[n] for n in P.TRAIN_FLOAT_INPUTS}
+        lengths = P.validate_train(r["tokens"], r["lengths"], floats,
+                                   max_seq_len=lim.max_seq_len, vocab_size=lim.vocab_size)
+        loss = self._submit("train", {"tokens": r["tokens"], "lengths": lengths, **floats, "step": _step([r])})
+        return {"loss": np.array([loss], dtype=np.float32)}
 
-    def _save(self, requests) -> list[dict]:
-        self._authorize(P.SAVE, requests)
-        out = []
-        for r in requests:
-            name = self._checkpoint_target(P.validate_checkpoint_name(r["name"]))
-            written = self._submit("save", {"path": name})
-            out.append({"path": np.array([str(written).encode()], dtype=np.bytes_)})
-        return out
+    def _save(self, r) -> dict:
+        name = self._checkpoint_target(P.validate_checkpoint_name(r["name"]))
+        written = self._submit("save", {"path": name})
+        return {"path": np.array([str(written).encode()], dtype=np.bytes_)}
 
-    def _shutdown(self, requests) -> list[dict]:
-        self._authorize(P.SHUTDOWN, requests)
+    def _shutdown(self, r) -> dict:
         self._submit("shutdown", {})
-        return [{"ack": np.array([1], dtype=np.int64)} for _ in requests]
+        return {"ack": np.array([1], dtype=np.int64)}

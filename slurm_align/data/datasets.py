@@ -20,7 +20,7 @@ import torch
 
 from slurm_align.algorithms.rollout_batch import position_mask
 from slurm_align.config.errors import ConfigError
-from slurm_align.data.jsonl import Row, read_rows
+from slurm_align.data.jsonl import ASSISTANT, Row, read_rows
 
 
 class TemplatePrefixError(ValueError):
@@ -31,16 +31,30 @@ class TemplatePrefixError(ValueError):
 class Sequence:
     ids: list[int]
     prompt_len: int  # tokens before the response, BOS included
+    trained: tuple[int, ...] | None = None
+    """Per response token, 1 where the loss counts and 0 on context inside the response (a
+    multi-turn output's tool results); None: every response token counts."""
 
 
 def _bos(tok) -> list[int]:
     return [] if tok.bos_id is None else [tok.bos_id]
 
 
-def encode_pair(tok, prompt: str, response: str, max_len: int) -> Sequence:
+def encode_pair(tok, prompt: str, response: str | list[dict], max_len: int) -> Sequence:
+    """[BOS] prompt response [EOS]; a multi-turn response (a list of {"role", "content"}
+    segments) is its segments' tokens in order, trained only on the assistant's (and EOS)."""
     p = _bos(tok) + tok.encode(prompt)
-    ids = (p + tok.encode(response) + [tok.eos_id])[:max_len]
-    return Sequence(ids, min(len(p), max_len))
+    if isinstance(response, str):
+        ids = (p + tok.encode(response) + [tok.eos_id])[:max_len]
+        return Sequence(ids, min(len(p), max_len))
+    r, trained = [], []
+    for seg in response:
+        t = tok.encode(seg["content"])
+        r += t
+        trained += [int(seg["role"] == ASSISTANT)] * len(t)
+    ids = (p + r + [tok.eos_id])[:max_len]
+    plen = min(len(p), max_len)
+    return Sequence(ids, plen, tuple((trained + [1])[:len(ids) - plen]))
 
 
 def encode_prompt(tok, prompt: str, max_len: int) -> list[int]:
@@ -69,6 +83,45 @@ def encode_chat_pair(tok, prompt: list[dict], response: list[dict], max_len: int
     return Sequence((p + r)[:max_len], min(len(p), max_len))
 
 
+def encode_chat_sft(tok, messages: list[dict], max_len: int) -> Sequence:
+    """A chat SFT row: every assistant turn is trained, the turns between them (tool results,
+    user turns) and the template's text around them are context. The prompt is what precedes
+    the first assistant turn. Each turn's tokens are those of the rendered conversation past the
+    text before it, as generation would produce them there; an assistant turn is trained up to
+    its end (EOS), what the template writes after that ("\n") is context, or dropped after the
+    last turn. One assistant turn: the same sequence as encode_chat_pair."""
+    turns = [i for i, m in enumerate(messages) if m.get("role") == ASSISTANT]
+    if len(turns) == 1 and turns[0] == len(messages) - 1:
+        return encode_chat_pair(tok, messages[:-1], messages[-1:], max_len)
+
+    def rendered_after(prefix: str, conversation: list[dict], gen: bool) -> str:
+        text = tok.apply_chat_template(conversation, add_generation_prompt=gen)
+        if not text.startswith(prefix):
+            raise TemplatePrefixError(
+                f"the chat template renders the first {len(conversation)} messages without the earlier "
+                f"turns as their prefix (earlier turns end {prefix[-40:]!r})")
+        return text
+
+    done = tok.apply_chat_template(messages[:turns[0]], add_generation_prompt=True)
+    ids, trained = tok.encode(done), []
+    prompt_len = len(ids)
+    for i in turns:
+        before = rendered_after(done, messages[:i], gen=True)
+        context = tok.encode(before[len(done):]) if len(before) > len(done) else []
+        done = rendered_after(before, messages[:i + 1], gen=False)
+        turn = tok.encode(done[len(before):])
+        ends = [k for k, t in enumerate(turn) if t == tok.eos_id]
+        cut = ends[-1] + 1 if ends else len(turn)
+        last = i == turns[-1]
+        tail = [] if last else turn[cut:]
+        end = [tok.eos_id] if last and not ends else []
+        ids += context + turn[:cut] + end + tail
+        trained += [0] * len(context) + [1] * (cut + len(end)) + [0] * len(tail)
+    ids = ids[:max_len]
+    plen = min(prompt_len, max_len)
+    return Sequence(ids, plen, tuple(trained[:len(ids) - plen]))
+
+
 def _encode_rows(path, kind: str, tok, encode) -> tuple[list[Row], list]:
     """encode(row) for every row of a data file; template failures name the file and line."""
     rows = read_rows(path, kind)
@@ -90,7 +143,7 @@ class SFTDataset:
         def encode(row: Row) -> Sequence:
             d = row.data
             if row.is_chat:
-                return encode_chat_pair(tok, d["messages"][:-1], d["messages"][-1:], max_len)
+                return encode_chat_sft(tok, d["messages"], max_len)
             return encode_pair(tok, d["input"], d["output"], max_len)
 
         self.rows, self.items = _encode_rows(path, "SFT", tok, encode)
@@ -182,7 +235,14 @@ def response_mask(seqs: list[Sequence], length: int) -> torch.Tensor:
     """[n, length-1] float: 1 where position t predicts a response token t+1."""
     plen = torch.tensor([s.prompt_len for s in seqs], dtype=torch.int64)
     rlen = torch.tensor([len(s.ids) for s in seqs], dtype=torch.int64) - plen
-    return position_mask(plen, rlen, length - 1)
+    mask = position_mask(plen, rlen, length - 1)
+    for i, s in enumerate(seqs):   # context inside a multi-turn response: position p predicts token p+1
+        if s.trained is not None:
+            for t, keep in enumerate(s.trained):
+                p = s.prompt_len + t - 1   # -1: an empty prompt's first token, which nothing predicts
+                if not keep and 0 <= p < length - 1:
+                    mask[i, p] = 0
+    return mask
 
 
 class DataOrder:

@@ -6,8 +6,14 @@ transformers' apply_chat_template takes it, rendered with the tokenizer's chat t
     prompts      {"prompt": str}
                  {"messages": [turn, ...]}                 the last turn is not the assistant's
     SFT          {"input": str, "output": str}
-                 {"messages": [turn, ..., assistant turn]} the last turn is the response (the loss
-                                                           counts on it only)
+                 {"input": str, "output": [segment, ...]}  a multi-turn answer: each segment is
+                                                           {"role": str, "content": str}; only the
+                                                           "assistant" segments are trained, the
+                                                           others (tool results, ...) are context
+                 {"messages": [turn, ..., assistant turn]} every assistant turn is trained, the
+                                                           turns before the first are the prompt,
+                                                           those between (tool results, user
+                                                           turns) are context
     preferences  {"prompt": str, "chosen": str, "rejected": str}
                  {"messages": [prompt turn, ...], "chosen": R, "rejected": R}
                  where R is the assistant's reply as a string, as one assistant message, or as a
@@ -31,6 +37,8 @@ PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
 PROMPT_KEYS = ("prompt",)
 PLAIN_KEYS = {"prompt": PROMPT_KEYS, "SFT": SFT_KEYS, "preference": PREFERENCE_KEYS}
 MAX_PROBLEMS = 20
+ASSISTANT = "assistant"
+"""The role whose text is trained in a multi-turn SFT output; other roles are context only."""
 
 
 @dataclass(frozen=True)
@@ -82,9 +90,17 @@ def _plain_problem(obj: dict, keys: tuple[str, ...], kind: str) -> str | None:
     missing = [k for k in keys if k not in obj]
     if missing:
         return f"missing key(s) {missing} ({kind} lines need {list(keys)}; found {sorted(obj)})"
-    wrong = [f"{k!r} is {type(obj[k]).__name__}" for k in keys if not isinstance(obj[k], str)]
+    segmented = kind == "SFT" and isinstance(obj.get("output"), list)
+    wrong = [f"{k!r} is {type(obj[k]).__name__}" for k in keys
+             if not isinstance(obj[k], str) and not (segmented and k == "output")]
     if wrong:
         return f"values must be strings: {', '.join(wrong)}"
+    if segmented:
+        problem = _messages_problem(obj["output"], "output")
+        if problem:
+            return problem + " (a multi-turn output: a list of segments)"
+        if not any(m["role"] == ASSISTANT for m in obj["output"]):
+            return f"'output' has no {ASSISTANT!r} segment: nothing to train on"
     return None
 
 

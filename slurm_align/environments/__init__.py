@@ -14,3 +14,13 @@
   slurm_align.environments.sandbox`);
 - loss_mask.py: the per-token loss mask of a multi-turn trajectory.
 """
+
+# The run config first: config/run.py imports environments/config.py, so importing this package
+# before slurm_align.config would meet a half-made config module. The sandbox CLI (`python -m
+# slurm_align.environments.sandbox`, stdlib only) also runs under a bare interpreter without
+# pydantic, where there is no config to import.
+try:
+    import slurm_align.config  # noqa: E402,F401
+except ModuleNotFoundError as e:
+    if e.name != "pydantic":
+        raise

@@ -82,7 +82,7 @@ def pack_prompts(prompts: Sequence[torch.Tensor], shape: GptShape, params: Sampl
 
 
 class ResponseRecorder:
-    """Collects one token per active sample per step; tracks EOS, lengths and is_end."""
+    """Collects one token per active sample per step; tracks EOS, stop sequences, lengths and is_end."""
 
     def __init__(self, n: int, params: SamplingParams, device: torch.device):
         self.params = params
@@ -91,6 +91,7 @@ class ResponseRecorder:
         self.logprobs = torch.zeros(n, m, dtype=torch.float32, device=device) if params.return_logprobs else None
         self.lengths = torch.zeros(n, dtype=torch.int64, device=device)
         self.is_end = torch.zeros(n, dtype=torch.bool, device=device)
+        self.stops = [torch.tensor(q, dtype=torch.int64, device=device) for q in params.stop_token_sequences]
 
     def record(self, step: int, rows: torch.Tensor, alive: torch.Tensor, tokens: torch.Tensor,
                logprobs: torch.Tensor | None) -> torch.Tensor:
@@ -99,9 +100,13 @@ class ResponseRecorder:
         if self.logprobs is not None:
             self.logprobs[rows, step] = torch.where(alive, logprobs, 0.0)
         self.lengths[rows] += alive
-        if self.params.eos_id is None:
-            return alive
-        hit = alive & (tokens == self.params.eos_id)
+        hit = torch.zeros_like(alive)
+        if self.params.eos_id is not None:
+            hit |= alive & (tokens == self.params.eos_id)
+        for seq in self.stops:   # a live row has generated step + 1 tokens
+            k = len(seq)
+            if step + 1 >= k:
+                hit |= alive & (self.tokens[rows, step + 1 - k:step + 1] == seq).all(dim=1)
         self.is_end[rows] |= hit
         return alive & ~hit
 

@@ -19,7 +19,8 @@ class TrainingStateOffload:
 
     def __init__(self, optimizer: torch.optim.Optimizer, chunks: list):
         self.optimizer = optimizer
-        self.params = [p for c in chunks for p in c.parameters()]
+        # the optimizer's parameters: a LoRA model's adapters, every parameter otherwise
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self._devices: dict[int, torch.device] = {}
         self._grads: dict[int, torch.Tensor] = {}
         self.offloaded = False

@@ -34,6 +34,6 @@ class NaiveEngine(TorchEngineBase):
             nxt, lp = select_tokens(logits, params, batch.seeds, t, self.shape.vocab_size)
             alive = rec.record(t, rows, alive, nxt, lp)
             tokens[:, n] = nxt
-            if params.eos_id is not None and not bool(alive.any()):
+            if params.stops_early and not bool(alive.any()):
                 break
         return rec.output()

@@ -35,6 +35,11 @@ class SamplingParams:
     """Nucleus sampling: keep the smallest set of tokens whose mass reaches top_p."""
     eos_id: int | None = None
     """Stop a sample when it emits this token (kept in the response); None never stops early."""
+    stop_token_sequences: tuple[tuple[int, ...], ...] = ()
+    """Also stop a sample (is_end, the sequence kept) once its response ends with one of these
+    token sequences: a multi-turn environment's stop strings, tokenized. The torch engines stop
+    there; the others generate on, and the caller's cut by text (conversations.stop_cut) is
+    exact either way."""
     pad_id: int = 0
     """Fills response_tokens past each sample's length."""
     seed: int = 0
@@ -53,9 +58,16 @@ class SamplingParams:
             ("top_k", self.top_k >= 0, ">= 0 (0 = all)"),
             ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
         ]
+        checks.append(("stop_token_sequences", all(len(q) >= 1 for q in self.stop_token_sequences),
+                       "non-empty token sequences"))
         for name, ok, allowed in checks:
             if not ok:
                 raise GenerationError(f"SamplingParams.{name}={getattr(self, name)!r}: must be {allowed}")
+
+    @property
+    def stops_early(self) -> bool:
+        """Whether a sample can end before max_new_tokens (EOS or a stop sequence)."""
+        return self.eos_id is not None or bool(self.stop_token_sequences)
 
     @property
     def greedy(self) -> bool:

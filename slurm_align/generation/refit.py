@@ -4,7 +4,7 @@ With refold on, every rank of a TP x PP model replica ends up holding the whole 
 generation (DP_gen = DP x PP, see slurm_align.parallel.layout.GenerationLayout); the torch engines
 compute at TP 1, so each rank gets the full state dict (TP all-gather + PP exchange inside
 slurm_align.models.weights.full_state_dict). The TensorRT-LLM engine slices its own TP shard
-from the same dict.
+from the same dict. A LoRA model's adapters are merged into each shard first (lora.merged).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from slurm_align.generation.base import Engine
+from slurm_align.models.lora import merged
 from slurm_align.models.weights import full_state_dict, local_tensors
 
 
@@ -36,7 +37,8 @@ def refit_from_training(engine: Engine, chunks: list, pctx: Any, *, refold: bool
     dp_rank/dp_size say which share of the prompts this rank serves).
     """
     t0 = time.perf_counter()
-    with pctx.generation_layout(refold) as layout:
+    # LoRA: the engine generates with the merged weights W + scale * B A
+    with pctx.generation_layout(refold) as layout, merged(chunks):
         if pctx.tp_size == 1 and pctx.pp_size == 1 and getattr(pctx, "ep_size", 1) == 1:
             # Nothing to gather: the engine copies straight from the parameters (no extra clone).
             weights = {name: t.detach() for name, t in local_tensors(chunks, pctx)}

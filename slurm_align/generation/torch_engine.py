@@ -65,7 +65,7 @@ class KVCacheEngine(TorchEngineBase):
             alive = rec.record(t, rows, alive, nxt, lp)
             if t == m - 1:
                 break
-            if params.eos_id is not None:
+            if params.stops_early:
                 live = int(alive.sum())
                 if live == 0:
                     break

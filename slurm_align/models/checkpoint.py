@@ -2,7 +2,9 @@
 
 A checkpoint folder CHECKPOINTS/iter_<step> holds the model's sharded weights, the AdamW state
 (sharded like the parameters, so TP=2 loads with TP=1), and common state: step, consumed
-samples, RNG state. It is written atomically: every rank saves into iter_<step>.tmp, rank 0
+samples, RNG state. A LoRA model's checkpoint holds only its adapters (and their AdamW state)
+plus `lora_base`, the base it was trained on (common["lora_base"], see trainers); the base
+weights come from there. It is written atomically: every rank saves into iter_<step>.tmp, rank 0
 writes manifest.json (every file's size) last, renames the folder and fsyncs the parent. A folder
 without a manifest, or whose files do not match it, is refused with a CheckpointError.
 """
@@ -11,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,33 +24,19 @@ from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map, optim_state_to_sharding_state,
 )
 
+from slurm_align.models.checkpoint_names import MANIFEST, find_latest, iter_dir  # noqa: F401  (their home is torch-free)
 from slurm_align.models.cpu_compat import apply_cpu_compat
+from slurm_align.models.lora import adapter_tensors, has_lora, sharded_adapter_state
 from slurm_align.rundir import fsync_dir
-
-MANIFEST = "manifest.json"
-_ITER = re.compile(r"^iter_(\d+)$")
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, truncated or does not fit the model."""
 
 
-def iter_dir(root: Path, step: int) -> Path:
-    return Path(root) / f"iter_{step:07d}"
-
-
-def find_latest(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root` (folders without a manifest are ignored)."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    done = [(int(m.group(1)), p) for p in root.iterdir()
-            if (m := _ITER.match(p.name)) and (p / MANIFEST).is_file()]
-    return max(done)[1] if done else None
-
-
 def _sharded_state(chunks: list, optimizer: torch.optim.Optimizer | None) -> dict:
-    model_sd = chunks[0].sharded_state_dict()
+    # LoRA: the adapters only (attached outside the module tree, see models/lora.py)
+    model_sd = sharded_adapter_state(chunks) if has_lora(chunks) else chunks[0].sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -89,7 +76,7 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common
         tmp.mkdir(parents=True)
     dist.barrier()
     state = _sharded_state(chunks, optimizer)
-    state["common"] = {**common, "step": step, "rng": torch.get_rng_state()}
+    state["common"] = {**common, "step": step, "rng": torch.get_rng_state(), "lora": has_lora(chunks)}
     if optimizer is not None:   # AdamW's bias correction needs its own update count back
         state["common"]["optimizer_steps"] = _optimizer_steps(optimizer)
     dist_checkpointing.save(state, str(tmp))
@@ -136,6 +123,13 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None) -> dict:
     apply_cpu_compat()
     path = Path(path)
     verify_checkpoint(path)
+    saved_lora = bool(dist_checkpointing.load_common_state_dict(str(path)).get("common", {}).get("lora"))
+    if saved_lora != has_lora(chunks):
+        raise CheckpointError(
+            f"checkpoint {path} holds {'LoRA adapters only' if saved_lora else 'full weights'}, but the model "
+            f"{'has' if has_lora(chunks) else 'has no'} adapters: "
+            + ("load its base first and set model.lora as in the run that saved it" if saved_lora
+               else "a base checkpoint is loaded before model.lora attaches the adapters"))
     if optimizer is not None:
         init_optimizer_state(optimizer)
     state = _sharded_state(chunks, optimizer)
@@ -145,7 +139,12 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None) -> dict:
     except Exception as e:  # torch_dist reports damage as assorted exception types
         raise CheckpointError(f"checkpoint {path} could not be loaded into this model "
                               f"({type(e).__name__}: {e})") from e
-    chunks[0].load_state_dict(loaded["model"], strict=False)
+    if saved_lora:
+        with torch.no_grad():
+            for key, p in adapter_tensors(chunks):
+                p.copy_(loaded["model"][key])
+    else:
+        chunks[0].load_state_dict(loaded["model"], strict=False)
     common = loaded["common"]
     if optimizer is not None:
         osd = loaded["optimizer"]

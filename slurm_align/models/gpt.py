@@ -139,8 +139,10 @@ def apply_llama3_rope_scaling(model: GPTModel, model_cfg: ModelConfig) -> None:
 
 
 def layer_spec(model_cfg: ModelConfig):
-    """Transformer Engine spec when CUDA and TE are importable, megatron's local spec otherwise."""
-    if cuda_present():
+    """Transformer Engine spec when CUDA and TE are importable, megatron's local spec otherwise.
+    LoRA always takes the local spec: TE fuses the layer norm into qkv/fc1, whose adapters need
+    the normed input."""
+    if cuda_present() and model_cfg.lora is None:
         try:
             # deferred: transformer_engine needs CUDA (GPU extra); megatron's local spec otherwise
             import transformer_engine  # noqa: F401

@@ -39,6 +39,13 @@ class RouterStats:
         self.counts += routing_map.detach().double().sum(0).cpu()
         self.calls += 1
 
+    def reset(self) -> None:
+        """Forget what was counted so far (local: no communication), e.g. the PPO actor's
+        log-prob passes before its update."""
+        self.counts.zero_()
+        self.calls = 0
+        moe_utils.clear_aux_losses_tracker()
+
     @torch.no_grad()
     def collect(self, group: Any = None) -> dict[str, float]:
         """The statistics since the last collect (then reset); collective over `group`
@@ -50,9 +57,7 @@ class RouterStats:
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(vec, group=group)
         counts, calls, aux_sum = vec[: self.num_experts], float(vec[-2]), float(vec[-1])
-        self.counts.zero_()
-        self.calls = 0
-        moe_utils.clear_aux_losses_tracker()
+        self.reset()
         total = float(counts.sum())
         out: dict[str, float] = {}
         if total > 0:

@@ -25,10 +25,15 @@ CRITIC_TRAIN = "critic_train"
 PROMPT_WAIT = "prompt_wait"
 # Held-out task evaluation after a step (refit + greedy generation + scoring; eval.interval).
 EVALUATE = "evaluate"
+# Disaggregated rollouts: the trainer gathering and streaming its weights after a step, and the
+# generator waiting for and applying them before one.
+WEIGHT_SYNC = "weight_sync"
+# Multi-turn rollouts: the environment's steps between the model's turns (tool calls in its pool).
+TOOLS = "tools"
 
 PHASES: tuple[str, ...] = (
-    REFIT, GENERATE, LOGPROBS, INIT_LOGPROBS, CRITIC_WAIT, REBALANCE, STORE, TRAIN,
-    CRITIC_INFER, CRITIC_TRAIN, PROMPT_WAIT, EVALUATE,
+    REFIT, GENERATE, TOOLS, LOGPROBS, INIT_LOGPROBS, CRITIC_WAIT, REBALANCE, STORE, TRAIN,
+    CRITIC_INFER, CRITIC_TRAIN, PROMPT_WAIT, EVALUATE, WEIGHT_SYNC,
 )
 """Known phases in the order a step runs them (the order of table rows and bar segments)."""
 

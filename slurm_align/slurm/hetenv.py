@@ -140,3 +140,15 @@ class HetEnv:
     def address(self, component: str) -> str:
         """IP address of the component's first host (its rank 0 runs there)."""
         return resolve_address(self.hosts(component)[0])
+
+
+def service_host(component: str, explicit: str | None = None) -> str:
+    """Where a component's service binds: `explicit` (a config field), else the address of the
+    profile's network.interface on this node (the high-speed network), else the node's address
+    as Slurm knows it (NodeAddr). Never every interface."""
+    from slurm_align.parallel.bootstrap import INTERFACE_ENV, interface_address   # torch: only when serving
+    if explicit:
+        return explicit
+    if os.environ.get(INTERFACE_ENV):
+        return interface_address(os.environ[INTERFACE_ENV])
+    return HetEnv.from_environ().address(component)

@@ -110,18 +110,23 @@ class Job:
                 out = {c: (job_state.CANCELLED if s != job_state.COMPLETED else s) for c, s in out.items()}
             return out
         _, raw = job_state.slurm_state(self.job_id)
-        folded = [job_state.fold(s) for s in raw]
         out = {}
         for i, comp in enumerate(self.record.components):
-            sched = folded[i] if i < len(folded) else (folded[0] if folded else job_state.UNKNOWN)
+            raw_i = raw[i] if i < len(raw) else (raw[0] if raw else "")
+            sched = job_state.fold(raw_i)
             code = codes.get(comp)
             if code == STOPPED_EXIT_CODE:
                 # stopped at a checkpoint: requeued (Slurm says pending/running) or ended as stopped
                 out[comp] = job_state.STOPPED if sched in job_state.FINAL_STATES else sched
-            elif code is not None and code != 0:
-                out[comp] = job_state.FAILED  # known before Slurm finishes tearing the job down
-            else:
+            elif code is None or code == 0 or sched == job_state.CANCELLED:
                 out[comp] = sched
+            elif job_state.is_completing(raw_i):
+                # A cancel's SIGTERM ends the ranks with non-zero codes, which the job script may
+                # write before its own TERM trap runs: once Slurm is ending the job, its final
+                # state (CANCELLED, FAILED) says why, not the codes.
+                out[comp] = job_state.RUNNING
+            else:
+                out[comp] = job_state.FAILED  # known before Slurm finishes tearing the job down
         return out
 
     def state(self) -> str:
@@ -245,7 +250,8 @@ def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow
     if setup is not None:
         write_atomic(rd.root / CONTAINER_SETUP, setup)
     create_run_secret(rd)   # mode 0600; the critic serves only requests carrying it
-    rd.critic_address.unlink(missing_ok=True)
+    for comp in run.components:   # an older start's addresses are never read as this one's
+        rd.address(comp).unlink(missing_ok=True)
 
     popen = None
     if profile.kind == "local":

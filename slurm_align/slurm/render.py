@@ -12,10 +12,12 @@ as `x; rm -rf ~` can never run. Secrets appear by name only.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
 import socket
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -230,7 +232,39 @@ def input_paths(run: RunConfig) -> list[Path]:
         tok = getattr(getattr(sub, "tokenizer", None), "path", None)
         if tok is not None:
             found.append(Path(tok).absolute())
-    return sorted(set(found))
+    # The config's own inputs in field order, then the user's code: an order that does not
+    # depend on where either lives (a sort by path would move with the checkout's location).
+    return list(dict.fromkeys([*found, *user_code_paths(run)]))
+
+
+def user_code_paths(run: RunConfig) -> list[Path]:
+    """Where the run's own Python modules live on this machine (reward.rule, eval.scorer,
+    plugins): the top-level package's folder, or the module's file, that the ranks import by
+    the same sys.path (PYTHONPATH is passed on to the job). Installed code (the standard library,
+    site-packages, slurm_align itself) comes with the image and is not mounted; a module not
+    found here is left to the ranks' import, which names it."""
+    modules = [spec.partition(":")[0] for spec in (run.reward.rule, run.eval.scorer) if spec]
+    installed = {Path(p).resolve() for key in ("stdlib", "platstdlib", "purelib", "platlib")
+                 if (p := sysconfig.get_paths().get(key))}
+    found = set()
+    for top in {m.split(".")[0] for m in [*modules, *run.plugins]} - {"slurm_align"}:
+        try:
+            spec = importlib.util.find_spec(top)   # a top-level name: nothing is imported
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        if spec.submodule_search_locations:
+            path = Path(next(iter(spec.submodule_search_locations)))
+        elif spec.origin and spec.has_location:
+            path = Path(spec.origin)
+        else:
+            continue   # built-in or frozen
+        path = path.resolve()
+        if any(path.is_relative_to(root) for root in installed) or {"site-packages", "dist-packages"} & set(path.parts):
+            continue
+        found.add(path)
+    return sorted(found)
 
 
 def _container_flags(profile: ClusterProfile, comp: str, run_dir: Path, inputs: list[Path]) -> list[str]:

@@ -40,6 +40,11 @@ def fold(slurm_state: str) -> str:
     return UNKNOWN
 
 
+def is_completing(slurm_state: str) -> bool:
+    """Slurm is ending the job (cancel, time limit, failure): its final state is not out yet."""
+    return bool(slurm_state) and slurm_state.split()[0].rstrip("+") == "COMPLETING"
+
+
 def combine(states: list[str]) -> str:
     """A hetjob is FAILED if any component failed, COMPLETED only when all did."""
     if not states:

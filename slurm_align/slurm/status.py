@@ -19,6 +19,9 @@ _SRUN_TASK = re.compile(r"srun: error: \S+: tasks? (\d+)(?:-\d+)?: (.+)")
 # mpirun: "mpirun noticed that process rank 1 with PID 42 on node x exited on signal 9 (Killed)."
 _MPIRUN_RANK = re.compile(r"process rank (\d+) with PID \d+ on node \S+ (exited on signal.+|exited with.+)")
 _TRACEBACK = re.compile(r"^Traceback \(most recent call last\)", re.M)
+# A rank that failed only because a peer died (gloo/NCCL saw its connection go, or the rollout
+# stream from the generator closed): a consequence.
+_LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|remote process exited|StreamClosed: the peer closed")
 _ITER = re.compile(r"^iter_(\d+)$")
 
 
@@ -76,8 +79,8 @@ def tail(path: Path, lines: int = 20) -> list[str]:
 
 def failing_rank(rd: RunDir, component: str, lines: int = 20) -> FailedRank:
     """The rank of `component` that failed: the node its pre-flight failed on (no rank started),
-    else named by srun/mpirun in launcher.log, else the rank whose log holds a Python traceback,
-    else rank 0."""
+    else named by srun/mpirun in launcher.log (the first one named that did not fail only for a
+    lost peer), else the rank whose log holds a Python traceback, else rank 0."""
     preflight = rd.logs / component / "preflight.log"
     if preflight.is_file():
         failed = [line for line in preflight.read_text(errors="replace").splitlines() if "pre-flight failed" in line]
@@ -87,9 +90,11 @@ def failing_rank(rd: RunDir, component: str, lines: int = 20) -> FailedRank:
     text = launcher.read_text(errors="replace") if launcher.is_file() else ""
     rank, why = None, ""
     for pattern in (_SRUN_TASK, _MPIRUN_RANK):
-        m = pattern.search(text)
-        if m:
-            rank, why = int(m.group(1)), m.group(2).strip().rstrip(".")
+        named = [(int(m.group(1)), m.group(2).strip().rstrip(".")) for m in pattern.finditer(text)]
+        if named:
+            # The launcher lists ranks in the order their ends reached it, which races: a rank
+            # that only lost its peer can be listed before the one that died. Skip those.
+            rank, why = next((n for n in named if not _lost_peer(rd.log(component, n[0]))), named[0])
             break
     logs = sorted((rd.logs / component).glob("rank*.log"), key=lambda p: int(p.stem[4:] or 0))
     if rank is None:
@@ -100,6 +105,12 @@ def failing_rank(rd: RunDir, component: str, lines: int = 20) -> FailedRank:
             rank, why = int(logs[0].stem[4:]), "unknown (see the launcher's log)"
     log = rd.log(component, rank) if rank is not None else None
     return FailedRank(component, rank, why, log, tail(log, lines) if log else [])
+
+
+def _lost_peer(log: Path) -> bool:
+    """Whether the rank's log ends in an error about a peer's lost connection."""
+    text = "\n".join(tail(log, 60))
+    return bool(_TRACEBACK.search(text) and _LOST_PEER.search(text))
 
 
 def run_status(job) -> RunStatus:
@@ -113,8 +124,15 @@ def run_status(job) -> RunStatus:
         status.pending_reasons = job_state.pending_reasons(job.job_id)
     if state == job_state.FAILED:
         first = rd.first_failure.read_text().strip() if rd.first_failure.is_file() else None
-        failed = [c for c, s in comps.items() if s == job_state.FAILED]
-        component = first or (failed[0] if failed else None)
-        if component is not None:
-            status.failed = failing_rank(rd, component)
+        status.failed = first_failure(rd, first, [c for c, s in comps.items() if s == job_state.FAILED])
     return status
+
+
+def first_failure(rd: RunDir, first: str | None, failed: list[str]) -> FailedRank | None:
+    """The failure to report: the failing rank of the component the job script saw end first
+    (`first`), unless that rank only lost its peer and another failed component's rank did not.
+    The script reaps components as they end, and one whose peer died (the actor reading the
+    generator's stream) can end before the component of the rank that died."""
+    order = ([first] if first else []) + [c for c in failed if c != first]
+    ranks = [failing_rank(rd, c) for c in order]
+    return next((f for f in ranks if f.log is None or not _lost_peer(f.log)), ranks[0] if ranks else None)

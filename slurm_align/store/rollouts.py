@@ -5,10 +5,12 @@ row is valid), so appending a step is two row writes (usually one chunk file eac
 concurrently) and then the commit, one row of the index:
 
     tokens   int32   (steps, width)   prompt tokens (all samples, concatenated) | response tokens |
-                                      per-sample prompt_length | length | rank | is_end
+                                      per-sample prompt_length | length | rank | is_end | version
     values   float32 (steps, width)   per response token: logprobs | ref_logprobs | values |
-                                      advantages | returns | rollout_logprobs (TOKEN_FIELDS),
-                                      then reward per sample
+                                      advantages | returns | rollout_logprobs | loss_mask |
+                                      turn | role (TOKEN_FIELDS),
+                                      then reward per sample (ref_logprobs is NaN in a run
+                                      without a KL term: RunConfig.uses_reference)
     index    int64   (steps, 5)       step, samples, prompt tokens, response tokens of each row,
                                       committed (1; rows past the committed steps hold 0)
 
@@ -32,17 +34,23 @@ import zarr
 from slurm_align.store.atomic import AtomicLocalStore
 from slurm_align.store.ragged import create, ensure_shape, next_pow2, pack, put_chunk, write_row
 
-TOKEN_FIELDS = ("logprobs", "ref_logprobs", "values", "advantages", "returns", "rollout_logprobs")
+TURN_DEFAULTS = {"loss_mask": 1.0, "turn": 0.0, "role": 0.0}
+"""Per-token fields of multi-turn trajectories, with their single-turn values (an append that
+leaves them out stores these): loss_mask 1 on the model's tokens, 0 on the environment's;
+turn: the turn's number (turn boundaries are where it changes); role: the turn's kind
+(algorithms/conversations.py ROLE_CODES: 0 model, 1 tool, 2 user, 3 system)."""
+TOKEN_FIELDS = ("logprobs", "ref_logprobs", "values", "advantages", "returns", "rollout_logprobs", *TURN_DEFAULTS)
 """Per response token, float32. logprobs: the trainer's (pi_old, at the start of the step);
 rollout_logprobs: the generating engine's (NaN where the engine gave none), so the
-engine/trainer mismatch of a run can be analysed afterwards."""
-SAMPLE_FIELDS = {"reward": np.float32, "is_end": np.bool_, "rank": np.int32}
-"""Per sample, given by the caller (length and step are filled in by the store)."""
-SAMPLE_INTS = ("prompt_length", "length", "rank", "is_end")
+engine/trainer mismatch of a run can be analysed afterwards; then TURN_DEFAULTS' fields."""
+SAMPLE_FIELDS = {"reward": np.float32, "is_end": np.bool_, "rank": np.int32, "version": np.int32}
+"""Per sample, given by the caller (length and step are filled in by the store). version: the
+weight version (optimizer steps taken) of the policy that generated the sample."""
+SAMPLE_INTS = ("prompt_length", "length", "rank", "is_end", "version")
 """Per-sample integers at the end of a `tokens` row, in this order."""
 INDEX = ("step", "num_samples", "num_prompt_tokens", "num_response_tokens", "committed")
 """Columns of the `index` array."""
-FORMAT = "slurm-align-rollouts/3"   # 3: rollout_logprobs added
+FORMAT = "slurm-align-rollouts/5"   # 3: rollout_logprobs added; 4: version; 5: loss_mask, turn, role
 _INDEX_CHUNK = 256
 _ROWS = 8   # initial step capacity (doubles as needed)
 
@@ -132,7 +140,7 @@ class RolloutStore:
 
         batch: prompt_tokens, response_tokens (lists of token sequences), the per-token fields
         (lists of float sequences, each as long as its response, or one padded 2-D array whose
-        rows are cut to the response lengths), reward, is_end, rank (one per sample). Steps must
+        rows are cut to the response lengths), reward, is_end, rank, version (one per sample). Steps must
         increase: redoing a step needs truncate_to(step) first."""
         self.flush()
         if len(self._index) and step <= self._index[-1, 0]:
@@ -257,7 +265,7 @@ def _per_token(name: str, values: Any, lengths: np.ndarray) -> np.ndarray:
 
 def _validate(batch: Mapping[str, Any]) -> dict[str, Any]:
     required = ("prompt_tokens", "response_tokens", *TOKEN_FIELDS, *SAMPLE_FIELDS)
-    missing = [k for k in required if k not in batch]
+    missing = [k for k in required if k not in batch and k not in TURN_DEFAULTS]
     if missing:
         raise RolloutStoreError(f"rollout batch lacks key(s) {', '.join(missing)} (required: {', '.join(required)})")
     unknown = set(batch) - set(required) - {"length"}
@@ -273,7 +281,10 @@ def _validate(batch: Mapping[str, Any]) -> dict[str, Any]:
     cols["response_tokens"], r_off = pack(batch["response_tokens"], np.int32)
     lengths = np.diff(r_off)
     for name in TOKEN_FIELDS:
-        cols[name] = _per_token(name, batch[name], lengths)
+        if name in batch:
+            cols[name] = _per_token(name, batch[name], lengths)
+        else:
+            cols[name] = np.full(int(lengths.sum()), TURN_DEFAULTS[name], np.float32)
     for name, dt in SAMPLE_FIELDS.items():
         cols[name] = np.asarray(batch[name], dtype=dt).reshape(n)
     if "length" in batch and not np.array_equal(np.asarray(batch["length"]), lengths):

@@ -45,6 +45,7 @@ export SLURM_ALIGN_NET_IFNAME=ib0
 export NCCL_SOCKET_IFNAME=ib0
 export GLOO_SOCKET_IFNAME=ib0
 export SLURM_ALIGN_RUN_DIR=/scratch/runs/golden
+export SLURM_ALIGN_PREEMPT_GRACE_S=0   # profile preempt_grace_s: TERM to KILL
 export SLURM_ALIGN_COMPONENTS=actor,critic
 
 cd /scratch/runs/golden
@@ -102,7 +103,7 @@ trap 'request_stop TERM' TERM
 # Pre-flight: every node of every component sees the run directory and can run slurm-align.
 mkdir -p /scratch/runs/golden/logs/actor
 # shellcheck disable=SC2016  # $1, $2 and the node name expand on the node, not here
-if ! SRUN_CPUS_PER_TASK=1 srun --het-group=0 --nodes=4 --ntasks=4 --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 --wait=0 --mpi=none --container-image=nvcr.io/nvidia/nemo:25.04 --container-name=slurm-align-actor --container-workdir=/scratch/runs/golden --container-mounts=/scratch/runs/golden:/scratch/runs/golden,/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work --no-container-mount-home \
+if ! SRUN_CPUS_PER_TASK=1 srun --het-group=0 --nodes=4 --ntasks=4 --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 --wait=0 --mpi=none --container-image=nvcr.io/nvidia/nemo:25.04 --container-name=slurm-align-actor --container-workdir=/scratch/runs/golden --container-mounts=/scratch/runs/golden:/scratch/runs/golden,/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/repo/tests:/repo/tests:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work --no-container-mount-home \
   bash -c '. "$SLURM_ALIGN_RUN_DIR/container_setup.sh"; node="${SLURMD_NODENAME:-$(hostname)}"; if [[ ! -d "$2" ]]; then echo "slurm-align pre-flight failed on node $node: run directory $2 is not visible there"; exit 3; fi; if ! out="$("$1" -c "import slurm_align" 2>&1)"; then echo "slurm-align pre-flight failed on node $node: $1 cannot import slurm_align: $(echo "$out" | tail -n 1)"; exit 4; fi' \
   slurm-align-preflight /opt/venv/bin/python /scratch/runs/golden >>/scratch/runs/golden/logs/actor/preflight.log 2>&1; then
   reason="$(grep -m 1 "pre-flight failed" /scratch/runs/golden/logs/actor/preflight.log || tail -n 1 /scratch/runs/golden/logs/actor/preflight.log)"
@@ -113,7 +114,7 @@ if ! SRUN_CPUS_PER_TASK=1 srun --het-group=0 --nodes=4 --ntasks=4 --ntasks-per-n
 fi
 mkdir -p /scratch/runs/golden/logs/critic
 # shellcheck disable=SC2016  # $1, $2 and the node name expand on the node, not here
-if ! SRUN_CPUS_PER_TASK=1 srun --het-group=1 --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 --wait=0 --mpi=none --container-image=nvcr.io/nvidia/nemo:25.04 --container-name=slurm-align-critic --container-workdir=/scratch/runs/golden --container-mounts=/scratch/runs/golden:/scratch/runs/golden,/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work --no-container-mount-home \
+if ! SRUN_CPUS_PER_TASK=1 srun --het-group=1 --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 --wait=0 --mpi=none --container-image=nvcr.io/nvidia/nemo:25.04 --container-name=slurm-align-critic --container-workdir=/scratch/runs/golden --container-mounts=/scratch/runs/golden:/scratch/runs/golden,/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/repo/tests:/repo/tests:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work --no-container-mount-home \
   bash -c '. "$SLURM_ALIGN_RUN_DIR/container_setup.sh"; node="${SLURMD_NODENAME:-$(hostname)}"; if [[ ! -d "$2" ]]; then echo "slurm-align pre-flight failed on node $node: run directory $2 is not visible there"; exit 3; fi; if ! out="$("$1" -c "import slurm_align" 2>&1)"; then echo "slurm-align pre-flight failed on node $node: $1 cannot import slurm_align: $(echo "$out" | tail -n 1)"; exit 4; fi' \
   slurm-align-preflight /opt/venv/bin/python /scratch/runs/golden >>/scratch/runs/golden/logs/critic/preflight.log 2>&1; then
   reason="$(grep -m 1 "pre-flight failed" /scratch/runs/golden/logs/critic/preflight.log || tail -n 1 /scratch/runs/golden/logs/critic/preflight.log)"
@@ -128,7 +129,7 @@ mkdir -p /scratch/runs/golden/logs/actor
 # shellcheck disable=SC2016  # $rank and $@ expand on each rank, not here
 SLURM_ALIGN_COMPONENT=actor SLURM_ALIGN_LOG_DIR=/scratch/runs/golden/logs/actor \
   SRUN_CPUS_PER_TASK=12 OMP_NUM_THREADS=12 \
-  srun --het-group=0 --mpi=pmix --kill-on-bad-exit=1 --wait=0 --cpus-per-task=12 --cpu-bind=cores --gpus-per-task=1 --gpu-bind=closest --container-image=nvcr.io/nvidia/nemo:25.04 --container-name=slurm-align-actor --container-workdir=/scratch/runs/golden --container-mounts=/scratch/runs/golden:/scratch/runs/golden,/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work --no-container-mount-home \
+  srun --het-group=0 --mpi=pmix --kill-on-bad-exit=1 --wait=0 --cpus-per-task=12 --cpu-bind=cores --gpus-per-task=1 --gpu-bind=closest --container-image=nvcr.io/nvidia/nemo:25.04 --container-name=slurm-align-actor --container-workdir=/scratch/runs/golden --container-mounts=/scratch/runs/golden:/scratch/runs/golden,/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/repo/tests:/repo/tests:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work --no-container-mount-home \
   bash -c '. "$SLURM_ALIGN_RUN_DIR/container_setup.sh"; rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
   slurm-align-rank /opt/venv/bin/python -u -m slurm_align.launchers.report --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/actor/launcher.log 2>&1 &
 pids+=("$!")
@@ -139,7 +140,7 @@ mkdir -p /scratch/runs/golden/logs/critic
 # shellcheck disable=SC2016  # $rank and $@ expand on each rank, not here
 SLURM_ALIGN_COMPONENT=critic SLURM_ALIGN_LOG_DIR=/scratch/runs/golden/logs/critic \
   SRUN_CPUS_PER_TASK=12 OMP_NUM_THREADS=12 \
-  srun --het-group=1 --mpi=pmix --kill-on-bad-exit=1 --wait=0 --cpus-per-task=12 --cpu-bind=cores --container-image=nvcr.io/nvidia/nemo:25.04 --container-name=slurm-align-critic --container-workdir=/scratch/runs/golden --container-mounts=/scratch/runs/golden:/scratch/runs/golden,/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work --no-container-mount-home \
+  srun --het-group=1 --mpi=pmix --kill-on-bad-exit=1 --wait=0 --cpus-per-task=12 --cpu-bind=cores --container-image=nvcr.io/nvidia/nemo:25.04 --container-name=slurm-align-critic --container-workdir=/scratch/runs/golden --container-mounts=/scratch/runs/golden:/scratch/runs/golden,/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,/repo/tests:/repo/tests:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work --no-container-mount-home \
   bash -c '. "$SLURM_ALIGN_RUN_DIR/container_setup.sh"; rank="${SLURM_PROCID:-${OMPI_COMM_WORLD_RANK:-${PMIX_RANK:-0}}}"; exec "$@" >>"$SLURM_ALIGN_LOG_DIR/rank${rank}.log" 2>&1' \
   slurm-align-rank /opt/venv/bin/python -u -m slurm_align.launchers.report --run-dir /scratch/runs/golden >>/scratch/runs/golden/logs/critic/launcher.log 2>&1 &
 pids+=("$!")

@@ -20,6 +20,7 @@ export OMP_NUM_THREADS=1
 export OMPI_ALLOW_RUN_AS_ROOT=1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export SLURM_ALIGN_RUN_DIR=/scratch/runs/golden
+export SLURM_ALIGN_PREEMPT_GRACE_S=0   # profile preempt_grace_s: TERM to KILL
 export SLURM_ALIGN_COMPONENTS=actor,critic
 
 cd /scratch/runs/golden

@@ -38,10 +38,12 @@ def cmd_export(args: argparse.Namespace) -> int:
         from slurm_align.models.hf.exporter import export_hf
         try:
             out = export_hf(Path(args.checkpoint), Path(args.out_dir),
-                            run_config=Path(args.config) if args.config else None, dtype=args.dtype)
+                            run_config=Path(args.config) if args.config else None, dtype=args.dtype,
+                            adapter=args.adapter)
         except CheckpointError as e:
             raise ConfigError([str(e)], args.checkpoint) from None
-    Console().print(f"exported {args.checkpoint} -> {out} (transformers: from_pretrained({str(out)!r}))")
+    how = "peft: PeftModel.from_pretrained(base, ...)" if args.adapter else f"transformers: from_pretrained({str(out)!r})"
+    Console().print(f"exported {args.checkpoint} -> {out} ({how})")
     return 0
 
 
@@ -63,4 +65,7 @@ def register(sub) -> None:
                                      "RUN_DIR/checkpoints/)")
     hf.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                     help="dtype of the written weights (default float32, as trained)")
+    hf.add_argument("--adapter", action="store_true",
+                    help="a LoRA run's adapters only, as a PEFT adapter folder (adapter_config.json, "
+                         "adapter_model.safetensors); default: the weights with the adapters merged in")
     hf.set_defaults(func=cmd_export)

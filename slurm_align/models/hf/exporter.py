@@ -13,6 +13,10 @@ state; a training checkpoint RUN_DIR/checkpoints/<name>/iter_N takes it from RUN
 Value models (rm and critic checkpoints) are written as *ForSequenceClassification: the value
 head's weight becomes `score.weight`; HF's score has no bias, so ours (a constant shift of every
 reward, which a Bradley-Terry loss never sees) is dropped.
+A LoRA checkpoint (adapters only, common["lora_base"] naming its base) is loaded onto its base
+and written merged (W + scale * B A), or with `adapter=True` as a PEFT adapter folder
+(peft_adapter.py); an adapter export of a checkpoint without LoRA is refused before anything
+is written.
 Writes are atomic: everything goes into a hidden sibling folder that is renamed at the end.
 """
 
@@ -38,6 +42,8 @@ from slurm_align.models.gpt import build_gpt
 from slurm_align.models.hf.config import SUPPORTED, export_model_type, hf_config_dict, read_hf_config
 from slurm_align.models.hf.loader import INDEX, check_hf_folder
 from slurm_align.models.hf.mapping import sources, to_hf
+from slurm_align.models.hf.peft_adapter import peft_tensors, write_peft_adapter
+from slurm_align.models.lora import attach_lora, merged
 from slurm_align.models.weights import local_tensors
 from slurm_align.parallel.bootstrap import init_distributed
 from slurm_align.parallel.layout import initialize_model_parallel
@@ -185,29 +191,69 @@ def _write_side_files(tmp: Path, source: Path | None, config: dict) -> None:
                 shutil.copy2(source / name, tmp / name)
 
 
+def _lora_base(ckpt: Path, common: dict, cfg: ModelConfig, pctx) -> list:
+    """The base model of a LoRA checkpoint (its common["lora_base"]), adapters attached and loaded."""
+    base = common.get("lora_base") or {}
+    if cfg.lora is None or not base:
+        raise ConfigError([f"{ckpt} holds LoRA adapters, but its run config has no model.lora (or the "
+                           "checkpoint no lora_base): give the run's config with --config"], ckpt)
+    if base.get("init_checkpoint"):
+        chunks = build_gpt(cfg, pctx, init=False)
+        load_weights(base["init_checkpoint"], chunks)
+    elif base.get("hf_path"):
+        if not (Path(base["hf_path"]) / "config.json").is_file():
+            raise ConfigError([f"the base of {ckpt}, HF folder {base['hf_path']}, is gone"], ckpt)
+        chunks = build_gpt(cfg.model_copy(update={"hf_path": Path(base["hf_path"]), "init_checkpoint": None}), pctx)
+    else:   # a base drawn from the run's seed
+        chunks = build_gpt(cfg, pctx, seed=int(base["seed"]))
+    attach_lora(chunks, cfg.lora, pctx, int(base["seed"]))
+    load_weights(ckpt, chunks)
+    return chunks
+
+
 def export_hf(checkpoint: Path, out_dir: Path, *, run_config: Path | None = None, dtype: str = "float32",
-              max_shard_bytes: int = MAX_SHARD_BYTES) -> Path:
-    """Write the checkpoint as a HF folder `out_dir` that transformers' from_pretrained loads."""
+              max_shard_bytes: int = MAX_SHARD_BYTES, adapter: bool = False) -> Path:
+    """Write the checkpoint as a HF folder `out_dir` that transformers' from_pretrained loads
+    (LoRA: merged weights), or with `adapter` its LoRA adapters as a PEFT folder."""
     out_dir = Path(out_dir)
     check_target(out_dir)
     ckpt = resolve_checkpoint(Path(checkpoint))
     verify_checkpoint(ckpt)
+    common = dist_checkpointing.load_common_state_dict(str(ckpt)).get("common", {})
+    if adapter and not common.get("lora"):
+        raise ConfigError([f"export hf --adapter: {ckpt} has no LoRA adapters (its run trained the full "
+                           "weights, model.lora unset); export it without --adapter"], ckpt)
     held = checkpoint_model(ckpt, run_config)
     cfg = held.config
     base = read_hf_config(held.source) if held.source else None
     model_type = export_model_type(cfg, SUPPORTED.get((base or {}).get("architectures", [""])[0])
                                    if base else None)
+    srcs = sources(cfg, model_type, value_head=held.value_head, score_head=held.value_head)
     pctx = _single_rank_context()
     try:
-        chunks = build_gpt(cfg, pctx, value_head=held.value_head, init=False)  # the checkpoint sets all
-        load_weights(ckpt, chunks)
-        # TP=1, PP=1: the local tensors are the full ones (full_state_dict would copy them all).
-        full = {name: t.detach() for name, t in local_tensors(chunks, pctx)}
+        if common.get("lora"):
+            chunks = _lora_base(ckpt, common, cfg, pctx)
+        else:
+            chunks = build_gpt(cfg, pctx, value_head=held.value_head, init=False)  # the checkpoint sets all
+            load_weights(ckpt, chunks)
+        if adapter:
+            adapter_tensors = peft_tensors(chunks, cfg, model_type, srcs)
+        else:
+            with merged(chunks):   # LoRA: W + scale * B A (no-op without adapters)
+                # TP=1, PP=1: the local tensors are the full ones (full_state_dict would copy them all).
+                full = {name: t.detach() for name, t in local_tensors(chunks, pctx)}
         del chunks
     finally:
         pctx.destroy()
-    srcs = sources(cfg, model_type, value_head=held.value_head, score_head=held.value_head)
     tmp = _temp_beside(out_dir)
+    if adapter:
+        try:
+            write_peft_adapter(tmp, adapter_tensors, cfg, str(held.source) if held.source else None)
+            _publish(tmp, out_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return out_dir
     try:
         writer = _ShardWriter(tmp, max_shard_bytes)
         for name, src in srcs.items():

@@ -1,0 +1,298 @@
+"""Disaggregated rollouts (rollout.mode 'disaggregated'): the generator component, and the
+actor's end of its stream.
+
+The generator's ranks (each a TP 1 replica of the policy, generator.data_parallel of them) run
+the rollout collector (prompt server over the component, per-sample seeds, the rule reward);
+rank 0 serves one authenticated Stream (generation/stream.py) at its own address, published in
+RUN_DIR/generator_address.json, to the actor's rank 0:
+
+    actor -> generator   start {start_step}; weights {version, bucket i of n} after each
+                         optimizer step; stop
+    generator -> actor   samples {step} (a finished micro-batch: whole groups, each sample with
+                         the weight version that generated it); step_done {step}
+
+Staleness: step s may be generated with weights of version v >= s - 1 - k (k =
+rollout.max_off_policy_steps; version = optimizer steps taken). Before each step the generator
+applies the newest complete version it has (between requests, never during one) and waits only
+while it has none new enough; k = 0 is on-policy and in lock-step with the trainer. The actor
+checks every sample again (`stale_mask`): an older one is never trained on (its weight is 0,
+counted as dropped).
+
+Resume: the actor sends its start step and its checkpoint's weights; the generator regenerates
+from there with the same per-sample seeds (nothing is stored with the checkpoint). With k = 0
+the regenerated samples equal the lost ones; with k > 0 they may come from newer weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slurm_align.algorithms.policy_gradient import Rewards
+from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, collective_device
+from slurm_align.algorithms.rollout_collector import VERSION, RolloutCollector
+from slurm_align.config import RunConfig, load_run_config
+from slurm_align.data.datasets import PromptDataset
+from slurm_align.generation import engine_from_config
+from slurm_align.generation.stream import STOP, Stream, StreamClosed, StreamServer, connect
+from slurm_align.generation.weight_stream import WeightAssembler, send_weights
+from slurm_align.generation.weights import expected_shapes
+from slurm_align.generation.params import GptShape
+from slurm_align.models.lora import merged
+from slurm_align.models.tokenizer import build_tokenizer
+from slurm_align.models.weights import full_state_dict
+from slurm_align.parallel.bootstrap import init_distributed
+from slurm_align.profiling import phases as P
+from slurm_align.profiling.timers import Tracer
+from slurm_align.rundir import RunDir, address_problem, publish_address, read_run_secret
+from slurm_align.slurm.hetenv import service_host
+
+COMPONENT = "generator"
+WEIGHT_DIGESTS = {"generator": "generator_weights.jsonl", "trainer": "trainer_weights.jsonl"}
+"""RUN_DIR files (rollout.record_weight_digests): per weight version, the sha256 of each tensor
+the generator's engine holds once it applied it, and of each tensor the trainer sent."""
+
+
+@dataclass
+class _Replica:
+    """The generation layout of a generator rank: a TP 1 replica of its own."""
+    dp_rank: int
+    dp_size: int
+    mp_comm: Any
+    is_requester: bool = True
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's dtype, shape and bytes."""
+    t = t.detach().cpu().contiguous()
+    return hashlib.sha256(f"{t.dtype} {tuple(t.shape)} ".encode() + t.view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def record_digests(rd: RunDir, side: str, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    line = json.dumps({"version": int(version), "sha256": {k: tensor_digest(t) for k, t in tensors.items()}})
+    with open(rd.root / WEIGHT_DIGESTS[side], "a") as f:
+        f.write(line + "\n")
+
+
+# -- the generator component ------------------------------------------------------------------
+class _Stopped(Exception):
+    pass
+
+
+class Generator:
+    """One generator rank: its engine and collector; rank 0 also holds the actor's stream."""
+
+    def __init__(self, run: RunConfig, rd: RunDir, env):
+        self.run, self.rd, self.env, self.comm = run, rd, env, env.comm
+        self.rank = env.rank
+        torch.manual_seed(run.seed)
+        tokenizer = build_tokenizer(run.model)
+        dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len)
+        self.shape = GptShape.from_model_config(run.model)
+        self.engine = engine_from_config(run, env.device)
+        self.tracer: Tracer | None = None
+        self.collector = RolloutCollector(run, self.engine, tokenizer, dataset.token_arrays(),
+                                          Rewards(run, tokenizer, dataset.fields()), rank=env.rank)
+        from mpi4py import MPI
+        self.layout = _Replica(self.comm.Get_rank(), self.comm.Get_size(), MPI.COMM_SELF)
+        self.stream: Stream | None = None
+        self.assembler = WeightAssembler()
+        self.version = -1
+
+    def serve(self) -> int:
+        """Rank 0: bind, publish, accept the actor; every rank: the start step."""
+        start = None
+        if self.rank == 0:
+            secret = read_run_secret(self.rd)
+            server = StreamServer(service_host(COMPONENT, self.run.rollout.bind_host), secret)
+            publish_address(self.rd, COMPONENT, server.host, server.port, secret)
+            self.stream = server.accept(timeout=self.run.rollout.connect_timeout_s)
+            server.close()   # one peer: nobody else may connect later
+            msg = self.stream.recv()
+            if msg.kind != "start":
+                raise RuntimeError(f"the actor's first message is {msg.kind!r}, expected 'start'")
+            start = int(msg.meta["start_step"])
+        start = self.comm.bcast(start, root=0)
+        self.tracer = Tracer(self.rd.root, COMPONENT, self.rank, resume_from_step=start)
+        self.collector.tracer = self.tracer
+        return start
+
+    def _newest_weights(self, need: int) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """Rank 0: the newest complete version waiting (waits while none >= need has come)."""
+        newest = None
+        while True:
+            have = newest[0] if newest is not None else self.version
+            msg = self.stream.recv() if have < need else self.stream.poll()
+            if msg is None:
+                return newest
+            if msg.kind == STOP:
+                raise _Stopped()   # the actor ended early (a stop for preemption): it decides
+            done = self.assembler.feed(msg)
+            if done is not None:
+                newest = done
+
+    def apply_weights(self, step: int, need: int) -> None:
+        with self.tracer.span(P.WEIGHT_SYNC, step):
+            got, stopped = None, False
+            if self.rank == 0:
+                try:
+                    got = self._newest_weights(need)
+                except _Stopped:
+                    stopped = True
+            if self.comm.Get_size() > 1:
+                got, stopped = self.comm.bcast((got, stopped), root=0)
+            if stopped:
+                raise _Stopped()
+            if got is None:
+                return
+            version, sd = got
+            self.engine.refit(sd)
+            self.version = version
+            self.collector.set_version(version)
+        if self.rank == 0 and self.run.rollout.record_weight_digests:   # what the engine now holds
+            record_digests(self.rd, "generator", version, {k: self.engine.weights[k] for k in expected_shapes(self.shape)})
+
+    def send(self, kind: str, meta: dict, tensors: dict | None = None) -> None:
+        """Rank 0: to the actor; after the actor's stop (preemption: it saved and ends) the
+        generator stops too, whatever it was doing."""
+        if self.stream.peer_stopped:
+            raise _Stopped()
+        try:
+            self.stream.send(kind, meta, tensors)
+        except StreamClosed:
+            if self.stream.peer_stopped:
+                raise _Stopped() from None
+            raise
+
+    def step(self, step: int, need: int) -> None:
+        self.apply_weights(step, need)
+        on_batch = (lambda mb: self.send("samples", {"step": step}, mb.pack())) if self.rank == 0 else None
+        got = self.collector.collect(step, self.comm, self.layout, on_batch=on_batch)
+        if self.comm.Get_size() > 1:   # the other ranks' samples go out through rank 0
+            parts = self.comm.gather(got.batch.pack() if self.rank else None, root=0)
+            if self.rank == 0:
+                rest = RolloutBatch.unpack(parts[1:], self.collector.pad_id)
+                if rest.size:
+                    self.send("samples", {"step": step}, rest.pack())
+        if self.rank == 0:
+            self.send("step_done", {"step": step})
+        self.tracer.step_done(step)
+
+    def run_loop(self, start: int) -> None:
+        run = self.run
+        k = run.rollout.max_off_policy_steps
+        try:
+            for step in range(start, run.ppo.num_steps + 1):
+                self.step(step, need=max(step - 1 - k, start - 1))
+        except _Stopped:
+            return   # the actor saved and ends (preemption); so does the generator
+        if self.rank == 0:   # the actor's remaining weight versions, then its stop
+            while (msg := self.stream.recv()).kind != STOP:
+                self.assembler.feed(msg)
+
+    def close(self) -> None:
+        if self.tracer is not None:
+            self.tracer.close()
+        if self.stream is not None:
+            self.stream.close()
+
+
+def main(run_dir: str | Path) -> int:
+    rd = RunDir(Path(run_dir))
+    run = load_run_config(rd.config)
+    env = init_distributed()
+    gen = None
+    try:
+        gen = Generator(run, rd, env)
+        gen.run_loop(gen.serve())
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        env.comm.Abort(1)   # the component ends at once: the job script fails the job
+    gen.close()
+    return 0
+
+
+# -- the actor's end --------------------------------------------------------------------------
+class RemoteRollouts:
+    """The actor's side of the generator's stream: its rank 0 holds the connection; weights are
+    gathered from the model-parallel shards (collective) and sent by global rank 0."""
+
+    def __init__(self, run: RunConfig, rd: RunDir, rank: int, pad_id: int):
+        self.run, self.rd, self.rank, self.pad_id = run, rd, rank, pad_id
+        self.stream: Stream | None = None
+        self.bucket_bytes = int(run.rollout.weight_bucket_mb * 2**20)
+
+    def connect(self, start_step: int) -> None:
+        """Rank 0: wait for the generator's published address, connect, send the start step."""
+        if self.rank != 0:
+            return
+        secret = read_run_secret(self.rd)
+        deadline = time.monotonic() + self.run.rollout.connect_timeout_s
+        delay = 0.05
+        while True:
+            found, why = address_problem(self.rd, COMPONENT, secret)
+            if found is not None:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the generator published no address within "
+                                   f"rollout.connect_timeout_s={self.run.rollout.connect_timeout_s} s: {why}")
+            time.sleep(delay)
+            delay = min(delay * 2, 1.0)
+        self.stream = connect(*found, secret)
+        self.stream.send("start", {"start_step": int(start_step)})
+
+    def sync(self, policy: list, pctx, version: int) -> dict[str, float]:
+        """Collective over the actor: the full weights after `version` optimizer steps to the
+        generator. Returns bytes and seconds (rank 0's; 0 elsewhere)."""
+        t0 = time.perf_counter()
+        with merged(policy):   # LoRA: the generator generates with W + scale * B A
+            sd = full_state_dict(policy, pctx, to_all=False) if pctx.dp_rank == 0 else None
+        sent = send_weights(self.stream, sd, version, self.bucket_bytes) if self.rank == 0 else 0
+        if self.rank == 0 and self.run.rollout.record_weight_digests:
+            record_digests(self.rd, "trainer", version, sd)
+        return {"weight_sync_bytes": float(sent), "weight_sync_s": time.perf_counter() - t0}
+
+    def receive(self, step: int) -> list[RolloutBatch]:
+        """Rank 0: the step's micro-batches, as the generator finished them; [] elsewhere."""
+        if self.rank != 0:
+            return []
+        out = []
+        while True:
+            msg = self.stream.recv()
+            if msg.kind == "step_done":
+                if int(msg.meta["step"]) != step:
+                    raise RuntimeError(f"the generator finished step {msg.meta['step']}, expected {step}")
+                return out
+            if msg.kind != "samples" or int(msg.meta["step"]) != step:
+                raise RuntimeError(f"unexpected {msg.kind!r} message for step {msg.meta.get('step')} during step {step}")
+            out.append(RolloutBatch.unpack([{k: v.numpy() for k, v in msg.tensors.items()}], self.pad_id))
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.send(STOP)
+            self.stream.close()
+
+
+def stale_mask(run: RunConfig, shard: RolloutBatch, step: int, dp_group) -> dict[str, float]:
+    """Zero the 'train' weight of samples older than rollout.max_off_policy_steps (the trainer
+    holds version step - 1). Returns the counts, summed over DP."""
+    staleness = (step - 1) - shard[VERSION].long() if shard.size else torch.zeros(0, dtype=torch.long)
+    stale = staleness > run.rollout.max_off_policy_steps
+    if shard.size:
+        shard.set_samples("train", shard["train"] * (~stale).float())
+    s = all_reduce_sums({"dropped": stale.sum()}, dp_group)
+    worst = torch.tensor([float(staleness.max()) if shard.size else 0.0], dtype=torch.float64)
+    if dp_group is not None and dist.is_initialized() and dist.get_world_size(dp_group) > 1:
+        worst = worst.to(collective_device(dp_group))
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=dp_group)
+    return {"dropped_stale": s["dropped"], "max_staleness": float(worst.item())}

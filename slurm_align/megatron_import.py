@@ -1,0 +1,73 @@
+"""A faster `import megatron.core`: its torch.compile calls wait for the first call they wrap.
+
+Importing megatron.core decorates its fused kernels with torch.compile (megatron.core.jit's
+`jit_fuser`), and the first torch.compile call imports torch._dynamo and torch._inductor: 1.7 s
+of every rank's start-up here (`import megatron.core` 3.0 s, 1.3 s with this), for kernels that
+torch compiles at their first call anyway and that this project's models leave off (the
+fusions are off in slurm_align.models.gpt). While megatron.core is imported, torch.compile is
+replaced by a wrapper that calls the real one when the decorated function is first called:
+the same behaviour, paid for only when used. `install()` is called when slurm_align is imported.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.abc
+import importlib.util
+import inspect
+import sys
+from typing import Any, Callable
+
+TARGET = "megatron.core"
+
+
+def deferring(compile_fn: Callable) -> Callable:
+    """torch.compile's signature; a plain function is compiled at its first call, anything
+    else (an nn.Module, ...) at once by `compile_fn`."""
+    def compile_later(model: Any = None, **kwargs: Any) -> Any:
+        if model is None:   # used as @torch.compile(mode=...)
+            return lambda fn: compile_later(fn, **kwargs)
+        if not inspect.isfunction(model):
+            return compile_fn(model, **kwargs)
+        compiled = None
+
+        @functools.wraps(model)
+        def call(*args: Any, **kw: Any) -> Any:
+            nonlocal compiled
+            if compiled is None:
+                compiled = compile_fn(model, **kwargs)
+            return compiled(*args, **kw)
+        return call
+    return compile_later
+
+
+class _DeferCompileDuringImport(importlib.abc.MetaPathFinder):
+    """Finds megatron.core once (through the other finders) and runs its module code with
+    torch.compile deferred."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)   # once, and the lookup below must not find us again
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        run_module = spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            import torch
+
+            real = torch.compile
+            torch.compile = deferring(real)
+            try:
+                run_module(module)
+            finally:
+                torch.compile = real
+        spec.loader.exec_module = exec_module   # this spec's own loader object
+        return spec
+
+
+def install() -> None:
+    """Defer megatron.core's import-time compiles, unless it is imported already."""
+    if TARGET not in sys.modules and not any(isinstance(f, _DeferCompileDuringImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _DeferCompileDuringImport())

@@ -1,0 +1,40 @@
+"""Rank program that runs several actions of tests/hf_worker.py and tests/moe_worker.py, each at
+its own layout, in ONE mpirun launch (not a test): every rank imports megatron once, not once
+per layout (~4 s of CPU per rank and launch on the 2-core CI machine).
+
+    python tests/plan_worker.py PLAN.json
+
+PLAN.json: a list of [worker, action, tp, pp, ep, dir] (worker "hf" or "moe"); for each, in
+order, megatron's parallel state is set up at TP x PP x EP over all ranks, the action runs on
+DIR as the worker's own command line would run it, and the state is destroyed again.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+import hf_worker  # noqa: E402  (same folder; mpirun runs this file directly)
+import moe_worker  # noqa: E402
+from slurm_align.parallel.bootstrap import init_distributed  # noqa: E402
+from slurm_align.parallel.layout import initialize_model_parallel  # noqa: E402
+
+ACTIONS = {"hf": hf_worker.ACTIONS, "moe": moe_worker.ACTIONS}
+
+
+def main(argv: list[str]) -> int:
+    plan = json.loads(Path(argv[0]).read_text())
+    env = init_distributed()
+    for worker, action, tp, pp, ep, root in plan:
+        pctx = initialize_model_parallel(env, tp, pp, ep)
+        ACTIONS[worker][action](pctx, Path(root))
+        dist.barrier()
+        pctx.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,207 @@
+"""Disaggregated rollouts (rollout.mode 'disaggregated'): a generator component beside the actor,
+rollouts streamed to the actor, weights streamed back, staleness bounded by
+rollout.max_off_policy_steps.
+
+Three tiny end-to-end runs on the local profile, shared by the tests below: colocated (one actor
+rank), and disaggregated with k=0 (one actor rank, TP 1 -> generator) and k=1 (actor TP 2 ->
+generator), all at the same seed with static prompt shards.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from slurm_align.algorithms.generator import WEIGHT_DIGESTS
+from slurm_align.config import load_profile
+from slurm_align.config.errors import ConfigError
+from slurm_align.generation.stream import StreamAuthError, StreamServer, connect
+from slurm_align.generation.weight_stream import WeightAssembler, buckets, send_weights
+from slurm_align.store.rollouts import RolloutStore
+from tests.test_grpo import grpo_config, launch, metrics
+
+STEPS = {"colocated": 2, "k0": 2, "k1": 3}
+SMALL = ["switches.dynamic_prompts=false", "eval.interval=0", "ppo.num_rollout_samples=4", "ppo.global_batch_size=16",
+         "rl.n_samples_per_prompt=4", "ppo.train_micro_batch_size=4"]
+DISAGGREGATED = ["rollout.mode=disaggregated", "rollout.record_weight_digests=true",
+                 "rollout.weight_bucket_mb=0.1"]   # several buckets per version
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("disaggregated")
+    one = ["actor.data_parallel=1"]   # the fewest processes: each costs seconds of start-up on 2 cores
+    configs = {
+        "colocated": (grpo_config(*SMALL, *one, f"ppo.num_steps={STEPS['colocated']}"), 1),
+        "k0": (grpo_config(*SMALL, *one, *DISAGGREGATED, "rollout.max_off_policy_steps=0",
+                           f"ppo.num_steps={STEPS['k0']}"), 1),
+        "k1": (grpo_config(*SMALL, *DISAGGREGATED, "rollout.max_off_policy_steps=1", f"ppo.num_steps={STEPS['k1']}",
+                           "actor.tensor_parallel=2", "actor.data_parallel=1"), 2),
+    }
+    for name, (run, actor_ranks) in configs.items():
+        launch(root, run, profile=load_profile("local", [f"components.actor.tasks_per_node={actor_ranks}"]), name=name)
+    return {name: root / name for name in configs}
+
+
+def store(run_dir: Path) -> dict[int, dict[str, np.ndarray]]:
+    s = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
+    return {step: s.read(step) for step in s.steps.tolist()}
+
+
+def training_rows(run_dir: Path) -> list[dict]:
+    return [m for m in metrics(run_dir) if "timers/step" in m]
+
+
+def test_k0_gives_the_colocated_rollouts_and_metrics(runs):
+    col, dis = store(runs["colocated"]), store(runs["k0"])
+    assert list(col) == list(dis) == [1, 2]
+    for step in col:
+        for name, want in col[step].items():
+            if name == "rank":    # who generated: the actor's ranks vs the generator's rank 0
+                continue
+            got = dis[step][name]
+            if want.dtype.kind == "f":
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, equal_nan=True, err_msg=name)
+            else:
+                np.testing.assert_array_equal(got, want, err_msg=name)
+        assert (dis[step]["version"] == step - 1).all()   # on-policy: the newest weights every step
+    for want, got in zip(training_rows(runs["colocated"]), training_rows(runs["k0"]), strict=True):
+        for key, value in want.items():
+            if not key.startswith("timers/"):
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        assert got["train_rollouts/dropped_stale"] == 0 and got["train_rollouts/max_staleness"] == 0
+        if got["step"] < STEPS["k0"]:   # no sync after the last step
+            assert got["weight_sync/bytes"] > 0 and got["weight_sync/seconds"] > 0 and got["timers/weight_sync"] > 0
+
+
+def test_k1_never_trains_on_a_sample_older_than_one_version(runs):
+    data, rows = store(runs["k1"]), training_rows(runs["k1"])
+    assert list(data) == list(range(1, STEPS["k1"] + 1))
+    seen = []
+    for (step, d), m in zip(data.items(), rows, strict=True):
+        staleness = (step - 1) - d["version"]
+        assert (staleness >= 0).all() and (staleness <= 1).all(), (step, d["version"])
+        assert len(set(d["version"].tolist())) == 1      # weights change between steps, never inside one
+        assert m["train_rollouts/max_staleness"] == staleness.max() and m["train_rollouts/dropped_stale"] == 0
+        seen.append(int(d["version"][0]))
+    assert seen == sorted(seen) and seen[0] == 0         # versions only advance
+
+
+@pytest.mark.parametrize("name", ["k0", "k1"])   # trainer TP 1 -> generator, TP 2 -> generator
+def test_generator_weights_equal_the_trainers_after_each_sync(runs, name):
+    read = lambda side: [json.loads(line) for line in (runs[name] / WEIGHT_DIGESTS[side]).read_text().splitlines()]  # noqa: E731
+    sent = {r["version"]: r["sha256"] for r in read("trainer")}
+    applied = read("generator")
+    assert sorted(sent) == list(range(STEPS[name]))      # the initial weights and one version per step but the last
+    if name == "k0":
+        assert [r["version"] for r in applied] == list(range(STEPS[name]))   # k=0 applies every version
+    for r in applied:
+        assert r["sha256"] == sent[r["version"]], r["version"]
+
+
+# -- the parts, without a run ------------------------------------------------------------------
+def _pair(secret_server: str, secret_client: str):
+    server = StreamServer("127.0.0.1", secret_server)
+    got = {}
+    t = threading.Thread(target=lambda: got.setdefault("s", server.accept(timeout=5)), daemon=True)
+    t.start()
+    return server, got, t, lambda: connect("127.0.0.1", server.port, secret_client, timeout=5)
+
+
+def test_the_stream_refuses_a_peer_without_the_secret_and_serves_one_with_it():
+    server, got, t, dial = _pair("s" * 32, "x" * 32)
+    with pytest.raises(StreamAuthError):
+        dial()
+    good = connect("127.0.0.1", server.port, "s" * 32, timeout=5)
+    t.join(5)
+    assert server.refused == 1 and "s" in got
+    good.send("ping", {"n": 1}, {"a": torch.arange(3)})
+    msg = got["s"].recv(timeout=5)
+    assert msg.kind == "ping" and msg.meta == {"n": 1} and torch.equal(msg.tensors["a"], torch.arange(3))
+    good.close()
+    server.close()
+
+
+def test_the_stream_refuses_every_interface():
+    with pytest.raises(ValueError, match="every interface"):
+        StreamServer("0.0.0.0", "s" * 32)
+
+
+def test_weights_arrive_whole_in_buckets_and_out_of_order_is_refused():
+    sd = {"decoder.layers.0.a": torch.randn(100, 10), "decoder.layers.1.b": torch.randn(7),
+          "decoder.layers.1.c": torch.randn(300), "output_layer.weight": torch.arange(5)}
+    # bytes: layer 0 4000 (alone: above the limit), layer 1 28 + 1200 = 1228, + 40 would pass 1250
+    assert buckets(sd, 1250) == [["decoder.layers.0.a"], ["decoder.layers.1.b", "decoder.layers.1.c"],
+                                 ["output_layer.weight"]]
+    server, got, t, dial = _pair("s" * 32, "s" * 32)
+    client = dial()
+    t.join(5)
+    send_weights(client, sd, 4, 1250)
+    msgs = [got["s"].recv(timeout=5) for _ in range(3)]
+    asm = WeightAssembler()
+    assert asm.feed(msgs[0]) is None and asm.feed(msgs[1]) is None   # nothing applied before the last bucket
+    version, whole = asm.feed(msgs[2])
+    assert version == 4 and sorted(whole) == sorted(sd) and all(torch.equal(whole[k], sd[k]) for k in sd)
+    with pytest.raises(ValueError, match="out of order"):
+        WeightAssembler().feed(msgs[1])
+    client.close()
+    server.close()
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["reward.model=true"], "disaggregated"),
+    (["generator.tensor_parallel=2"], "generator.tensor_parallel=2"),
+    (["rollout.max_off_policy_steps=-1"], "max_off_policy_steps"),
+    (["rollout.bind_host=0.0.0.0"], "every interface"),
+])
+def test_bad_disaggregated_settings_are_refused_with_the_field(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        grpo_config("rollout.mode=disaggregated", *overrides)
+
+
+def test_the_run_declares_a_generator_component_with_its_resources():
+    run = grpo_config("rollout.mode=disaggregated")
+    assert run.components == ("actor", "generator")
+    assert load_profile("local").resources("generator").ranks == run.generator.world_size
+    assert grpo_config().components == ("actor",)
+
+
+@pytest.mark.slurm
+def test_a_killed_generator_rank_fails_the_hetjob_naming_it(slurm_cluster, tmp_path):
+    """A real heterogeneous job, actor + generator (two ranks) on the local Slurm cluster: kill -9
+    of generator rank 1 once a step is done fails the job within a bound (without the failure
+    handling the actor would wait on the stream, or run its 50 steps, far past it), and `status`
+    names the generator and the rank."""
+    from tests.preempt_support import cli, logs_text, wait_for
+    from tests.test_failures import rank_process
+    from slurm_align.slurm.launch import launch_run
+
+    run = grpo_config(*SMALL, "rollout.mode=disaggregated", "ppo.num_steps=50", "generator.data_parallel=2",
+                      "actor.data_parallel=1")
+    profile = load_profile("local-slurm", ["components.actor.nodes=1", "components.generator.tasks_per_node=2"])
+    job = launch_run(run, profile, tmp_path / "run")
+    assert json.loads((tmp_path / "run" / "job.json").read_text())["components"] == ["actor", "generator"]
+    assert "hetjob" in (tmp_path / "run" / "job.sbatch").read_text()
+    m = tmp_path / "run" / "metrics.jsonl"
+    wait_for(lambda: m.exists() and m.read_text(), "a first step", timeout=600, job=job)
+    rank_process(tmp_path / "run", "generator", 1).send_signal(signal.SIGKILL)
+    assert job.wait(timeout_s=180, poll_s=0.2) == "FAILED", logs_text(tmp_path / "run")
+    status = json.loads(cli("status", str(tmp_path / "run"), "--json", timeout=60).stdout)
+    assert (status["state"], status["failed"]["component"], status["failed"]["rank"]) == ("FAILED", "generator", 1), status
+
+
+def test_the_trainer_zeroes_samples_older_than_k_and_counts_them():
+    from slurm_align.algorithms.generator import stale_mask
+    from slurm_align.algorithms.rollout_batch import RolloutBatch
+    b = RolloutBatch.from_sequences([[1, 2]] * 4, [[3], [4, 5], [6], [7]], pad_id=0, version=[0, 1, 2, 3])
+    b.set_samples("train", torch.tensor([1.0, 1.0, 0.0, 1.0]))
+    got = stale_mask(grpo_config("rollout.mode=disaggregated", "rollout.max_off_policy_steps=1"), b, step=4,
+                     dp_group=None)   # the trainer holds version 3: staleness 3, 2, 1, 0
+    assert b["train"].tolist() == [0.0, 0.0, 0.0, 1.0]   # the group filter's 0 stays 0
+    assert got == {"dropped_stale": 2.0, "max_staleness": 3.0}

@@ -1,0 +1,43 @@
+"""slurm_align.megatron_import: megatron.core's import-time torch.compile calls wait for the first
+call of what they wrap, and then compile exactly as torch.compile would have."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from slurm_align import REPO_ROOT
+from slurm_align.megatron_import import deferring
+
+
+def test_a_function_is_compiled_at_its_first_call_with_the_arguments_given():
+    calls = []
+
+    def fake_compile(model, **kwargs):
+        calls.append((model, kwargs))
+        return lambda *a, **k: ("compiled", model(*a, **k))
+
+    compile_later = deferring(fake_compile)
+
+    @compile_later(mode="max-autotune")
+    def double(x):
+        return 2 * x
+
+    plain = compile_later(lambda x: x + 1)
+    assert calls == []                      # nothing compiled at decoration
+    assert double.__name__ == "double"
+    assert double(3) == ("compiled", 6) and double(4) == ("compiled", 8)
+    assert plain(1) == ("compiled", 2)
+    assert [kw for _, kw in calls] == [{"mode": "max-autotune"}, {}]   # once each, same arguments
+    module = object()                        # not a function (an nn.Module, say): compiled at once
+    compile_later(module, dynamic=True)
+    assert calls[-1] == (module, {"dynamic": True})
+
+
+def test_importing_megatron_after_slurm_align_loads_no_compiler_and_restores_torch_compile():
+    prog = ("import sys, slurm_align, torch; real = torch.compile; import megatron.core, megatron.core.jit as jit; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules), "
+            "torch.compile is real, jit.jit_fuser.__qualname__)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", prog], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out == ["[]", "True", "deferring.<locals>.compile_later"], out

@@ -1,0 +1,202 @@
+"""Multi-turn rollouts end to end: GRPO with the calculator tool on the local profile (real actor
+ranks, real tool pool, real store), and the loop's pieces on their own.
+
+One run serves the end-to-end tests: two steps with the calculator, then the environment's own
+step raises in step 3. Its store must hold steps 1 and 2 whole (every trajectory with its loss
+mask and turn boundaries, the tool's tokens masked), and the run must fail naming the
+environment and the data row.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from slurm_align import REPO_ROOT
+from slurm_align.algorithms import conversations as mt
+from slurm_align.analysis.breakdown import compute_breakdown
+from slurm_align.algorithms.ppo_math import gae, kl_penalized_rewards
+from slurm_align.algorithms.rollout_batch import RolloutBatch
+from slurm_align.config import load_profile, load_run_config
+from slurm_align.environments.base import EnvironmentContext, Messages, Row, StepResult
+from slurm_align.environments.config import EnvironmentConfig
+from slurm_align.environments.render import TurnRenderer
+from slurm_align.environments.tool_calls import ToolCall
+from slurm_align.environments.tool_env import ToolEnvironment
+from slurm_align.models.tokenizer import ByteTokenizer
+from slurm_align.profiling import phases as P
+from slurm_align.rewards.arithmetic import exact_answer
+from slurm_align.store.rollouts import RolloutStore
+from slurm_align.store.traces import read_traces
+
+ARITH = REPO_ROOT / "examples" / "arithmetic"
+ENV = "tests.test_multiturn:CalculatorFirst"
+RULE = "slurm_align.rewards.arithmetic:exact_answer"
+
+
+class CalculatorFirst(ToolEnvironment):
+    """The tool environment with the calculator, which also answers the model's FIRST turn with a
+    calculator call of the row's expression (a random tiny policy never writes a call itself), so
+    every trajectory has a tool turn between two model turns. With options.fail_after_resets N,
+    step raises for a conversation started after this rank's N-th reset (a broken environment)."""
+
+    name = "calculator_first"
+
+    def __init__(self, ctx: EnvironmentContext):
+        super().__init__(ctx)
+        self.resets, self.fail_after = 0, ctx.settings.options.get("fail_after_resets")
+
+    def reset(self, row: Row) -> Messages:
+        self.resets += 1
+        return [{"role": "user", "content": str(row["prompt"]), "n": self.resets}]
+
+    def step_batch(self, items):
+        for messages, row in items:
+            if self.fail_after is not None and messages[0]["n"] > self.fail_after:
+                raise KeyError(f"calculator lost row {row['prompt']!r}")
+        first = [sum(m["role"] == "assistant" for m in msgs) == 1 for msgs, _ in items]
+        rest = super().step_batch([it for it, f in zip(items, first) if not f]) if not all(first) else []
+        calls = [ToolCall("calculator", {"expression": row["prompt"].rstrip("=")}) for (_, row), f in zip(items, first) if f]
+        outs = iter(self.runner.run_all([self._job(c) for c in calls]))
+        rest = iter(rest)
+        return [StepResult([{"role": "tool", "name": "calculator", "content": next(outs).text}],
+                           metrics={"tool_calls": 1.0}) if f else next(rest) for f in first]
+
+
+def check_message(m: dict) -> dict:
+    return {k: v for k, v in m.items() if k in ("role", "content", "name")}
+
+
+# -- one shared run ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def calculator_run(tmp_path_factory) -> Path:
+    from tests.test_grpo import launch
+    tmp = tmp_path_factory.mktemp("multiturn")
+    run = load_run_config(REPO_ROOT / "examples" / "grpo_tiny.yaml", [
+        f"data.train_path={ARITH / 'prompts.jsonl'}", f"eval.val_path={ARITH / 'prompts_val.jsonl'}",
+        "model.max_seq_len=64", f"reward.rule={RULE}", "ppo.num_steps=3", "ppo.num_rollout_samples=4",
+        "ppo.global_batch_size=8", "rl.n_samples_per_prompt=2", "generation.max_new_tokens=6",
+        "generation.prompt_batch_size=2", "ppo.train_micro_batch_size=8", "switches.dynamic_prompts=false",
+        "eval.interval=2", "eval.num_prompts=4", f"environment.environment={ENV}", "environment.tools=[calculator]",
+        "environment.max_turns=3", "environment.max_total_tokens=56",
+        # per rank: 2 eval rows (step 0), 4 conversations per step, 2 eval rows after step 2
+        "environment.options={fail_after_resets: 12}"])
+    local = load_profile("local")   # the environment class is this module: importable in the run
+    profile = local.model_copy(update={"env": {**local.env, "PYTHONPATH": str(REPO_ROOT)}})
+    launch(tmp, run, profile=profile, expect="FAILED")
+    return tmp / "run"
+
+
+def test_multiturn_grpo_stores_whole_trajectories(calculator_run):
+    store = RolloutStore.open(calculator_run / "rollouts.zarr", read_only=True)
+    # Step 3's failure left nothing behind. Rank 0 writes the store in the background, and the
+    # failing rank's MPI abort can end it before step 2's write lands (timing): whole steps only.
+    steps = store.steps.tolist()
+    assert steps in ([1], [1, 2]), steps
+    tok = ByteTokenizer()
+    for step in steps:
+        d = store.read(step)
+        assert len(d["reward"]) == 8
+        po, ro = d["prompt_offsets"], d["response_offsets"]
+        for i in range(8):
+            prompt = tok.decode(d["prompt_tokens"][po[i]:po[i + 1]])
+            resp = d["response_tokens"][ro[i]:ro[i + 1]]
+            mask, turn, role = (d[k][ro[i]:ro[i + 1]] for k in ("loss_mask", "turn", "role"))
+            # turn boundaries: model turn 0, the calculator's turn 1, then the model again
+            starts = np.flatnonzero(np.diff(np.concatenate([[-1], turn])))
+            assert turn[0] == 0 and (np.diff(turn) >= 0).all() and turn.max() >= 2, turn
+            kinds = [int(role[s]) for s in starts]
+            assert kinds[:3] == [mt.ROLE_CODES["model"], mt.ROLE_CODES["tool"], mt.ROLE_CODES["model"]]
+            np.testing.assert_array_equal(mask, (role == mt.ROLE_CODES["model"]).astype(np.float32))
+            tool_text = tok.decode(resp[role == mt.ROLE_CODES["tool"]])
+            a, op, b = prompt.rstrip("=").replace("-", " - ").replace("+", " + ").split()
+            value = int(a) + int(b) if op == "+" else int(a) - int(b)
+            assert f"<tool_response>\n{value}\n</tool_response>" in tool_text
+            # nothing trained on the tool's tokens: zero advantage, pi_old stored only for the model's
+            assert (d["advantages"][ro[i]:ro[i + 1]][mask == 0] == 0).all()
+            # the reward is the rule's on the model's last turn
+            last = tok.decode(resp[turn == turn.max()])
+            assert d["reward"][i] == exact_answer(last, prompt, answer=str(value))
+
+
+def test_multiturn_metrics_tools_phase_and_eval(calculator_run):
+    lines = [json.loads(x) for x in (calculator_run / "metrics.jsonl").read_text().splitlines()]
+    by_step = {m["step"]: m for m in lines}
+    assert set(by_step) == {0, 1, 2}
+    assert by_step[0]["val/tool_calls"] >= 1.0 and "val/score" in by_step[2]
+    for s in (1, 2):
+        m = by_step[s]
+        assert m["train_rollouts/tool_calls"] >= 1.0 and m["train_rollouts/turns"] >= 2.0
+        assert m["timers/tools"] > 0
+    # response_lengths counts the model's tokens only: at most 3 turns x 6 tokens
+    store = RolloutStore.open(calculator_run / "rollouts.zarr", read_only=True)
+    d = store.read(1)
+    model_tokens = d["loss_mask"].sum() / 8
+    assert by_step[1]["train_rollouts/response_lengths"] == pytest.approx(model_tokens, rel=1e-5)
+    assert model_tokens < np.diff(d["response_offsets"]).mean()
+    # `analyze breakdown` shows the tools' time as its own phase
+    b = compute_breakdown(read_traces(calculator_run / "traces.zarr").spans)
+    assert P.TOOLS in b.phases and b.mean_phase_s[b.phases.index(P.TOOLS)] > 0
+
+
+def test_environment_step_error_stops_the_run_naming_env_and_row(calculator_run):
+    logs = "".join(p.read_text() for p in (calculator_run / "logs" / "actor").glob("rank*.log"))
+    assert f"environment {ENV!r}: step raised KeyError" in logs
+    assert "calculator lost row" in logs and "(data row {" in logs
+
+
+# -- the loop's pieces, without a run ----------------------------------------------------------
+def test_stop_cut_and_plain_rendering():
+    tok = ByteTokenizer()
+    text = 'x<tool_call>{"name": "c"}</tool_call>tail'
+    n = mt.stop_cut(tok, tok.encode(text), ["</tool_call>"])
+    assert tok.decode(tok.encode(text)[:n]) == 'x<tool_call>{"name": "c"}</tool_call>'
+    assert mt.stop_cut(tok, tok.encode("no stop"), ["</tool_call>"]) is None
+    r = TurnRenderer(tok, None)
+    reply = [{"role": "tool", "name": "calculator", "content": "42"}]
+    assert tok.decode(r.reply([{"role": "assistant", "content": "x"}], reply, chat=False)) == \
+        "\n<tool_response>\n42\n</tool_response>\n"
+
+
+def test_masked_tokens_are_skipped_by_gae_and_the_score_lands_on_the_last_model_token():
+    # a model turn (2 tokens), the tool's (2), the model's answer (1), padding (1)
+    mask = torch.tensor([[1., 1., 0., 0., 1., 0.]])
+    values = torch.tensor([[0.5, 0.4, 9.0, 9.0, 0.2, 0.0]])
+    r = kl_penalized_rewards(torch.tensor([1.0]), torch.zeros(1, 6), torch.zeros(1, 6), mask, 0.0)
+    assert r.tolist() == [[0, 0, 0, 0, 1.0, 0]]
+    adv, ret = gae(r, values, mask, gamma=1.0, lam=1.0)
+    alone_adv, _ = gae(r[:, [0, 1, 4]], values[:, [0, 1, 4]], torch.ones(1, 3), 1.0, 1.0)
+    torch.testing.assert_close(adv[:, [0, 1, 4]], alone_adv)
+    assert adv[0, 2:4].tolist() == [0, 0] and adv[0, 5] == 0
+    b = RolloutBatch.from_sequences([[1, 2]], [[3, 4, 5, 6, 7, 8]], 0)
+    b.set_tokens("loss_mask", mask)
+    assert b.mask.tolist() == mask.tolist()
+    assert b.position_mask()[0].tolist() == [0, 1, 1, 0, 0, 1, 0, 0]
+
+
+@pytest.mark.slurm
+def test_multiturn_ppo_with_the_critic_as_a_slurm_hetjob(slurm_cluster, tmp_path):
+    """PPO (value model in the critic component) on calculator trajectories, as a hetjob on the
+    Slurm cluster (the GRPO run above is on the local profile): the critic's value loss and GAE
+    see the same masked trajectories; one step is enough to show the path works."""
+    from tests.test_grpo import launch
+    run = load_run_config(REPO_ROOT / "examples" / "ppo_tiny.yaml", [
+        f"data.train_path={ARITH / 'prompts.jsonl'}", "model.max_seq_len=64", "critic_model.max_seq_len=64",
+        "reward.model=false", f"reward.rule={RULE}", "ppo.num_steps=1", "ppo.num_rollout_samples=8",
+        "generation.max_new_tokens=6", "generation.prompt_batch_size=4", f"environment.environment={ENV}",
+        "environment.tools=[calculator]", "environment.max_turns=3"])
+    slurm = load_profile("local-slurm")
+    profile = slurm.model_copy(update={"env": {**slurm.env, "PYTHONPATH": str(REPO_ROOT)}})
+    launch(tmp_path, run, profile=profile)
+    assert json.loads((tmp_path / "run" / "job.json").read_text())["components"] == ["actor", "critic"]
+    assert "hetjob" in (tmp_path / "run" / "job.sbatch").read_text()
+    [m] = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert np.isfinite(m["train_optim/critic_loss"]) and m["train_rollouts/tool_calls"] >= 1.0
+    d = RolloutStore.open(tmp_path / "run" / "rollouts.zarr", read_only=True).read(1)
+    env_tokens = d["loss_mask"] == 0
+    assert env_tokens.any() and (d["advantages"][env_tokens] == 0).all() and (d["returns"][env_tokens] == 0).all()
+    assert (d["advantages"][~env_tokens] != 0).any()
