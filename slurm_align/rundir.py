@@ -84,6 +84,12 @@ class RunDir:
         return self.address("critic")
 
     @property
+    def critic_restart_requested(self) -> Path:
+        """Written by the actor's critic client when tritonserver answered that a model's stub
+        is unhealthy (its state is broken from then on); the critic's watchdog restarts it."""
+        return self.root / "critic_restart_requested"
+
+    @property
     def stop_requested(self) -> Path:
         """Written by the job script when Slurm warns the job (preemption, time limit)."""
         return self.root / "stop_requested"

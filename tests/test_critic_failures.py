@@ -1,13 +1,18 @@
-"""A hung or dead critic: the client errors within the bound, naming host, port and endpoint."""
+"""A hung or dead critic: the client errors within the bound, naming host, port and endpoint.
+A dead or broken tritonserver under a live critic: the critic starts a new one and the
+request is answered, a retried optimizer step applied once."""
 
 from __future__ import annotations
 
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
+from slurm_align.critic import protocol as P
 from slurm_align.critic.client import CriticClient, CriticError
 from tests.critic_support import CriticProcess, random_batch, write_run_dir
 
@@ -55,3 +60,84 @@ def test_hung_then_killed_critic_gives_clear_errors_within_bound(tmp_path):
     finally:
         client.close()
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def critic(tmp_path_factory):
+    run_dir = write_run_dir(tmp_path_factory.mktemp("restarts"))
+    proc = CriticProcess(run_dir)
+    client = CriticClient.for_run_dir(run_dir, connect_timeout_s=90, request_timeout_s=60)
+    try:
+        proc.wait_ready()
+        client.connect()
+        yield {"run_dir": run_dir, "proc": proc, "client": client}
+    finally:
+        client.close()
+        proc.stop()
+
+
+def triton_processes(proc: CriticProcess, name: str, model: str | None = None) -> list[psutil.Process]:
+    """tritonserver, or the Python backend stub of one model, under the critic."""
+    return [p for p in psutil.Process(proc.proc.pid).children(recursive=True)
+            if p.name() == name and (model is None or f"{model}_0_0" in p.cmdline())]
+
+
+def restarts_logged(proc: CriticProcess) -> int:
+    return Path(proc.log.name).read_text(errors="replace").count("starting it again")
+
+
+def test_a_stalled_stub_gets_tritonserver_restarted_and_the_request_answered(critic):
+    """A stub stopped past the Python backend's 1 s health deadline: tritonserver answers
+    'unhealthy' and is broken from then on (without the restart the retry gets an answer
+    with no outputs). The client asks for a restart, the critic starts a new tritonserver on
+    the same port, and the request and later ones are answered right."""
+    proc, client = critic["proc"], critic["client"]
+    rng = np.random.default_rng(21)
+    batch, other = random_batch(rng, 2, 8), random_batch(rng, 3, 8)
+    reference, other_reference = client.infer(*batch)[0], client.infer(*other)[0]
+    before, port = restarts_logged(proc), client.port
+    stubs = triton_processes(proc, "triton_python_backend_stub", P.INFER)
+    assert len(stubs) == 1, stubs
+    stubs[0].suspend()
+    try:
+        answer = client.infer_async(*batch)
+        time.sleep(2.5)   # the request waits on the stopped stub past its health deadline
+    finally:
+        stubs[0].resume()
+    np.testing.assert_allclose(answer.result(timeout=120)[0], reference, atol=1e-5)
+    np.testing.assert_allclose(client.infer(*other)[0], other_reference, atol=1e-5)
+    assert restarts_logged(proc) == before + 1
+    assert client.port == port
+    assert not stubs[0].is_running()
+
+
+def test_a_killed_tritonserver_is_started_again_under_the_live_critic(critic):
+    proc, client = critic["proc"], critic["client"]
+    batch = random_batch(np.random.default_rng(22), 2, 8)
+    reference = client.infer(*batch)[0]
+    before = restarts_logged(proc)
+    (server,) = triton_processes(proc, "tritonserver")
+    server.kill()
+    server.wait(timeout=30)
+    np.testing.assert_allclose(client.infer(*batch)[0], reference, atol=1e-5)
+    assert restarts_logged(proc) == before + 1
+    assert triton_processes(proc, "tritonserver")[0].pid != server.pid
+
+
+def test_a_retried_train_step_is_applied_once(critic):
+    """The same critic_train request (one request_id) sent twice, as a retry after a lost
+    answer sends it: the second gets the first one's loss and the value model is stepped once;
+    a new request_id steps it again."""
+    client = critic["client"]
+    rng = np.random.default_rng(23)
+    tokens, lengths = random_batch(rng, 2, 8)
+    z = np.zeros((2, 8), np.float32)
+    step = {"tokens": tokens, "lengths": lengths, "returns": z + 1.0, "prev_values": z, "mask": z + 1.0,
+            "request_id": np.array([12345], dtype=np.int64)}
+    first = client._call(P.TRAIN, step, ["loss"])["loss"]
+    values = client.infer(tokens, lengths)[0]
+    again = client._call(P.TRAIN, step, ["loss"])["loss"]
+    np.testing.assert_array_equal(again, first)
+    np.testing.assert_array_equal(client.infer(tokens, lengths)[0], values)
+    client._call(P.TRAIN, {**step, "request_id": np.array([12346], dtype=np.int64)}, ["loss"])
+    assert not np.allclose(client.infer(tokens, lengths)[0], values)

@@ -8,6 +8,13 @@
   exponential backoff up to `connect_timeout_s` (no fixed sleep). Afterwards every request is
   bounded by `request_timeout_s`: a dead or hung critic raises CriticError naming host, port
   and endpoint.
+- A request the server dropped is sent again once the critic answers again: its watchdog
+  starts a new tritonserver (server.py), withdrawing its published address meanwhile, when
+  tritonserver died (connection closed or refused) or when asked to (this client asks when
+  tritonserver answers that a model's stub is unhealthy: its answers are broken from then on).
+  Nothing says it comes back within `restart_notice_s`: the request fails as before. A
+  timeout is never retried (a hung critic), nor is critic_shutdown; critic_train carries a
+  request_id, so a retried step is not applied twice.
 - Only the model-parallel source rank of the actor should call the critic; `share_from_source`
   hands its result to the other ranks of the model-parallel group.
 """
@@ -15,6 +22,7 @@
 from __future__ import annotations
 
 import re
+import secrets
 import threading
 import time
 import urllib.error
@@ -38,6 +46,24 @@ class CriticUnavailableError(CriticError):
     """The critic did not become ready within connect_timeout_s."""
 
 
+class _ServerLost(CriticError):
+    """The server dropped the request (not a timeout): worth sending again once it is back."""
+
+
+class _ServerBroken(_ServerLost):
+    """tritonserver answered that a stub is unhealthy: it must be restarted before a retry."""
+
+
+RETRIES = 2   # sends of a request after the first, each after the critic answered again
+
+
+def _server_lost(exc: Exception) -> bool:
+    """Whether a failed request was dropped by a dying or restarted tritonserver."""
+    if isinstance(exc, ConnectionError):   # refused, reset, broken pipe
+        return True
+    return type(exc).__name__ == "HTTPConnectionClosed"   # geventhttpclient: closed mid-answer
+
+
 def _server_reason(text: str) -> str:
     """The useful sentence of a server error: our payload or refusal message when there is one
     (PyTriton forwards the whole traceback), else the server's own text."""
@@ -57,7 +83,8 @@ class CriticClient:
     critic publishes (`run_dir`); every request carries `secret`."""
 
     def __init__(self, host: str | None, port: int | None, *, secret: str, run_dir: str | Path | None = None,
-                 connect_timeout_s: float = 120.0, request_timeout_s: float = 300.0, max_in_flight: int = 64):
+                 connect_timeout_s: float = 120.0, request_timeout_s: float = 300.0, max_in_flight: int = 64,
+                 restart_notice_s: float = 5.0):
         if (host is None or port is None) and run_dir is None:
             raise ValueError("CriticClient needs host and port, or the run_dir its critic publishes them in")
         self.run_dir = None if run_dir is None else RunDir(Path(run_dir))
@@ -68,10 +95,13 @@ class CriticClient:
         self._headers = P.auth_headers(secret)
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
+        self.restart_notice_s = restart_notice_s
         self._pool = ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="critic-client")
         self._local = threading.local()
         self._ready = threading.Event()
         self._connect_lock = threading.Lock()
+        self._restart_lock = threading.Lock()
+        self._recovered_at = self._gave_up_at = -float("inf")   # time.monotonic() of the last verdicts
 
     @classmethod
     def for_run_dir(cls, run_dir: str | Path, host: str | None = None, **kw) -> "CriticClient":
@@ -107,14 +137,16 @@ class CriticClient:
         self.host, self.port = self._host_override or host, port
         return None
 
-    def connect(self) -> None:
-        """Wait until every endpoint is ready, retrying with backoff up to connect_timeout_s."""
+    def connect(self, timeout_s: float | None = None) -> None:
+        """Wait until every endpoint is ready, retrying with backoff up to `timeout_s`
+        (connect_timeout_s by default)."""
         if self._ready.is_set():
             return
+        timeout_s = self.connect_timeout_s if timeout_s is None else timeout_s
         with self._connect_lock:
             if self._ready.is_set():
                 return
-            deadline = time.monotonic() + self.connect_timeout_s
+            deadline = time.monotonic() + timeout_s
             delay, last = 0.05, "no answer yet"
             pending = ["/health", *(f"/models/{ep}" for ep in P.ENDPOINTS)]
             while pending:
@@ -137,8 +169,8 @@ class CriticClient:
                 if left <= 0:
                     what = pending[0].split("/")[-1]
                     raise CriticUnavailableError(
-                        f"{self._where(what)}: not ready after {self.connect_timeout_s:g} s "
-                        f"(critic_server.connect_timeout_s); last error: {last}")
+                        f"{self._where(what)}: not ready after {timeout_s:g} s "
+                        f"(critic_server.connect_timeout_s={self.connect_timeout_s:g}); last error: {last}")
                 time.sleep(min(delay, left))
                 delay = min(delay * 2, 2.0)
             self._ready.set()
@@ -154,9 +186,64 @@ class CriticClient:
             self._local.client = c
         return c
 
-    def _call(self, endpoint: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
-        """One request to a Triton model; a critic_control command (P.COMMANDS) is sent to that
-        model with its `command` input, and errors name the command."""
+    def _await_restart(self, broken: bool, failed_at: float) -> bool:
+        """After the server dropped a request (at `failed_at`): True once the critic answers
+        again, False when within restart_notice_s it neither answers nor withdraws its address
+        (it is dead). `broken`: first ask its watchdog for a new tritonserver. Requests that
+        failed together wait together: one verdict serves them all."""
+        with self._restart_lock:
+            if self._recovered_at > failed_at:
+                return True
+            if failed_at - self._gave_up_at < self.restart_notice_s:
+                return False
+            if self._wait_for_restart(broken):
+                self._recovered_at = time.monotonic()
+                return True
+            self._gave_up_at = time.monotonic()
+            self._ready.set()   # later requests fail at once, naming their endpoint, as before
+            return False
+
+    def _wait_for_restart(self, broken: bool) -> bool:
+        if broken:
+            if self.run_dir is None:
+                return False
+            asked = self.run_dir.critic_restart_requested
+            asked.write_text(f"{self.host}:{self.port}\n")
+            deadline = time.monotonic() + self.restart_notice_s
+            while asked.exists():
+                if time.monotonic() > deadline:
+                    asked.unlink(missing_ok=True)
+                    return False
+                time.sleep(0.05)
+            self._ready.clear()
+            self.connect()
+            return True
+        self._ready.clear()
+        try:
+            self.connect(timeout_s=self.restart_notice_s)
+            return True
+        except CriticUnavailableError:
+            pass
+        if self.run_dir is None or critic_address_problem(self.run_dir, self._secret)[0] is not None:
+            return False
+        self.connect()   # restarting: the new tritonserver publishes its address when it is up
+        return True
+
+    def _call(self, endpoint: str, inputs: dict[str, np.ndarray], outputs: list[str], *,
+              retry: bool = True) -> dict[str, np.ndarray]:
+        """One request to a Triton model, sent again (RETRIES times at most, with `retry`) when
+        the server dropped it and came back; a critic_control command (P.COMMANDS) is sent to
+        that model with its `command` input, and errors name the command."""
+        for attempt in range(RETRIES + 1):
+            sent_at = time.monotonic()
+            try:
+                return self._send(endpoint, inputs, outputs)
+            except _ServerLost as lost:
+                if not retry or attempt == RETRIES or not self._await_restart(isinstance(lost, _ServerBroken), sent_at):
+                    raise CriticError(str(lost)) from None
+        raise AssertionError("unreachable")
+
+    def _send(self, endpoint: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
         # deferred: tritonclient start-up cost, paid on first call
         import tritonclient.http as th
         from tritonclient.utils import InferenceServerException, np_to_triton_dtype
@@ -175,14 +262,15 @@ class CriticClient:
         try:
             res = self._http().infer(endpoint, reqs, headers=self._headers, outputs=[
                 th.InferRequestedOutput(n, binary_data=True) for n in outputs])
-        except InferenceServerException as e:
-            raise CriticError(f"{self._where(label)}: {_server_reason(e.message() or str(e))}") from None
+        except InferenceServerException as e:   # the stub missed its health deadline (server.py)
+            kind = _ServerBroken if "is not healthy" in str(e) else CriticError
+            raise kind(f"{self._where(label)}: {_server_reason(e.message() or str(e))}") from None
         except Exception as e:  # connection refused/reset, timeouts: the critic is gone or hung
             self._local.client = None  # a broken connection must not be reused
             took = time.monotonic() - t0
-            raise CriticError(f"{self._where(label)}: request failed after {took:.1f} s "
-                              f"(request_timeout_s={self.request_timeout_s:g}): "
-                              f"{type(e).__name__}: {e}") from None
+            kind = _ServerLost if _server_lost(e) else CriticError
+            raise kind(f"{self._where(label)}: request failed after {took:.1f} s "
+                       f"(request_timeout_s={self.request_timeout_s:g}): {type(e).__name__}: {e}") from None
         return {n: res.as_numpy(n) for n in outputs}
 
     # -- requests --------------------------------------------------------------------------
@@ -213,6 +301,7 @@ class CriticClient:
                   "returns": f32(returns), "prev_values": f32(prev_values), "mask": f32(mask)}
         if step is not None:
             inputs["step"] = np.array([step], dtype=np.int64)
+        inputs["request_id"] = np.array([secrets.randbits(63)], dtype=np.int64)   # one per step, kept on retries
         return self._pool.submit(lambda: float(self._call(P.TRAIN, inputs, ["loss"])["loss"][0]))
 
     def infer(self, tokens, lengths, *, timing: bool = False, step: int | None = None):
@@ -233,7 +322,7 @@ class CriticClient:
 
     def shutdown_critic(self) -> None:
         """Ask the critic to stop (all its ranks exit cleanly)."""
-        self._pool.submit(lambda: self._call(P.SHUTDOWN, {}, ["ack"])).result()
+        self._pool.submit(lambda: self._call(P.SHUTDOWN, {}, ["ack"], retry=False)).result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -14,6 +14,14 @@ Only the run's own actor may call it (compute nodes are reachable by every user 
   before anything else, and logs refusals (rate-limited).
 - Only HTTP is served, on the chosen address; gRPC and metrics are off.
 - critic_save takes a checkpoint name and writes only inside the run's critic checkpoint folder.
+
+tritonserver can die under the critic: the Python backend declares a model's stub process dead
+when its health thread misses a 1 s deadline (a stalled node: measured here, a stub stopped for
+2 s fails the request in flight, and from then on its answers are broken until the next request
+aborts tritonserver). A watchdog thread starts a new tritonserver on the same address when it
+died or when the actor's client asks for it (RunDir.critic_restart_requested, written on an
+'unhealthy' answer), while the models stay in this process; clients retry (client.py), and a retried critic_train is answered from the first try's result
+(its request_id), so an optimizer step is never applied twice.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import sys
 import sysconfig
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -73,6 +82,9 @@ class ServerLimits:
     """Largest merged critic_infer batch (rows) the dynamic batcher may form."""
     max_queue_delay_us: int = 500
     """How long the dynamic batcher waits for more critic_infer requests to merge."""
+    max_restarts: int = 5
+    """How many times the watchdog starts tritonserver again after it died; one more death
+    ends the critic."""
 
 
 class RefusalLog:
@@ -174,6 +186,13 @@ class CriticServer:
         self.refusals = RefusalLog(lambda: self.port)
         self.commands: "queue.Queue[PendingCommand]" = queue.Queue()
         self._triton = None
+        self.restarts = 0
+        self.failure: BaseException | None = None   # set by the watchdog when it gives up
+        self._lifecycle = threading.Lock()   # start, stop and restart, one at a time
+        self._stopping = threading.Event()
+        # critic_train's request_id -> the Future of its optimizer step (a retry waits on it)
+        self._trains: "OrderedDict[int, Future]" = OrderedDict()
+        self._trains_lock = threading.Lock()
 
     @classmethod
     def for_run(cls, rd: RunDir, host: str, port: int, limits: ServerLimits) -> "CriticServer":
@@ -183,6 +202,11 @@ class CriticServer:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
+        with self._lifecycle:
+            self._launch()
+        threading.Thread(target=self._watch, name="critic-triton-watchdog", daemon=True).start()
+
+    def _launch(self) -> None:
         put_libpython_first()
         # deferred: pytriton start-up cost (0.4 s), paid by the critic's server only
         from pytriton.triton import VALID_TRITON_ENDPOINTS, Triton, TritonConfig, TritonSecurityConfig
@@ -208,7 +232,7 @@ class CriticServer:
         if self.run_dir is not None:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
             publish_critic_address(self.run_dir, self.host, self.port, self._secret.decode())
-        if not proc_hides_other_users():
+        if not proc_hides_other_users() and not self.restarts:
             print("critic: note: /proc is not mounted with hidepid, so other users of this node can read "
                   "tritonserver's command line and on it the Triton gate token (not the run's secret): "
                   "it takes them past Triton's gate, to the critic's own check of the secret and to "
@@ -216,22 +240,68 @@ class CriticServer:
                   flush=True)
 
     def stop(self) -> None:
+        self._stopping.set()
+        with self._lifecycle:
+            self._stop_triton()
+
+    def _stop_triton(self, kill: bool = False) -> None:
         if self._triton is not None:
-            if self.run_dir is not None:
+            if self.run_dir is not None:   # no address: clients wait for the next one
                 self.run_dir.critic_address.unlink(missing_ok=True)
+            if kill:   # a broken tritonserver would wait its exit timeout (30 s) for a lost answer
+                for p in psutil.Process().children(recursive=True):
+                    if p.name() == "tritonserver":
+                        p.kill()
             self._triton.stop()
             self._triton = None
 
+    def _watch(self, interval_s: float = 0.25) -> None:
+        """Start tritonserver again when it died (not when stop() stopped it)."""
+        asked = None if self.run_dir is None else self.run_dir.critic_restart_requested
+        if asked is not None:
+            asked.unlink(missing_ok=True)   # an earlier job's request is not this server's
+        while not self._stopping.wait(interval_s):
+            with self._lifecycle:
+                if self._stopping.is_set() or self._triton is None:
+                    continue
+                why = "died" if not self._triton.is_alive() else None
+                if why is None and asked is not None and asked.exists():
+                    why = "answered that a model's stub is unhealthy"
+                if why is None:
+                    continue
+                if self.restarts >= self.limits.max_restarts:
+                    self.failure = RuntimeError(
+                        f"critic server: tritonserver on {self.host}:{self.port} {why} again after "
+                        f"{self.restarts} restarts (ServerLimits.max_restarts={self.limits.max_restarts})")
+                    self._stop_triton(kill=True)
+                    return
+                self.restarts += 1
+                print(f"critic: tritonserver on {self.host}:{self.port} {why}; starting it again "
+                      f"(restart {self.restarts} of {self.limits.max_restarts})", file=sys.stderr, flush=True)
+                try:
+                    self._stop_triton(kill=True)
+                    if asked is not None:   # taken: the old address is withdrawn, the old server gone
+                        asked.unlink(missing_ok=True)
+                    self._launch()
+                except BaseException as exc:   # the port taken meanwhile, or Triton cannot start
+                    self.failure = exc
+                    return
+
     def next_command(self, timeout: float | None = None) -> PendingCommand | None:
+        if self.failure is not None:
+            raise self.failure
         try:
             return self.commands.get(timeout=timeout)
         except queue.Empty:
             return None
 
     def _submit(self, kind: str, data: dict):
+        return self._enqueue(kind, data).result()
+
+    def _enqueue(self, kind: str, data: dict) -> Future:
         pending = PendingCommand(Command(kind, data))
         self.commands.put(pending)
-        return pending.result.result()
+        return pending.result
 
     # -- authorization ---------------------------------------------------------------------
     def _refused(self, endpoint: str, request) -> str | None:
@@ -289,6 +359,7 @@ class CriticServer:
                             Tensor(name="lengths", dtype=i64, shape=(-1,), optional=True),
                             *[Tensor(name=n, dtype=f32, shape=(-1, -1), optional=True) for n in P.TRAIN_FLOAT_INPUTS],
                             Tensor(name="step", dtype=i64, shape=(1,), optional=True),
+                            Tensor(name="request_id", dtype=i64, shape=(1,), optional=True),
                             Tensor(name="name", dtype=np.bytes_, shape=(1,), optional=True)],
                     outputs=[Tensor(name="loss", dtype=f32, shape=(1,)),
                              Tensor(name="path", dtype=np.bytes_, shape=(1,)),
@@ -341,8 +412,17 @@ class CriticServer:
         floats = {n: r[n] for n in P.TRAIN_FLOAT_INPUTS}
         lengths = P.validate_train(r["tokens"], r["lengths"], floats,
                                    max_seq_len=lim.max_seq_len, vocab_size=lim.vocab_size)
-        loss = self._submit("train", {"tokens": r["tokens"], "lengths": lengths, **floats, "step": _step([r])})
-        return {"loss": np.array([loss], dtype=np.float32)}
+        data = {"tokens": r["tokens"], "lengths": lengths, **floats, "step": _step([r])}
+        if "request_id" not in r.keys():
+            return {"loss": np.array([self._submit("train", data)], dtype=np.float32)}
+        rid = int(np.asarray(r["request_id"]).reshape(-1)[0])
+        with self._trains_lock:   # a retry of a step already taken gets that step's loss
+            step = self._trains.get(rid)
+            if step is None:
+                step = self._trains[rid] = self._enqueue("train", data)
+                while len(self._trains) > 256:
+                    self._trains.popitem(last=False)
+        return {"loss": np.array([step.result()], dtype=np.float32)}
 
     def _save(self, r) -> dict:
         name = self._checkpoint_target(P.validate_checkpoint_name(r["name"]))
