@@ -4,8 +4,10 @@ stopped). Both jobs run side by side (two nodes each)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import subprocess
 
 import psutil
 import pytest
@@ -56,24 +58,27 @@ def test_killed_critic_rank_and_lost_node_end_within_bounds(slurm_cluster, tmp_p
     node = job_nodes(slurm_cluster, lost.job_id)[-1]
     procs.terminate([slurm_cluster.pids[node]])
 
-    # Critic rank 1 of 2 killed -9 in the middle of the run (after a whole step).
-    wait_for(lambda: (killed_dir / "metrics.jsonl").exists() and (killed_dir / "metrics.jsonl").read_text(),
-             "a first PPO step", timeout=600, job=killed)
-    rank_process(killed_dir, "critic", 1).send_signal(signal.SIGKILL)
-    # Ceiling sized for a loaded 2-core machine; without the failure handling the actor would hang
-    # on the dead critic rank's collective (or run its 20 steps), far past it.
-    assert killed.wait(timeout_s=180, poll_s=0.2) == "FAILED", logs_text(killed_dir)
-    status = json.loads(cli("status", str(killed_dir), "--json", timeout=60).stdout)
-    failed = status["failed"]
-    assert (status["state"], failed["component"], failed["rank"]) == ("FAILED", "critic", 1), status
-    assert "Killed" in failed["why"] and failed["tail"], failed
-    text = cli("status", str(killed_dir), timeout=60).stdout
-    assert "critic failed first" in text and "rank 1" in text
+    try:   # whatever fails below, the node comes back for the other tests
+        # Critic rank 1 of 2 killed -9 in the middle of the run (after a whole step).
+        wait_for(lambda: (killed_dir / "metrics.jsonl").exists() and (killed_dir / "metrics.jsonl").read_text(),
+                 "a first PPO step", timeout=600, job=killed)
+        rank_process(killed_dir, "critic", 1).send_signal(signal.SIGKILL)
+        # Ceiling sized for a loaded 2-core machine; without the failure handling the actor would hang
+        # on the dead critic rank's collective (or run its 20 steps), far past it.
+        assert killed.wait(timeout_s=180, poll_s=0.2) == "FAILED", logs_text(killed_dir)
+        status = json.loads(cli("status", str(killed_dir), "--json", timeout=60).stdout)
+        failed = status["failed"]
+        assert (status["state"], failed["component"], failed["rank"]) == ("FAILED", "critic", 1), status
+        assert "Killed" in failed["why"] and failed["tail"], failed
+        text = cli("status", str(killed_dir), timeout=60).stdout
+        assert "critic failed first" in text and "rank 1" in text
 
-    try:
         # Slurm notices the node after SlurmdTimeout; the ranks hold for an hour otherwise.
         assert lost.wait(timeout_s=300, poll_s=0.5) == "FAILED", logs_text(lost_dir)
     finally:   # the node comes back for the other tests (ReturnToService=2)
+        for job in (killed, lost):   # a job still running would keep the node busy
+            with contextlib.suppress(subprocess.CalledProcessError):   # scancel of an ended job
+                job.cancel()
         slurm_cluster.pids[node] = procs.start_daemon(
             [SLURMD, "-D", "-N", node, "-f", str(slurm_cluster.conf_path)],
             slurm_cluster.log_dir / f"slurmd-{node}.out", slurm_cluster.env).pid

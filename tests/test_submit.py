@@ -166,29 +166,38 @@ def test_status_names_the_rank_that_failed_first(tmp_path, launcher, rank, why):
     assert failed.log == logs / f"rank{rank}.log" and failed.tail == (logs / f"rank{rank}.log").read_text().splitlines()[-2:]
 
 
-def test_status_names_the_component_whose_rank_died_not_the_one_that_lost_its_stream(tmp_path):
-    """As in a CI run: generator rank 1 was killed, the actor (reading its stream) failed with
-    StreamClosed and its srun returned first, so the job script wrote actor to first_failure."""
+@pytest.mark.parametrize("peer,lost", [
+    ("generator", "slurm_align.generation.stream.StreamClosed: the peer closed the stream"),
+    # the critic's server went with its rank 0 (a timeout: it hung on the dead rank's collective)
+    ("critic", "slurm_align.critic.client.CriticError: critic at 127.0.0.1:43327, endpoint critic_infer: "
+               "request failed after 0.0 s (request_timeout_s=300): ConnectionRefusedError: [Errno 111] "
+               "Connection refused"),
+    ("critic", "slurm_align.critic.client.CriticError: critic at 127.0.0.1:43327, endpoint critic_train: "
+               "request failed after 300.1 s (request_timeout_s=300): timeout: timed out"),
+], ids=["stream", "critic-refused", "critic-timeout"])
+def test_status_names_the_component_whose_rank_died_not_the_one_that_lost_it(tmp_path, peer, lost):
+    """As in CI runs: a rank of the generator (or critic) was killed, the actor (reading its
+    stream, or calling the critic) failed for that and its srun returned first, so the job
+    script wrote actor to first_failure."""
     from slurm_align.rundir import RunDir
     from slurm_align.slurm.status import first_failure
 
     rd = RunDir(tmp_path)
     for comp, launcher, logs in [
         ("actor", "srun: error: n1: task 0: Exited with exit code 1\n",
-         {0: "Traceback (most recent call last):\n  File \"stream.py\", line 76, in _recv_exact\n"
-             "slurm_align.generation.stream.StreamClosed: the peer closed the stream\n"}),
-        ("generator", "srun: error: n2: task 1: Killed\nsrun: error: n2: task 0: Killed\n",
-         {0: "generating\n", 1: "generating\n"}),
+         {0: f"Traceback (most recent call last):\n  File \"x.py\", line 76, in f\n{lost}\n"}),
+        (peer, "srun: error: n2: task 1: Killed\nsrun: error: n2: task 0: Killed\n",
+         {0: "working\n", 1: "working\n"}),
     ]:
         (rd.logs / comp).mkdir(parents=True)
         (rd.logs / comp / "launcher.log").write_text(launcher)
         for r, text in logs.items():
             (rd.logs / comp / f"rank{r}.log").write_text(text)
-    failed = first_failure(rd, "actor", ["actor", "generator"])
-    assert (failed.component, failed.rank, failed.why) == ("generator", 1, "Killed")
-    # the actor's own failure (not a lost stream) stays the one named
+    failed = first_failure(rd, "actor", ["actor", peer])
+    assert (failed.component, failed.rank, failed.why) == (peer, 1, "Killed")
+    # the actor's own failure (not a lost peer) stays the one named
     (rd.logs / "actor" / "rank0.log").write_text("Traceback (most recent call last):\nValueError: boom\n")
-    failed = first_failure(rd, "actor", ["actor", "generator"])
+    failed = first_failure(rd, "actor", ["actor", peer])
     assert (failed.component, failed.rank) == ("actor", 0)
     assert first_failure(rd, None, []) is None
 

@@ -19,9 +19,10 @@ _SRUN_TASK = re.compile(r"srun: error: \S+: tasks? (\d+)(?:-\d+)?: (.+)")
 # mpirun: "mpirun noticed that process rank 1 with PID 42 on node x exited on signal 9 (Killed)."
 _MPIRUN_RANK = re.compile(r"process rank (\d+) with PID \d+ on node \S+ (exited on signal.+|exited with.+)")
 _TRACEBACK = re.compile(r"^Traceback \(most recent call last\)", re.M)
-# A rank that failed only because a peer died (gloo/NCCL saw its connection go, or the rollout
-# stream from the generator closed): a consequence.
-_LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|remote process exited|StreamClosed: the peer closed")
+# A rank that failed only because a peer died (gloo/NCCL saw its connection go, the rollout
+# stream from the generator closed, the critic's server went or hung): a consequence.
+_LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|remote process exited|StreamClosed: the peer closed"
+                        r"|CriticError: critic at \S+, endpoint \w+: request failed after|CriticUnavailableError")
 _ITER = re.compile(r"^iter_(\d+)$")
 
 
