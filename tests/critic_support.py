@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import yaml
 
 from slurm_align.critic.client import CriticClient
@@ -123,6 +124,12 @@ class CriticProcess:
             if child.poll() is None:
                 os.killpg(child.pid, signal.SIGKILL)
         return subprocess.CompletedProcess(cmd, child.returncode, child.communicate()[0], "")
+
+    def triton_processes(self, name: str = "tritonserver", model: str | None = None) -> list:
+        """tritonserver, or the Python backend stub of one model (name
+        triton_python_backend_stub), under this critic."""
+        return [p for p in psutil.Process(self.proc.pid).children(recursive=True)
+                if p.name() == name and (model is None or f"{model}_0_0" in p.cmdline())]
 
     def log_text(self) -> str:
         if not self.log.closed:

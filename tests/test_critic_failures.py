@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 
 from slurm_align.critic import protocol as P
@@ -76,12 +75,6 @@ def critic(tmp_path_factory):
         proc.stop()
 
 
-def triton_processes(proc: CriticProcess, name: str, model: str | None = None) -> list[psutil.Process]:
-    """tritonserver, or the Python backend stub of one model, under the critic."""
-    return [p for p in psutil.Process(proc.proc.pid).children(recursive=True)
-            if p.name() == name and (model is None or f"{model}_0_0" in p.cmdline())]
-
-
 def restarts_logged(proc: CriticProcess) -> int:
     return Path(proc.log.name).read_text(errors="replace").count("starting it again")
 
@@ -96,7 +89,7 @@ def test_a_stalled_stub_gets_tritonserver_restarted_and_the_request_answered(cri
     batch, other = random_batch(rng, 2, 8), random_batch(rng, 3, 8)
     reference, other_reference = client.infer(*batch)[0], client.infer(*other)[0]
     before, port = restarts_logged(proc), client.port
-    stubs = triton_processes(proc, "triton_python_backend_stub", P.INFER)
+    stubs = proc.triton_processes("triton_python_backend_stub", P.INFER)
     assert len(stubs) == 1, stubs
     stubs[0].suspend()
     try:
@@ -116,12 +109,12 @@ def test_a_killed_tritonserver_is_started_again_under_the_live_critic(critic):
     batch = random_batch(np.random.default_rng(22), 2, 8)
     reference = client.infer(*batch)[0]
     before = restarts_logged(proc)
-    (server,) = triton_processes(proc, "tritonserver")
+    (server,) = proc.triton_processes()
     server.kill()
     server.wait(timeout=30)
     np.testing.assert_allclose(client.infer(*batch)[0], reference, atol=1e-5)
     assert restarts_logged(proc) == before + 1
-    assert triton_processes(proc, "tritonserver")[0].pid != server.pid
+    assert proc.triton_processes()[0].pid != server.pid
 
 
 def test_a_retried_train_step_is_applied_once(critic):

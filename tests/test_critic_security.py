@@ -222,8 +222,7 @@ def test_listens_only_on_the_chosen_address_http_only(critic):
     no gRPC, no metrics port, nothing on 0.0.0.0. (The critic's Python process also listens
     for MPI and torch.distributed, which are not the server's: see bootstrap.py.)"""
     host, port = critic["addr"]
-    triton = [p for p in psutil.Process(critic["proc"].proc.pid).children(recursive=True)
-              if p.name() == "tritonserver"]
+    triton = critic["proc"].triton_processes()
     assert len(triton) == 1, triton
     listening = set()
     for p in [triton[0], *triton[0].children(recursive=True)]:

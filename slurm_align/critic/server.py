@@ -20,8 +20,9 @@ when its health thread misses a 1 s deadline (a stalled node: measured here, a s
 2 s fails the request in flight, and from then on its answers are broken until the next request
 aborts tritonserver). A watchdog thread starts a new tritonserver on the same address when it
 died or when the actor's client asks for it (RunDir.critic_restart_requested, written on an
-'unhealthy' answer), while the models stay in this process; clients retry (client.py), and a retried critic_train is answered from the first try's result
-(its request_id), so an optimizer step is never applied twice.
+'unhealthy' answer), while the models stay in this process. Clients retry (client.py); a
+retried critic_train is answered from the first try's result (its request_id), so an
+optimizer step is never applied twice.
 """
 
 from __future__ import annotations
