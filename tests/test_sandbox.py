@@ -78,7 +78,10 @@ def test_fork_bomb_hits_the_process_limit():
     code = ("import os\nprint(os.getcwd(), flush=True)\n"
             "while True:\n"
             "    try:\n        os.fork()\n"
-            "    except OSError as e:\n        print('refused', e.errno, flush=True)\n        break\n")
+            "    except OSError as e:\n"
+            # one write(2) per line: under `python -u` print() writes 'refused', ' 11' and
+            # the newline apart, and the bomb's processes interleave them
+            "        os.write(1, b'refused %d\\n' % e.errno)\n        break\n")
     r = run_code(code, SandboxLimits(timeout_s=20.0, processes=8))
     lines = r.stdout.splitlines()
     assert "refused 11" in lines                        # EAGAIN: RLIMIT_NPROC
