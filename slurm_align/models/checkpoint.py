@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map, optim_state_to_sharding_state,
 )
@@ -64,10 +66,22 @@ def _optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
     return 0
 
 
+def _results_queue_in_process() -> None:
+    """megatron's torch_dist writer hands its write results over a queue of a multiprocessing
+    Manager it starts with `spawn` at a process's first save: a fresh Python that imports torch
+    (measured: 2.5 CPU-s per rank, the dearest part of a short run's final save). Our saves are
+    synchronous: the results are put and got in this process (the writer's forked children
+    report through a queue of their own), so a plain queue.Queue serves. Set once, before the
+    first save; a megatron without this module-level queue keeps its own."""
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        filesystem_async._results_queue = queue.Queue()
+
+
 def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common: dict) -> Path:
     """Collective over all ranks. `common` (step, data position, ...) must be the same on every
     rank; torch's RNG state of rank 0 is added."""
     apply_cpu_compat()
+    _results_queue_in_process()
     final = iter_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
