@@ -64,6 +64,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "slurm_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slurm)
     _xdist_groups(items, loadgroup=bool(getattr(config.option, "loadgroup", False)))   # set on xdist workers
+    _long_tests_first(items)
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items and not _cuda_available():
         skip = pytest.mark.skip(reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
@@ -125,6 +126,16 @@ def _xdist_groups(items: list[pytest.Item], loadgroup: bool = False) -> None:
             item.add_marker(pytest.mark.xdist_group(name))
             if loadgroup:
                 _suffix_group(item, name)
+
+
+def _long_tests_first(items: list[pytest.Item]) -> None:
+    """xdist hands out the groups first (largest first), then single tests in collection order:
+    put the long single tests (marked slow) at the head of those, so that none starts last and
+    runs alone while the other workers idle (measured: 20-30% of the CPU idle in a run's last
+    minute). A stable sort: every other test keeps its place."""
+    def single_and_slow(item: pytest.Item) -> bool:
+        return bool(item.get_closest_marker("slow")) and not item.get_closest_marker("xdist_group")
+    items.sort(key=lambda item: not single_and_slow(item))
 
 
 def _suffix_group(item: pytest.Item, name: str) -> None:

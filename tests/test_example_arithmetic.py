@@ -23,7 +23,7 @@ import pytest
 from slurm_align import REPO_ROOT
 from slurm_align.config import load_run_config
 from slurm_align.slurm.render import Entry
-from tests.test_grpo import BROKEN_ACTOR, accuracy_gain, launch, val_score
+from tests.test_grpo import BROKEN_ACTOR, BROKEN_STEPS, accuracy_gain, launch, val_score
 
 EXAMPLE = REPO_ROOT / "examples" / "arithmetic"
 RULE = "slurm_align.rewards.arithmetic:exact_answer"
@@ -57,7 +57,7 @@ def test_arithmetic_example_learns_with_its_rule_reward_and_its_broken_twin_does
     launch(tmp_path, sft, name="sft")
     weak = tmp_path / "sft" / "checkpoints" / "sft"
     launch(tmp_path, grpo_config(data, weak), name="good")
-    launch(tmp_path, grpo_config(data, weak, "ppo.num_steps=20", "eval.interval=20"), name="broken",
+    launch(tmp_path, grpo_config(data, weak, *BROKEN_STEPS), name="broken",
            entry=Entry(scripts={"actor": BROKEN_ACTOR}))
     good, broken = accuracy_gain(tmp_path / "good"), accuracy_gain(tmp_path / "broken")
     print(f"arithmetic: held-out exact-answer gain {good:+.3f}, broken twin {broken:+.3f}")

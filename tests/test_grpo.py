@@ -24,7 +24,6 @@ from slurm_align.slurm.render import Entry
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
 from tests.critic_support import run_child
-from tests.test_ppo import run_ppo
 
 EXAMPLES = REPO_ROOT / "examples"
 SYNTH = EXAMPLES / "synthetic"
@@ -214,20 +213,6 @@ def weak_sft(sft_checkpoint) -> Path:
     return sft_checkpoint
 
 
-# --- PPO mini-batches -------------------------------------------------------------------------
-def test_ppo_global_batches_move_the_ratio_and_clip(tmp_path, weak_sft):
-    """8 rollouts in global batches of 2: the later optimizer steps see a policy that already
-    moved, so the ratio leaves 1 and the clip acts. (From the SFT policy: PPO's loss counts only
-    responses that ended, which a random init rarely does.) With one global batch it cannot: that
-    control is asserted on a run the suite makes anyway, PPO's learning run
-    (tests/test_ppo.py::test_ppo_raises_its_reward_and_a_flipped_advantage_does_not)."""
-    fast = ["ppo.num_steps=1", "ppo.actor_lr=1e-2", "ppo.train_micro_batch_size=1", f"model.init_checkpoint={weak_sft}"]
-    split = metrics(run_ppo(tmp_path, "local", *fast, "ppo.global_batch_size=2", name="split"))[-1]
-    assert split["train_optim/optimizer_steps"] == 4
-    assert split["train_optim/ppo_ratio_clamped"] > 0.0
-    assert abs(split["train_optim/ppo_ratio"] - 1.0) > 1e-3
-
-
 # --- learning on the task ---------------------------------------------------------------------
 def learning_config(sft: Path, *overrides: str):
     return load_run_config(EXAMPLES / "grpo_tiny.yaml", [
@@ -248,12 +233,13 @@ def accuracy_gain(run_dir: Path) -> float:
 
 
 BROKEN_ACTOR = Path(__file__).parent / "grpo_flipped_actor.py"
-BROKEN_STEPS = ["ppo.num_steps=20", "eval.interval=20"]
-"""The broken twin runs 20 steps (held-out score at its last): that is enough to show it does not
-rise. Measured from the 0.28 start: every twin at 0.0 after 20 steps (0.005 for rejection
-sampling), as after 60. The good runs keep 60: at 20 and 40 steps grpo gains only +0.06 and
-+0.045, rloo +0.05 and +0.08, reinforce_pp +0.065 and +0.07, grpo_lora +0.04 and +0.055
-(MARGIN 0.06)."""
+BROKEN_STEPS = ["ppo.num_steps=10", "eval.interval=10"]
+"""The broken twin runs 10 steps (held-out score at its last): that is enough to show it does not
+rise. Measured from the 0.28 start, held-out after 5 and 10 steps: grpo 0.0, 0.0; rloo 0.02,
+0.0; reinforce_pp 0.0, 0.0; rejection sampling 0.095, 0.02; grpo_lora 0.02, 0.0 (after 20 and 60
+steps every twin is at 0.0, 0.005 for rejection sampling). The good runs keep 60: at 20 and 40
+steps grpo gains only +0.06 and +0.045, rloo +0.05 and +0.08, reinforce_pp +0.065 and +0.07,
+grpo_lora +0.04 and +0.055 (MARGIN 0.06)."""
 
 
 # Each algorithm against its own broken twin (tests/grpo_flipped_actor.py): the advantage's sign

@@ -93,12 +93,33 @@ def test_ppo_on_local_profile(ppo_reference):
         assert (run_dir / "checkpoints" / "actor" / f"iter_{step:07d}" / "manifest.json").is_file()
 
 
-def test_ppo_with_tensor_parallel_2(tmp_path):
-    run_dir = run_ppo(tmp_path, "local", "actor.tensor_parallel=2", "actor.data_parallel=1")
-    check_complete_run(run_dir, steps=2, samples=8, actor_ranks=2)
+@pytest.fixture(scope="module")
+def tp2_split_run(tmp_path_factory, sft_checkpoint) -> Path:
+    """One run for two tests: the actor at TP=2, and each step's 8 rollouts trained in global
+    batches of 2. From the weak SFT policy (the session's, tests/conftest.py): PPO's loss counts
+    only responses that ended, which a random init rarely does."""
+    return run_ppo(tmp_path_factory.mktemp("tp2-split"), "local", "actor.tensor_parallel=2", "actor.data_parallel=1",
+                   "ppo.global_batch_size=2", "ppo.actor_lr=1e-2", "ppo.train_micro_batch_size=1",
+                   f"model.init_checkpoint={sft_checkpoint}")
+
+
+def test_ppo_with_tensor_parallel_2(tp2_split_run):
+    check_complete_run(tp2_split_run, steps=2, samples=8, actor_ranks=2)
     # One generation replica spans both TP ranks: only its first rank asks for prompts.
-    store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
+    store = RolloutStore.open(tp2_split_run / "rollouts.zarr", read_only=True)
     assert set(store.read(1)["rank"].tolist()) == {0}
+
+
+def test_ppo_global_batches_move_the_ratio_and_clip(tp2_split_run):
+    """8 rollouts in global batches of 2: the later optimizer steps see a policy that already
+    moved, so the ratio leaves 1 and the clip acts. With one global batch it cannot: that
+    control is asserted on PPO's learning run
+    (test_ppo_raises_its_reward_and_a_flipped_advantage_does_not)."""
+    lines = (tp2_split_run / "metrics.jsonl").read_text().splitlines()
+    for split in [m for m in map(json.loads, lines) if "train_optim/optimizer_steps" in m]:
+        assert split["train_optim/optimizer_steps"] == 4
+        assert split["train_optim/ppo_ratio_clamped"] > 0.0
+        assert abs(split["train_optim/ppo_ratio"] - 1.0) > 1e-3
 
 
 def test_ppo_with_pipeline_parallel_2_refolded_for_generation(tmp_path):
@@ -191,7 +212,7 @@ def test_ppo_raises_its_reward_and_a_flipped_advantage_does_not(tmp_path, sft_an
     good_dir = run_ppo(tmp_path, "local", *learn, name="good")
     # One global batch (the default: all of a step's rollouts) and one epoch: the only optimizer
     # step starts from the policy that generated, so the ratio is 1 and the clip never acts (the
-    # control of tests/test_grpo.py::test_ppo_global_batches_move_the_ratio_and_clip).
+    # control of test_ppo_global_batches_move_the_ratio_and_clip).
     updates = [m for m in map(json.loads, (good_dir / "metrics.jsonl").read_text().splitlines())
                if "train_optim/optimizer_steps" in m]   # (none in the critic's warm-up steps)
     assert updates
