@@ -260,7 +260,9 @@ class CriticClient:
             reqs.append(inp)
         t0 = time.monotonic()
         try:
-            res = self._http().infer(endpoint, reqs, headers=self._headers, outputs=[
+            # a copy per request: tritonclient writes the request's own Inference-Header-Content-
+            # Length into the dict it is given, and concurrent requests would send each other's
+            res = self._http().infer(endpoint, reqs, headers=dict(self._headers), outputs=[
                 th.InferRequestedOutput(n, binary_data=True) for n in outputs])
         except InferenceServerException as e:   # the stub missed its health deadline (server.py)
             kind = _ServerBroken if "is not healthy" in str(e) else CriticError
