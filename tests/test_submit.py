@@ -202,6 +202,35 @@ def test_status_names_the_component_whose_rank_died_not_the_one_that_lost_it(tmp
     assert first_failure(rd, None, []) is None
 
 
+@pytest.mark.parametrize("slurm,codes,first,expected", [
+    # CI: the critic failed (exit 3); the script's stop of the actor left Slurm's record of the
+    # critic's component CANCELLED
+    (["FAILED", "CANCELLED"], {"actor": 137, "critic": 3}, "critic", {"actor": "FAILED", "critic": "FAILED"}),
+    # scancel: a rank ended by the TERM before the script's trap ran is named, but the whole
+    # job is CANCELLED
+    (["CANCELLED", "CANCELLED"], {"actor": 143, "critic": 143}, "actor", {"actor": "CANCELLED", "critic": "CANCELLED"}),
+    # Slurm still ending the job: not final yet
+    (["COMPLETING", "COMPLETING"], {"actor": 143, "critic": None}, "actor", {"actor": "RUNNING", "critic": "RUNNING"}),
+], ids=["failure-then-stop", "cancel", "completing"])
+def test_the_component_the_script_saw_fail_first_is_failed_unless_the_job_was_cancelled(
+        tmp_path, monkeypatch, slurm, codes, first, expected):
+    """Component states read from the run directory and Slurm's per-component states (given
+    here: the real ones are read in the Slurm tests of this file and test_failures.py)."""
+    from slurm_align.slurm import state as job_state
+    from slurm_align.slurm.launch import Job, JobRecord
+
+    monkeypatch.setattr(job_state, "slurm_state", lambda job_id: (job_state.combine([job_state.fold(s) for s in slurm]), slurm))
+    job = Job(JobRecord("slurm", "7", str(tmp_path), ["actor", "critic"], "local-slurm"))
+    for comp, code in codes.items():
+        (job.run_dir.logs / comp).mkdir(parents=True)
+        (job.run_dir.logs / comp / "rank0.log").write_text("log\n")
+        if code is not None:
+            (job.run_dir.logs / comp / "exit_code").write_text(f"{code}\n")
+    job.run_dir.first_failure.write_text(f"{first}\n")
+    assert job.component_states() == expected
+    assert sorted(job.failed_logs()) == sorted(c for c, s in expected.items() if s == "FAILED")
+
+
 def _scontrol_fields(job_id: str, name: str) -> list[str]:
     """A field of every component of a job, as Slurm stored it (`scontrol show job`)."""
     text = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True).stdout

@@ -35,6 +35,9 @@ from slurm_align.slurm.executor import HetjobExecutor
 from slurm_align.slurm.choose import check_shared_paths
 from slurm_align.slurm.render import CONTAINER_SETUP, Entry, container_setup_text, job_python, render_script
 
+SETTLE_S = 60.0
+"""How long Job.wait() waits, once the job's state is final, for components Slurm is still ending."""
+
 
 @dataclass
 class JobRecord:
@@ -110,12 +113,20 @@ class Job:
                 out = {c: (job_state.CANCELLED if s != job_state.COMPLETED else s) for c, s in out.items()}
             return out
         _, raw = job_state.slurm_state(self.job_id)
+        first = self.run_dir.first_failure.read_text().strip() if self.run_dir.first_failure.is_file() else None
+        cancelled = bool(raw) and all(job_state.fold(r) == job_state.CANCELLED for r in raw)
         out = {}
         for i, comp in enumerate(self.record.components):
             raw_i = raw[i] if i < len(raw) else (raw[0] if raw else "")
             sched = job_state.fold(raw_i)
             code = codes.get(comp)
-            if code == STOPPED_EXIT_CODE:
+            if (comp == first and code not in (None, 0, STOPPED_EXIT_CODE) and not cancelled
+                    and not job_state.is_completing(raw_i)):
+                # The component the job script saw fail first. Its stop of the others can leave
+                # Slurm's record of this one CANCELLED (CI: the critic exited 3, its component
+                # CANCELLED, the actor's FAILED); only a job cancelled as a whole is a cancel.
+                out[comp] = job_state.FAILED
+            elif code == STOPPED_EXIT_CODE:
                 # stopped at a checkpoint: requeued (Slurm says pending/running) or ended as stopped
                 out[comp] = job_state.STOPPED if sched in job_state.FINAL_STATES else sched
             elif code is None or code == 0 or sched == job_state.CANCELLED:
@@ -144,6 +155,7 @@ class Job:
         live = Live(self._table(), console=console, refresh_per_second=2) if console else None
         if live:
             live.start()
+        settle_by = None
         try:
             while True:
                 comps = self.component_states()
@@ -151,6 +163,13 @@ class Job:
                 if live:
                     live.update(self._table(comps))
                 if overall in job_state.FINAL_STATES:
+                    # A failed job's other components may still be ending (Slurm: COMPLETING):
+                    # wait for them (at most SETTLE_S), so that what is read after wait()
+                    # (failed_logs, status) is final too.
+                    settle_by = settle_by or time.monotonic() + SETTLE_S
+                    if job_state.RUNNING in comps.values() and time.monotonic() < settle_by:
+                        time.sleep(poll_s)
+                        continue
                     if self._popen is not None:
                         self._popen.wait()
                     return overall
