@@ -121,6 +121,10 @@ class RunDir:
         """Name of the component that failed first (written by the job script)."""
         return self.logs / "first_failure"
 
+    def first_failed_component(self) -> str | None:
+        """The component named in logs/first_failure, or None when none failed."""
+        return self.first_failure.read_text().strip() if self.first_failure.is_file() else None
+
     def is_run_dir(self) -> bool:
         return self.config.is_file()
 

@@ -116,7 +116,9 @@ def test_ppo_global_batches_move_the_ratio_and_clip(tp2_split_run):
     control is asserted on PPO's learning run
     (test_ppo_raises_its_reward_and_a_flipped_advantage_does_not)."""
     lines = (tp2_split_run / "metrics.jsonl").read_text().splitlines()
-    for split in [m for m in map(json.loads, lines) if "train_optim/optimizer_steps" in m]:
+    updates = [m for m in map(json.loads, lines) if "train_optim/optimizer_steps" in m]
+    assert updates
+    for split in updates:
         assert split["train_optim/optimizer_steps"] == 4
         assert split["train_optim/ppo_ratio_clamped"] > 0.0
         assert abs(split["train_optim/ppo_ratio"] - 1.0) > 1e-3

@@ -37,9 +37,9 @@ def main() -> None:
     ap.add_argument("--max-operand", type=int, default=99, choices=range(1, 1000), metavar="1..999",
                     help="largest operand (9: the one-digit task a tiny model learns in minutes)")
     args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     for i, (name, n) in enumerate(SIZES.items()):
         rng = random.Random(args.seed * 1000 + i)  # one stream per file: files are independent
-        args.out.mkdir(parents=True, exist_ok=True)
         path = args.out / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows(name.split("_")[0], rng, n, args.max_operand)))
         print(f"wrote {path} ({n} lines)")

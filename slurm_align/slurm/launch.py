@@ -113,7 +113,7 @@ class Job:
                 out = {c: (job_state.CANCELLED if s != job_state.COMPLETED else s) for c, s in out.items()}
             return out
         _, raw = job_state.slurm_state(self.job_id)
-        first = self.run_dir.first_failure.read_text().strip() if self.run_dir.first_failure.is_file() else None
+        first = self.run_dir.first_failed_component()
         cancelled = bool(raw) and all(job_state.fold(r) == job_state.CANCELLED for r in raw)
         out = {}
         for i, comp in enumerate(self.record.components):

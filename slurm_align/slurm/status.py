@@ -124,8 +124,7 @@ def run_status(job) -> RunStatus:
     if job.record.backend == "slurm" and state == job_state.PENDING:
         status.pending_reasons = job_state.pending_reasons(job.job_id)
     if state == job_state.FAILED:
-        first = rd.first_failure.read_text().strip() if rd.first_failure.is_file() else None
-        status.failed = first_failure(rd, first, [c for c, s in comps.items() if s == job_state.FAILED])
+        status.failed = first_failure(rd, rd.first_failed_component(), [c for c, s in comps.items() if s == job_state.FAILED])
     return status
 
 

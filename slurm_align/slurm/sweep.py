@@ -253,8 +253,8 @@ def _failure_note(job, state: str, run_dir: Path) -> str:
     note = state
     if state == job_state.UNKNOWN:
         note += " (Slurm no longer knows the job)"
-    first = job.run_dir.first_failure
-    comps = [first.read_text().strip()] if first.is_file() else list(job.failed_logs())
+    first = job.run_dir.first_failed_component()
+    comps = [first] if first else list(job.failed_logs())
     if comps:
         f = failing_rank(job.run_dir, comps[0], lines=1)
         note += f"; {f.component} rank {f.rank} failed first ({f.why}): {' '.join(f.tail)[:200]}"
