@@ -7,6 +7,10 @@ torch compiles at their first call anyway and that this project's models leave o
 fusions are off in slurm_align.models.gpt). While megatron.core is imported, torch.compile is
 replaced by a wrapper that calls the real one when the decorated function is first called:
 the same behaviour, paid for only when used. `install()` is called when slurm_align is imported.
+
+megatron.core's inference context and timers also import wandb if it is installed (0.5 s), for
+their own logging, which this project does not use (it logs through slurm_align.profiling.metrics,
+which imports wandb itself when a run asks for it). wandb is hidden from that one import.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import sys
 from typing import Any, Callable
 
 TARGET = "megatron.core"
+OPTIONAL_UNUSED = ("wandb",)   # imported by megatron.core when installed, used only by its own logging
 
 
 def deferring(compile_fn: Callable) -> Callable:
@@ -59,10 +64,15 @@ class _DeferCompileDuringImport(importlib.abc.MetaPathFinder):
 
             real = torch.compile
             torch.compile = deferring(real)
+            hide = [name for name in OPTIONAL_UNUSED if name not in sys.modules]
+            sys.modules.update(dict.fromkeys(hide))   # None in sys.modules: `import` raises ImportError
             try:
                 run_module(module)
             finally:
                 torch.compile = real
+                for name in hide:
+                    if sys.modules.get(name, ...) is None:
+                        del sys.modules[name]
         spec.loader.exec_module = exec_module   # this spec's own loader object
         return spec
 

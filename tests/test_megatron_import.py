@@ -41,3 +41,11 @@ def test_importing_megatron_after_slurm_align_loads_no_compiler_and_restores_tor
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", prog], cwd=REPO_ROOT, capture_output=True,
                          text=True, timeout=120, check=True).stdout.split()
     assert out == ["[]", "True", "deferring.<locals>.compile_later"], out
+
+
+def test_megatron_core_is_imported_without_wandb_and_wandb_still_imports_after():
+    prog = ("import sys, slurm_align, megatron.core; print('wandb' in sys.modules); "
+            "import wandb; print(wandb.__name__, 'wandb' in sys.modules)")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", prog], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out == ["False", "wandb", "True"], out
