@@ -8,9 +8,10 @@ fusions are off in slurm_align.models.gpt). While megatron.core is imported, tor
 replaced by a wrapper that calls the real one when the decorated function is first called:
 the same behaviour, paid for only when used. `install()` is called when slurm_align is imported.
 
-megatron.core's inference context and timers also import wandb if it is installed (0.5 s), for
-their own logging, which this project does not use (it logs through slurm_align.profiling.metrics,
-which imports wandb itself when a run asks for it). wandb is hidden from that one import.
+megatron.core's inference context and timers also import wandb if it is installed (0.9 CPU-s a
+rank here), for their own logging, which this project does not use (it logs through
+slurm_align.profiling.metrics, which imports wandb itself when a run asks for it). wandb is
+hidden from that one import.
 """
 
 from __future__ import annotations

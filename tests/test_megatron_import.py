@@ -10,6 +10,12 @@ from slurm_align import REPO_ROOT
 from slurm_align.megatron_import import deferring
 
 
+def python_words(prog: str) -> list[str]:
+    """What a fresh interpreter running `prog` prints, split into words."""
+    return subprocess.run([sys.executable, "-W", "ignore", "-c", prog], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=120, check=True).stdout.split()
+
+
 def test_a_function_is_compiled_at_its_first_call_with_the_arguments_given():
     calls = []
 
@@ -38,14 +44,12 @@ def test_importing_megatron_after_slurm_align_loads_no_compiler_and_restores_tor
     prog = ("import sys, slurm_align, torch; real = torch.compile; import megatron.core, megatron.core.jit as jit; "
             "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules), "
             "torch.compile is real, jit.jit_fuser.__qualname__)")
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", prog], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=120, check=True).stdout.split()
+    out = python_words(prog)
     assert out == ["[]", "True", "deferring.<locals>.compile_later"], out
 
 
 def test_megatron_core_is_imported_without_wandb_and_wandb_still_imports_after():
     prog = ("import sys, slurm_align, megatron.core; print('wandb' in sys.modules); "
             "import wandb; print(wandb.__name__, 'wandb' in sys.modules)")
-    out = subprocess.run([sys.executable, "-W", "ignore", "-c", prog], cwd=REPO_ROOT, capture_output=True,
-                         text=True, timeout=120, check=True).stdout.split()
+    out = python_words(prog)
     assert out == ["False", "wandb", "True"], out
