@@ -174,7 +174,10 @@ def test_status_names_the_rank_that_failed_first(tmp_path, launcher, rank, why):
                "Connection refused"),
     ("critic", "slurm_align.critic.client.CriticError: critic at 127.0.0.1:43327, endpoint critic_train: "
                "request failed after 300.1 s (request_timeout_s=300): timeout: timed out"),
-], ids=["stream", "critic-refused", "critic-timeout"])
+    # the critic's server answered with an error: its own collective failed on the dead rank
+    ("critic", "slurm_align.critic.client.CriticError: critic at 127.0.0.1:43327, endpoint critic_train: "
+               "Unexpected error in the inference callable: RuntimeError: rank 1 did not answer"),
+], ids=["stream", "critic-refused", "critic-timeout", "critic-server-error"])
 def test_status_names_the_component_whose_rank_died_not_the_one_that_lost_it(tmp_path, peer, lost):
     """As in CI runs: a rank of the generator (or critic) was killed, the actor (reading its
     stream, or calling the critic) failed for that and its srun returned first, so the job

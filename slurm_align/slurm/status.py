@@ -20,9 +20,10 @@ _SRUN_TASK = re.compile(r"srun: error: \S+: tasks? (\d+)(?:-\d+)?: (.+)")
 _MPIRUN_RANK = re.compile(r"process rank (\d+) with PID \d+ on node \S+ (exited on signal.+|exited with.+)")
 _TRACEBACK = re.compile(r"^Traceback \(most recent call last\)", re.M)
 # A rank that failed only because a peer died (gloo/NCCL saw its connection go, the rollout
-# stream from the generator closed, the critic's server went or hung): a consequence.
+# stream from the generator closed, the critic's server went, hung or answered a request with
+# an error, as it does when one of its own ranks died mid-collective): a consequence.
 _LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|remote process exited|StreamClosed: the peer closed"
-                        r"|CriticError: critic at \S+, endpoint \w+: request failed after|CriticUnavailableError")
+                        r"|CriticError: critic at \S+, endpoint \w+: |CriticUnavailableError")
 _ITER = re.compile(r"^iter_(\d+)$")
 
 
