@@ -23,14 +23,22 @@ from . import procs
 from .munge import ensure_munged
 
 TEMPLATE = Path(__file__).with_name("slurm.conf.template")
-# Every slurmd here shares this host's /dev/shm, and OpenMPI names its shared-memory segments
-# by host name, job and local rank: ranks of one job on two "nodes" map the same segment and
-# crash in MPI_Init or the first collective (measured: srun -N 4 -n 8 of an mpi4py allgather
-# segfaulted 15 times in 15; 1 in about 150 for -N 2 -n 2). A directory per node keeps them
-# apart, as separate hosts would. Each `export` line the TaskProlog prints lands in the task's
-# environment.
+# Every slurmd here shares this host, which separate hosts would not:
+# - /dev/shm and /tmp: OpenMPI names its shared-memory segments and session directory by host
+#   name, job and local rank, so ranks of one job on two "nodes" map the same segment and crash in
+#   MPI_Init or the first collective (measured: srun -N 4 -n 8 of an mpi4py allgather segfaulted 15
+#   times in 15). A directory per node keeps them apart.
+# - ob1's TCP BTL between "nodes" then still crashed in MPI_Init in 4 to 7 of 150 of those sruns (once
+#   in a suite run too): a fragment reaching a rank before its PML registered the fragment's tag: a call
+#   through a NULL callback in mca_btl_tcp, read from a core file. UCX, which OpenMPI also ships,
+#   gave 0 crashes in 200. Real clusters pick their own transport; this one is the test cluster's.
+# Each `export` line the TaskProlog prints lands in the task's environment.
 TASK_PROLOG = """#!/bin/sh
 echo "export OMPI_MCA_btl_vader_backing_directory={tmp}/$SLURMD_NODENAME"
+echo "export OMPI_MCA_orte_tmpdir_base={tmp}/$SLURMD_NODENAME"
+echo "export OMPI_MCA_pml=ucx"
+echo "export OMPI_MCA_pml_ucx_tls=any"
+echo "export OMPI_MCA_pml_ucx_devices=any"
 """
 SLURMCTLD = "/usr/sbin/slurmctld"
 SLURMD = "/usr/sbin/slurmd"

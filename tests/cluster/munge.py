@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -13,6 +14,9 @@ from .procs import start_daemon
 RUN_DIR = Path("/run/munge")
 KEY = Path("/etc/munge/munge.key")
 MUNGED = "/usr/sbin/munged"
+# Clusters of two pytest workers start at once: without one lock around "is munged up? start it",
+# both start one and the second dies on munged's own socket lock.
+START_LOCK = Path("/tmp/sa-munged-start.lock")
 
 
 def munge_works() -> bool:
@@ -28,6 +32,12 @@ def munge_works() -> bool:
 
 def ensure_munged(log: Path, timeout: float = 10.0) -> subprocess.Popen | None:
     """Make sure munged answers. Returns the process we started, or None if one was running."""
+    with open(START_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
+        return _ensure_munged(log, timeout)
+
+
+def _ensure_munged(log: Path, timeout: float) -> subprocess.Popen | None:
     if munge_works():
         return None
     if not Path(MUNGED).exists():
