@@ -29,7 +29,7 @@ from tests.cluster import ClusterError, LocalSlurmCluster, slurm_installed
 
 SLURM_GROUP = "slurm"
 """xdist group of every test that uses the real Slurm cluster (one cluster, one worker)."""
-SHARED_ACROSS_WORKERS = {"slurm_cluster", "sft_checkpoint", "rm_checkpoint", "ppo_reference"}
+SHARED_ACROSS_WORKERS = {"slurm_cluster", "sft_checkpoint", "rm_checkpoint", "ppo_reference", "grpo_learning_run"}
 """Session fixtures that never pull their users into one group: `slurm_cluster` has its own
 group, the others are built once per session for all workers (`build_once`)."""
 
@@ -268,6 +268,18 @@ def rm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "trainer.save_interval=0"])
         _launch_and_wait(run, folder / "run", "the shared reward-model run")
     return build_once(tmp_path_factory, "rm", build) / "run" / "checkpoints" / "rm"
+
+
+@pytest.fixture(scope="session")
+def grpo_learning_run(tmp_path_factory: pytest.TempPathFactory, sft_checkpoint: Path) -> Path:
+    """grpo_tiny's learning run from the shared SFT policy (tests/test_grpo.py `learning_config`):
+    GRPO's own learning test and the asynchronous example's comparison with it read the same run.
+    Built once per session for all workers; its run directory. Read-only."""
+    from tests.test_grpo import learning_config
+
+    def build(folder: Path) -> None:
+        _launch_and_wait(learning_config(sft_checkpoint, "algorithm=grpo"), folder / "run", "the shared GRPO learning run")
+    return build_once(tmp_path_factory, "grpo-learning", build) / "run"
 
 
 @pytest.fixture(scope="session")

@@ -85,6 +85,18 @@ def _actor_weights(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
 
 
+def assert_same_final_actor_checkpoint(run_dir: Path, reference: Path, tmp: Path, tol: float = 1e-5) -> str:
+    """The run's newest actor checkpoint (weights and AdamW state) equals the reference's of the
+    same step within tol; returns its name."""
+    last = sorted(p.name for p in (run_dir / "checkpoints" / "actor").glob("iter_*") if (p / "manifest.json").is_file())[-1]
+    a = _actor_weights(run_dir / "checkpoints" / "actor" / last, tmp / "run.pt")
+    b = _actor_weights(reference / "checkpoints" / "actor" / last, tmp / "ref.pt")
+    assert a.keys() == b.keys() and any(k.startswith("optimizer") for k in a)
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), rtol=0, atol=tol), k
+    return last
+
+
 def assert_same_final_state(run_dir: Path, reference: Path, tmp: Path, tol: float = 1e-5) -> None:
     """The run's rollouts and metrics steps match the reference's, each step once; its final actor
     checkpoint (weights and AdamW state) and critic weights equal the reference's within tol."""
@@ -96,12 +108,7 @@ def assert_same_final_state(run_dir: Path, reference: Path, tmp: Path, tol: floa
     for step in ref.steps.tolist():
         a, b = mine.read(int(step)), ref.read(int(step))
         assert np.array_equal(a["response_tokens"], b["response_tokens"]), step
-    last = sorted(p.name for p in (run_dir / "checkpoints" / "actor").glob("iter_*") if (p / "manifest.json").is_file())[-1]
-    a = _actor_weights(run_dir / "checkpoints" / "actor" / last, tmp / "run.pt")
-    b = _actor_weights(reference / "checkpoints" / "actor" / last, tmp / "ref.pt")
-    assert a.keys() == b.keys() and any(k.startswith("optimizer") for k in a)
-    for k in a:
-        assert torch.allclose(a[k].float(), b[k].float(), rtol=0, atol=tol), k
+    last = assert_same_final_actor_checkpoint(run_dir, reference, tmp, tol)
     ca = torch.load(run_dir / "checkpoints" / "critic" / f"{last}.pt", weights_only=True)
     cb = torch.load(reference / "checkpoints" / "critic" / f"{last}.pt", weights_only=True)
     assert ca.keys() == cb.keys()

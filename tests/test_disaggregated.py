@@ -2,14 +2,16 @@
 rollouts streamed to the actor, weights streamed back, staleness bounded by
 rollout.max_off_policy_steps.
 
-Three tiny end-to-end runs on the local profile, shared by the tests below: colocated (one actor
-rank), and disaggregated with k=0 (one actor rank, TP 1 -> generator) and k=1 (actor TP 2 ->
-generator), all at the same seed with static prompt shards.
+Four tiny end-to-end runs on the local profile, shared by the tests below: colocated (one actor
+rank), and disaggregated with k=0 (one actor rank, TP 1 -> generator), k=1 (actor TP 2 ->
+generator) and k=2 with a fixed lag (actor PP 2 -> generator), all at the same seed with static
+prompt shards.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from pathlib import Path
@@ -19,33 +21,46 @@ import pytest
 import torch
 
 from slurm_align.algorithms.generator import WEIGHT_DIGESTS
-from slurm_align.config import load_profile
+from slurm_align.config import ClusterProfile, RunConfig, load_profile
 from slurm_align.config.errors import ConfigError
 from slurm_align.generation.stream import StreamAuthError, StreamServer, connect
 from slurm_align.generation.weight_stream import WeightAssembler, buckets, send_weights
+from slurm_align.slurm.launch import launch_run
+from slurm_align.slurm.render import Entry
 from slurm_align.store.rollouts import RolloutStore
 from tests.test_grpo import grpo_config, launch, metrics
 
-STEPS = {"colocated": 2, "k0": 2, "k1": 3}
+STEPS = {"colocated": 2, "k0": 2, "k1": 3, "k2": 4}
 SMALL = ["switches.dynamic_prompts=false", "eval.interval=0", "ppo.num_rollout_samples=4", "ppo.global_batch_size=16",
          "rl.n_samples_per_prompt=4", "ppo.train_micro_batch_size=4"]
 DISAGGREGATED = ["rollout.mode=disaggregated", "rollout.record_weight_digests=true",
                  "rollout.weight_bucket_mb=0.1"]   # several buckets per version
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("disaggregated")
+def run_configs() -> dict[str, tuple[RunConfig, int]]:
+    """Each shared run's config and its number of actor ranks."""
     one = ["actor.data_parallel=1"]   # the fewest processes: each costs seconds of start-up on 2 cores
-    configs = {
+    return {
         "colocated": (grpo_config(*SMALL, *one, f"ppo.num_steps={STEPS['colocated']}"), 1),
         "k0": (grpo_config(*SMALL, *one, *DISAGGREGATED, "rollout.max_off_policy_steps=0",
                            f"ppo.num_steps={STEPS['k0']}"), 1),
         "k1": (grpo_config(*SMALL, *DISAGGREGATED, "rollout.max_off_policy_steps=1", f"ppo.num_steps={STEPS['k1']}",
                            "actor.tensor_parallel=2", "actor.data_parallel=1"), 2),
+        "k2": (grpo_config(*SMALL, *DISAGGREGATED, "rollout.max_off_policy_steps=2", "rollout.lag=fixed",
+                           f"ppo.num_steps={STEPS['k2']}", "actor.pipeline_parallel=2", "actor.data_parallel=1"), 2),
     }
-    for name, (run, actor_ranks) in configs.items():
-        launch(root, run, profile=load_profile("local", [f"components.actor.tasks_per_node={actor_ranks}"]), name=name)
+
+
+def actor_ranks(n: int) -> ClusterProfile:
+    return load_profile("local", [f"components.actor.tasks_per_node={n}"])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("disaggregated")
+    configs = run_configs()
+    for name, (run, ranks) in configs.items():
+        launch(root, run, profile=actor_ranks(ranks), name=name)
     return {name: root / name for name in configs}
 
 
@@ -80,20 +95,23 @@ def test_k0_gives_the_colocated_rollouts_and_metrics(runs):
             assert got["weight_sync/bytes"] > 0 and got["weight_sync/seconds"] > 0 and got["timers/weight_sync"] > 0
 
 
-def test_k1_never_trains_on_a_sample_older_than_one_version(runs):
-    data, rows = store(runs["k1"]), training_rows(runs["k1"])
-    assert list(data) == list(range(1, STEPS["k1"] + 1))
+@pytest.mark.parametrize("name,k", [("k1", 1), ("k2", 2)])
+def test_never_trains_on_a_sample_older_than_k_versions(runs, name, k):
+    data, rows = store(runs[name]), training_rows(runs[name])
+    assert list(data) == list(range(1, STEPS[name] + 1))
     seen = []
     for (step, d), m in zip(data.items(), rows, strict=True):
         staleness = (step - 1) - d["version"]
-        assert (staleness >= 0).all() and (staleness <= 1).all(), (step, d["version"])
+        assert (staleness >= 0).all() and (staleness <= k).all(), (step, d["version"])
         assert len(set(d["version"].tolist())) == 1      # weights change between steps, never inside one
         assert m["train_rollouts/max_staleness"] == staleness.max() and m["train_rollouts/dropped_stale"] == 0
         seen.append(int(d["version"][0]))
     assert seen == sorted(seen) and seen[0] == 0         # versions only advance
+    if run_configs()[name][0].rollout.lag == "fixed":     # step s: version s - 1 - k exactly
+        assert seen == [max(step - 1 - k, 0) for step in data], seen
 
 
-@pytest.mark.parametrize("name", ["k0", "k1"])   # trainer TP 1 -> generator, TP 2 -> generator
+@pytest.mark.parametrize("name", ["k0", "k1", "k2"])   # trainer TP 1, TP 2 and PP 2 -> generator TP 1
 def test_generator_weights_equal_the_trainers_after_each_sync(runs, name):
     read = lambda side: [json.loads(line) for line in (runs[name] / WEIGHT_DIGESTS[side]).read_text().splitlines()]  # noqa: E731
     sent = {r["version"]: r["sha256"] for r in read("trainer")}
@@ -103,6 +121,45 @@ def test_generator_weights_equal_the_trainers_after_each_sync(runs, name):
         assert [r["version"] for r in applied] == list(range(STEPS[name]))   # k=0 applies every version
     for r in applied:
         assert r["sha256"] == sent[r["version"]], r["version"]
+
+
+def test_a_usr2_stop_then_resume_trains_each_sample_once_as_the_uninterrupted_run(runs, tmp_path):
+    """USR2 to the job script once step 1 is done (the actor holds there until the stop request
+    came, tests/preempt_hold_actor.py, so the run cannot finish first): the actor saves, the
+    generator stops with it, the job ends STOPPED. The resumed run's generator regenerates step 2
+    from the checkpoint's weights with the same per-sample seeds (nothing of the generator's is
+    checkpointed), so with k=0 the store, the metrics and the final actor checkpoint equal the
+    uninterrupted k0 run's: no sample trained twice, none lost."""
+    from tests.preempt_support import assert_same_final_actor_checkpoint, events, wait_for
+    from tests.test_preempt import HOLD_ACTOR
+
+    run, ranks = run_configs()["k0"]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "test_hold").write_text("stop")
+    job = launch_run(run, actor_ranks(ranks), run_dir, entry=Entry(scripts={"actor": HOLD_ACTOR}))
+    log = run_dir / "logs" / "actor" / "rank0.log"
+    wait_for(lambda: log.exists() and "holding after step 1 " in log.read_text(), "the first step", job=job)
+    os.kill(job.record.pid, signal.SIGUSR2)   # as Slurm's --signal=B:USR2 signals the batch script
+    assert job.wait(timeout_s=300) == "STOPPED"
+    assert [e["signal"] for e in events(run_dir, "stop_requested")] == ["USR2"]
+    assert (run_dir / "stopped_step").read_text().strip() == "1"
+    assert list(store(run_dir)) == [1]
+
+    (run_dir / "test_hold").unlink()
+    launch(tmp_path, run, profile=actor_ranks(ranks), name="run")   # the resume: the stock actor
+    assert "resuming from step 2" in log.read_text()
+    mine, ref = store(run_dir), store(runs["k0"])
+    assert list(mine) == list(ref) == [1, 2]
+    for step in ref:
+        for name, want in ref[step].items():
+            np.testing.assert_array_equal(mine[step][name], want, err_msg=f"step {step} {name}")
+    assert [m["step"] for m in training_rows(run_dir)] == [m["step"] for m in training_rows(runs["k0"])]
+    assert_same_final_actor_checkpoint(run_dir, runs["k0"], tmp_path)
+    # the resumed generator generated step 2 with the very weights the uninterrupted trainer sent
+    applied = [json.loads(line) for line in (run_dir / WEIGHT_DIGESTS["generator"]).read_text().splitlines()]
+    sent = [json.loads(line) for line in (runs["k0"] / WEIGHT_DIGESTS["trainer"]).read_text().splitlines()]
+    assert applied[-1]["version"] == 1 and applied[-1]["sha256"] == next(r for r in sent if r["version"] == 1)["sha256"]
 
 
 # -- the parts, without a run ------------------------------------------------------------------
@@ -180,7 +237,6 @@ def test_a_killed_generator_rank_fails_the_hetjob_naming_it(slurm_cluster, tmp_p
     names the generator and the rank."""
     from tests.preempt_support import cli, logs_text, wait_for
     from tests.test_failures import rank_process
-    from slurm_align.slurm.launch import launch_run
 
     run = grpo_config(*SMALL, "rollout.mode=disaggregated", "ppo.num_steps=50", "generator.data_parallel=2",
                       "actor.data_parallel=1")

@@ -13,8 +13,9 @@ RUN_DIR/generator_address.json, to the actor's rank 0:
 
 Staleness: step s may be generated with weights of version v >= s - 1 - k (k =
 rollout.max_off_policy_steps; version = optimizer steps taken). Before each step the generator
-applies the newest complete version it has (between requests, never during one) and waits only
-while it has none new enough; k = 0 is on-policy and in lock-step with the trainer. The actor
+applies the newest complete version it has (between requests, never during one; rollout.lag
+'fixed': version s - 1 - k exactly, whatever came since) and waits only while it has none new
+enough; k = 0 is on-policy and in lock-step with the trainer. The actor
 checks every sample again (`stale_mask`): an older one is never trained on (its weight is 0,
 counted as dropped).
 
@@ -127,10 +128,14 @@ class Generator:
         return start
 
     def _newest_weights(self, need: int) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """Rank 0: the newest complete version waiting (waits while none >= need has come)."""
+        """Rank 0: the newest complete version waiting (waits while none >= need has come); with
+        rollout.lag 'fixed', version `need` itself (later ones stay queued in the stream)."""
+        fixed = self.run.rollout.lag == "fixed"
         newest = None
         while True:
             have = newest[0] if newest is not None else self.version
+            if have >= need and fixed:
+                return newest
             msg = self.stream.recv() if have < need else self.stream.poll()
             if msg is None:
                 return newest

@@ -405,6 +405,11 @@ class RolloutConfig(StrictModel):
     older than the trainer's (0: it waits for the newest weights, on-policy; 1: it generates step
     s+1 while the trainer trains on step s). The trainer never trains on an older sample (dropped,
     counted in train_rollouts/dropped_stale)."""
+    lag: Literal["newest", "fixed"] = "newest"
+    """disaggregated only: which weights the generator takes at the start of step s. newest: the
+    newest complete version it has received (at least s - 1 - k; which one depends on timing).
+    fixed: exactly version max(s - 1 - k, resume step - 1), a pipeline k steps deep, so that equal
+    seeds give the same samples every run (as the colocated mode does)."""
     weight_bucket_mb: float = Field(64.0, gt=0)
     """Size of one bucket of the weight stream (trainer -> generator), in MiB."""
     connect_timeout_s: float = Field(300.0, gt=0)
