@@ -7,6 +7,8 @@ that was stopped, requeued and resumed must end with the very weights of an unin
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +23,7 @@ from slurm_align.rundir import RunDir
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
 
+HOLD_ACTOR = Path(__file__).parent / "preempt_hold_actor.py"
 STEPS = 4
 DETERMINISTIC = ("switches.dynamic_prompts=false", f"ppo.num_steps={STEPS}", "ppo.save_interval=1")
 """Static sharding: every start gives each rank the same prompts, so resumed == uninterrupted."""
@@ -46,6 +49,26 @@ def wait_for(condition, what: str, timeout: float = 300, poll: float = 0.1, job=
                                  + logs_text(job.run_dir.root))
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def stop_by_usr2_after_the_first_step(run, profile, run_dir: Path) -> None:
+    """Start `run` on a local profile with the hold actor (it holds after step 1 until the stop
+    request came, so the run cannot finish first), send USR2 to the job script as Slurm's
+    --signal=B:USR2 would, and wait for the job to end STOPPED at step 1."""
+    from slurm_align.slurm.launch import launch_run
+    from slurm_align.slurm.render import Entry
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "test_hold").write_text("stop")
+    job = launch_run(run, profile, run_dir, entry=Entry(scripts={"actor": HOLD_ACTOR}))
+    log = run_dir / "logs" / "actor" / "rank0.log"
+    wait_for(lambda: log.exists() and "holding after step 1 " in log.read_text(), "the first step", job=job)
+    os.kill(job.record.pid, signal.SIGUSR2)
+    state = job.wait(timeout_s=300)
+    assert state == "STOPPED", f"{state}\n{logs_text(run_dir)}"
+    assert [e["signal"] for e in events(run_dir, "stop_requested")] == ["USR2"]
+    assert (run_dir / "stopped_step").read_text().strip() == "1"
+    (run_dir / "test_hold").unlink()
 
 
 def logs_text(run_dir: Path, chars: int = 3000) -> str:

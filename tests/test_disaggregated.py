@@ -11,7 +11,6 @@ prompt shards.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 from pathlib import Path
@@ -25,8 +24,6 @@ from slurm_align.config import ClusterProfile, RunConfig, load_profile
 from slurm_align.config.errors import ConfigError
 from slurm_align.generation.stream import StreamAuthError, StreamServer, connect
 from slurm_align.generation.weight_stream import WeightAssembler, buckets, send_weights
-from slurm_align.slurm.launch import launch_run
-from slurm_align.slurm.render import Entry
 from slurm_align.store.rollouts import RolloutStore
 from tests.test_grpo import grpo_config, launch, metrics
 
@@ -130,23 +127,13 @@ def test_a_usr2_stop_then_resume_trains_each_sample_once_as_the_uninterrupted_ru
     from the checkpoint's weights with the same per-sample seeds (nothing of the generator's is
     checkpointed), so with k=0 the store, the metrics and the final actor checkpoint equal the
     uninterrupted k0 run's: no sample trained twice, none lost."""
-    from tests.preempt_support import assert_same_final_actor_checkpoint, events, wait_for
-    from tests.test_preempt import HOLD_ACTOR
+    from tests.preempt_support import assert_same_final_actor_checkpoint, stop_by_usr2_after_the_first_step
 
     run, ranks = run_configs()["k0"]
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "test_hold").write_text("stop")
-    job = launch_run(run, actor_ranks(ranks), run_dir, entry=Entry(scripts={"actor": HOLD_ACTOR}))
-    log = run_dir / "logs" / "actor" / "rank0.log"
-    wait_for(lambda: log.exists() and "holding after step 1 " in log.read_text(), "the first step", job=job)
-    os.kill(job.record.pid, signal.SIGUSR2)   # as Slurm's --signal=B:USR2 signals the batch script
-    assert job.wait(timeout_s=300) == "STOPPED"
-    assert [e["signal"] for e in events(run_dir, "stop_requested")] == ["USR2"]
-    assert (run_dir / "stopped_step").read_text().strip() == "1"
+    stop_by_usr2_after_the_first_step(run, actor_ranks(ranks), run_dir)
     assert list(store(run_dir)) == [1]
-
-    (run_dir / "test_hold").unlink()
+    log = run_dir / "logs" / "actor" / "rank0.log"
     launch(tmp_path, run, profile=actor_ranks(ranks), name="run")   # the resume: the stock actor
     assert "resuming from step 2" in log.read_text()
     mine, ref = store(run_dir), store(runs["k0"])
@@ -237,6 +224,7 @@ def test_a_killed_generator_rank_fails_the_hetjob_naming_it(slurm_cluster, tmp_p
     names the generator and the rank."""
     from tests.preempt_support import cli, logs_text, wait_for
     from tests.test_failures import rank_process
+    from slurm_align.slurm.launch import launch_run
 
     run = grpo_config(*SMALL, "rollout.mode=disaggregated", "ppo.num_steps=50", "generator.data_parallel=2",
                       "actor.data_parallel=1")

@@ -72,22 +72,28 @@ def check_message(m: dict) -> dict:
 
 
 # -- one shared run ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def calculator_run(tmp_path_factory) -> Path:
-    from tests.test_grpo import launch
-    tmp = tmp_path_factory.mktemp("multiturn")
-    run = load_run_config(REPO_ROOT / "examples" / "grpo_tiny.yaml", [
+def calculator_config(*overrides: str):
+    return load_run_config(REPO_ROOT / "examples" / "grpo_tiny.yaml", [
         f"data.train_path={ARITH / 'prompts.jsonl'}", f"eval.val_path={ARITH / 'prompts_val.jsonl'}",
         "model.max_seq_len=64", f"reward.rule={RULE}", "ppo.num_steps=3", "ppo.num_rollout_samples=4",
         "ppo.global_batch_size=8", "rl.n_samples_per_prompt=2", "generation.max_new_tokens=6",
         "generation.prompt_batch_size=2", "ppo.train_micro_batch_size=8", "switches.dynamic_prompts=false",
         "eval.interval=2", "eval.num_prompts=4", f"environment.environment={ENV}", "environment.tools=[calculator]",
-        "environment.max_turns=3", "environment.max_total_tokens=56",
-        # per rank: 2 eval rows (step 0), 4 conversations per step, 2 eval rows after step 2
-        "environment.options={fail_after_resets: 12}"])
-    local = load_profile("local")   # the environment class is this module: importable in the run
-    profile = local.model_copy(update={"env": {**local.env, "PYTHONPATH": str(REPO_ROOT)}})
-    launch(tmp, run, profile=profile, expect="FAILED")
+        "environment.max_turns=3", "environment.max_total_tokens=56", *overrides])
+
+
+def local_profile(*overrides: str):
+    local = load_profile("local", list(overrides))   # the environment class is this module: importable in the run
+    return local.model_copy(update={"env": {**local.env, "PYTHONPATH": str(REPO_ROOT)}})
+
+
+@pytest.fixture(scope="module")
+def calculator_run(tmp_path_factory) -> Path:
+    from tests.test_grpo import launch
+    tmp = tmp_path_factory.mktemp("multiturn")
+    # per rank: 2 eval rows (step 0), 4 conversations per step, 2 eval rows after step 2
+    run = calculator_config("environment.options={fail_after_resets: 12}")
+    launch(tmp, run, profile=local_profile(), expect="FAILED")
     return tmp / "run"
 
 
@@ -149,6 +155,33 @@ def test_environment_step_error_stops_the_run_naming_env_and_row(calculator_run)
     assert "calculator lost row" in logs and "(data row {" in logs
 
 
+def test_a_usr2_stop_then_resume_keeps_every_trajectory_whole(tmp_path):
+    """Multi-turn GRPO stopped by USR2 after step 1 and resumed: the store holds steps 1 and 2
+    once each, step 1 as it was before the resume, and both equal an uninterrupted run of the
+    same config, field by field (tokens, loss mask, turns, roles, rewards, advantages): no
+    trajectory cut, lost or redone."""
+    from tests.preempt_support import stop_by_usr2_after_the_first_step
+    from tests.test_grpo import launch
+
+    run = calculator_config("ppo.num_steps=2", "eval.interval=0", "actor.data_parallel=1")
+    profile = local_profile("components.actor.tasks_per_node=1")
+    launch(tmp_path, run, profile=profile, name="reference")
+    stop_by_usr2_after_the_first_step(run, profile, tmp_path / "run")
+    read = lambda name: RolloutStore.open(tmp_path / name / "rollouts.zarr", read_only=True)  # noqa: E731
+    before = read("run").read(1)
+    launch(tmp_path, run, profile=profile, name="run")   # the resume: the stock actor
+    assert "resuming from step 2" in (tmp_path / "run" / "logs" / "actor" / "rank0.log").read_text()
+    mine, ref = read("run"), read("reference")
+    assert mine.steps.tolist() == ref.steps.tolist() == [1, 2]
+    for step in (1, 2):
+        got, want = mine.read(step), ref.read(step)
+        assert got.keys() == want.keys() and (got["role"] == mt.ROLE_CODES["tool"]).any()
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=f"step {step} {name}")
+            if step == 1:
+                np.testing.assert_array_equal(got[name], before[name], err_msg=f"step 1 {name} rewritten")
+
+
 # -- the loop's pieces, without a run ----------------------------------------------------------
 def test_stop_cut_and_plain_rendering():
     tok = ByteTokenizer()
@@ -178,25 +211,49 @@ def test_masked_tokens_are_skipped_by_gae_and_the_score_lands_on_the_last_model_
     assert b.position_mask()[0].tolist() == [0, 1, 1, 0, 0, 1, 0, 0]
 
 
-@pytest.mark.slurm
-def test_multiturn_ppo_with_the_critic_as_a_slurm_hetjob(slurm_cluster, tmp_path):
-    """PPO (value model in the critic component) on calculator trajectories, as a hetjob on the
-    Slurm cluster (the GRPO run above is on the local profile): the critic's value loss and GAE
-    see the same masked trajectories; one step is enough to show the path works."""
-    from tests.test_grpo import launch
-    run = load_run_config(REPO_ROOT / "examples" / "ppo_tiny.yaml", [
+def ppo_calculator_config(*overrides: str):
+    return load_run_config(REPO_ROOT / "examples" / "ppo_tiny.yaml", [
         f"data.train_path={ARITH / 'prompts.jsonl'}", "model.max_seq_len=64", "critic_model.max_seq_len=64",
         "reward.model=false", f"reward.rule={RULE}", "ppo.num_steps=1", "ppo.num_rollout_samples=8",
         "generation.max_new_tokens=6", "generation.prompt_batch_size=4", f"environment.environment={ENV}",
-        "environment.tools=[calculator]", "environment.max_turns=3"])
-    slurm = load_profile("local-slurm")
-    profile = slurm.model_copy(update={"env": {**slurm.env, "PYTHONPATH": str(REPO_ROOT)}})
-    launch(tmp_path, run, profile=profile)
-    assert json.loads((tmp_path / "run" / "job.json").read_text())["components"] == ["actor", "critic"]
-    assert "hetjob" in (tmp_path / "run" / "job.sbatch").read_text()
-    [m] = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert np.isfinite(m["train_optim/critic_loss"]) and m["train_rollouts/tool_calls"] >= 1.0
-    d = RolloutStore.open(tmp_path / "run" / "rollouts.zarr", read_only=True).read(1)
+        "environment.tools=[calculator]", "environment.max_turns=3", *overrides])
+
+
+def check_one_step_of_trajectories(run_dir: Path, critic: bool) -> None:
+    """One step stored and logged: tool calls were made, the loss mask is the model's tokens, the
+    environment's tokens carry no advantage (nor return, with a critic); with a critic, a finite
+    value loss and the model's tokens have advantages (GRPO's are 0 where a group's rewards tie,
+    as an untrained policy's all do)."""
+    [m] = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if "timers/step" in x]
+    assert m["train_rollouts/tool_calls"] >= 1.0
+    assert ("train_optim/critic_loss" in m) == critic and (not critic or np.isfinite(m["train_optim/critic_loss"]))
+    d = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True).read(1)
     env_tokens = d["loss_mask"] == 0
-    assert env_tokens.any() and (d["advantages"][env_tokens] == 0).all() and (d["returns"][env_tokens] == 0).all()
-    assert (d["advantages"][~env_tokens] != 0).any()
+    assert env_tokens.any() and (d["advantages"][env_tokens] == 0).all()
+    np.testing.assert_array_equal(d["loss_mask"], (d["role"] == mt.ROLE_CODES["model"]).astype(np.float32))
+    assert not critic or ((d["returns"][env_tokens] == 0).all() and (d["advantages"][~env_tokens] != 0).any())
+
+
+@pytest.mark.slurm
+@pytest.mark.parametrize("algorithm", ["ppo", "grpo"])
+def test_multiturn_as_a_slurm_job(slurm_cluster, tmp_path, algorithm):
+    """On the Slurm cluster: PPO (value model in the critic component) as a hetjob, the critic's
+    value loss and GAE seeing the same masked trajectories; GRPO as a plain job. One step is
+    enough to show each path works (GRPO's multi-step run is on the local profile above)."""
+    from tests.test_grpo import launch
+    if algorithm == "ppo":
+        run, components = ppo_calculator_config(), ["actor", "critic"]
+    else:
+        run, components = calculator_config("ppo.num_steps=1", "eval.interval=0"), ["actor"]
+    slurm = load_profile("local-slurm")
+    launch(tmp_path, run, profile=slurm.model_copy(update={"env": {**slurm.env, "PYTHONPATH": str(REPO_ROOT)}}))
+    assert json.loads((tmp_path / "run" / "job.json").read_text())["components"] == components
+    assert ("hetjob" in (tmp_path / "run" / "job.sbatch").read_text()) == (algorithm == "ppo")
+    check_one_step_of_trajectories(tmp_path / "run", critic=algorithm == "ppo")
+
+
+def test_multiturn_ppo_with_the_critic_on_the_local_profile(tmp_path):
+    from tests.test_grpo import launch
+    launch(tmp_path, ppo_calculator_config("actor.data_parallel=1"),
+           profile=local_profile("components.actor.tasks_per_node=1"))
+    check_one_step_of_trajectories(tmp_path / "run", critic=True)

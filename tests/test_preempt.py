@@ -26,12 +26,11 @@ from slurm_align.config import load_profile
 from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.render import Entry
 from tests.preempt_support import (
-    DETERMINISTIC, assert_same_final_state, assert_unchanged, cli, events, logs_text, snapshot, wait_for,
+    DETERMINISTIC, HOLD_ACTOR, assert_same_final_state, assert_unchanged, cli, events, logs_text, snapshot, wait_for,
 )
 from tests.test_ppo import tiny_run
 
 FAULTY_ACTOR = Path(__file__).parent / "preempt_faulty_actor.py"
-HOLD_ACTOR = Path(__file__).parent / "preempt_hold_actor.py"
 
 
 def _status(run_dir: Path) -> dict:
