@@ -66,6 +66,11 @@ def store(run_dir: Path) -> dict[int, dict[str, np.ndarray]]:
     return {step: s.read(step) for step in s.steps.tolist()}
 
 
+def digests(run_dir: Path, side: str) -> list[dict]:
+    """The weight-digest records of one side of the stream (rollout.record_weight_digests)."""
+    return [json.loads(line) for line in (run_dir / WEIGHT_DIGESTS[side]).read_text().splitlines()]
+
+
 def training_rows(run_dir: Path) -> list[dict]:
     return [m for m in metrics(run_dir) if "timers/step" in m]
 
@@ -110,9 +115,8 @@ def test_never_trains_on_a_sample_older_than_k_versions(runs, name, k):
 
 @pytest.mark.parametrize("name", ["k0", "k1", "k2"])   # trainer TP 1, TP 2 and PP 2 -> generator TP 1
 def test_generator_weights_equal_the_trainers_after_each_sync(runs, name):
-    read = lambda side: [json.loads(line) for line in (runs[name] / WEIGHT_DIGESTS[side]).read_text().splitlines()]  # noqa: E731
-    sent = {r["version"]: r["sha256"] for r in read("trainer")}
-    applied = read("generator")
+    sent = {r["version"]: r["sha256"] for r in digests(runs[name], "trainer")}
+    applied = digests(runs[name], "generator")
     assert sorted(sent) == list(range(STEPS[name]))      # the initial weights and one version per step but the last
     if name == "k0":
         assert [r["version"] for r in applied] == list(range(STEPS[name]))   # k=0 applies every version
@@ -144,8 +148,7 @@ def test_a_usr2_stop_then_resume_trains_each_sample_once_as_the_uninterrupted_ru
     assert [m["step"] for m in training_rows(run_dir)] == [m["step"] for m in training_rows(runs["k0"])]
     assert_same_final_actor_checkpoint(run_dir, runs["k0"], tmp_path)
     # the resumed generator generated step 2 with the very weights the uninterrupted trainer sent
-    applied = [json.loads(line) for line in (run_dir / WEIGHT_DIGESTS["generator"]).read_text().splitlines()]
-    sent = [json.loads(line) for line in (runs["k0"] / WEIGHT_DIGESTS["trainer"]).read_text().splitlines()]
+    applied, sent = digests(run_dir, "generator"), digests(runs["k0"], "trainer")
     assert applied[-1]["version"] == 1 and applied[-1]["sha256"] == next(r for r in sent if r["version"] == 1)["sha256"]
 
 
