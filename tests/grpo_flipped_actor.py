@@ -7,8 +7,11 @@ import argparse
 import sys
 
 
-def flipped(fn):
-    return lambda *args, **kwargs: -fn(*args, **kwargs)
+def flipped(estimate):
+    def flipped_estimate(*args, **kwargs):
+        advantages, returns = estimate(*args, **kwargs)
+        return -advantages, returns
+    return flipped_estimate
 
 
 def keep_worst(keep_best, best_of_groups):
@@ -28,8 +31,8 @@ if __name__ == "__main__":
     from slurm_align.algorithms import advantages, policy_gradient, ppo
     from slurm_align.algorithms.rejection_sampling import best_of_groups
 
-    advantages.grpo, advantages.rloo, advantages.reinforce_pp = (
-        flipped(advantages.grpo), flipped(advantages.rloo), flipped(advantages.reinforce_pp))
+    for name in ("grpo", "rloo", "reinforce_pp"):
+        advantages.ESTIMATORS[name] = flipped(advantages.ESTIMATORS[name])
     policy_gradient.keep_best = keep_worst(policy_gradient.keep_best, best_of_groups)
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)

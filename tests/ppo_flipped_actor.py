@@ -5,20 +5,19 @@ import argparse
 import sys
 
 
-
-def flipped(gae):
-    def flipped_gae(*args, **kwargs):
-        advantages, returns = gae(*args, **kwargs)
+def flipped(estimate):
+    def flipped_estimate(*args, **kwargs):
+        advantages, returns = estimate(*args, **kwargs)
         return -advantages, returns
-    return flipped_gae
+    return flipped_estimate
 
 
 # Imports under the guard: spawned helpers (megatron's checkpoint writer) re-run this file as
 # __mp_main__ and would import torch and megatron again for nothing.
 if __name__ == "__main__":
-    from slurm_align.algorithms import ppo, ppo_math
+    from slurm_align.algorithms import advantages, ppo
 
-    ppo_math.gae = flipped(ppo_math.gae)
+    advantages.ESTIMATORS["gae"] = flipped(advantages.ESTIMATORS["gae"])
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
     sys.exit(ppo.main(parser.parse_args().run_dir))

@@ -60,7 +60,9 @@ def test_reinforce_pp_by_hand():
     mean = sum(vals) / 5
     std = math.sqrt(sum((v - mean) ** 2 for v in vals) / 5)
     expected = torch.tensor([[(v - mean) / std for v in g0], [(v - mean) / std for v in g1] + [0.0]])
-    assert torch.allclose(reinforce_pp(scores, logp, ref, mask, c), expected, atol=1e-5)
+    adv, returns = reinforce_pp(scores, logp, ref, mask, c)
+    assert torch.allclose(adv, expected, atol=1e-5)
+    assert torch.allclose(returns, torch.tensor([g0, g1 + [0.0]]), atol=1e-6)   # G_t itself
 
 
 def test_per_token_broadcasts_onto_the_mask():

@@ -19,7 +19,7 @@ import torch
 from slurm_align import REPO_ROOT
 from slurm_align.algorithms import conversations as mt
 from slurm_align.analysis.breakdown import compute_breakdown
-from slurm_align.algorithms.ppo_math import gae, kl_penalized_rewards
+from slurm_align.algorithms.advantages import gae, kl_penalized_rewards
 from slurm_align.algorithms.rollout_batch import RolloutBatch
 from slurm_align.config import load_profile, load_run_config
 from slurm_align.environments.base import EnvironmentContext, Messages, Row, StepResult

@@ -1,10 +1,13 @@
-"""PPO numerics on fixed inputs against values computed by hand from the formulas."""
+"""PPO numerics on fixed inputs against values computed by hand from the formulas: the KL-penalised
+rewards, GAE and whitening (algorithms/advantages.py), the clipped policy loss as the actor's update
+builds it (algorithms/policy_loss.py) and the critic's value loss."""
 
 import math
 
 import torch
 
-from slurm_align.algorithms.ppo_math import gae, kl_penalized_rewards, masked_whiten, ppo_policy_loss
+from slurm_align.algorithms.advantages import gae, kl_penalized_rewards, masked_whiten
+from slurm_align.algorithms.policy_loss import LossTerms, clipped_policy_loss
 from slurm_align.critic.loss import clipped_value_loss
 
 
@@ -64,19 +67,20 @@ def test_policy_loss_by_hand():
     adv = torch.tensor([[1.0, 1.0], [5.0, 5.0]])
     mask = torch.ones(2, 2)
     is_end = torch.tensor([True, False])   # the second response was cut: it does not count
-    loss, stats = ppo_policy_loss(logp, old, adv, mask, is_end, clip=0.2)
+    # The actor's update weighs each response by is_end (PolicyUpdate._optimizer_step).
+    loss, stats = clipped_policy_loss(logp, old, adv, mask * is_end.float()[:, None], LossTerms(0.2, 0.2))
     # token 0: ratio 1.5 -> min(1.5, 1.2) * 1 = 1.2 ; token 1: ratio 0.5 -> min(0.5, 0.8) = 0.5
     assert math.isclose(float(loss), -(1.2 + 0.5) / 2, rel_tol=1e-6)
-    assert math.isclose(stats.ppo_ratio_clamped, 0.5)   # only token 0 was clipped
-    assert math.isclose(stats.ppo_ratio, 1.0)
+    assert math.isclose(stats.clipped_fraction, 0.5)   # only token 0 was clipped
+    assert math.isclose(stats.ratio, 1.0)
 
 
 def test_policy_loss_negative_advantage_clip():
     # A<0: min(r*A, clip(r)*A) picks the more negative -> clip active for r < 1 - eps
-    loss, stats = ppo_policy_loss(torch.tensor([[math.log(0.5)]]), torch.zeros(1, 1), torch.tensor([[-2.0]]),
-                                  torch.ones(1, 1), torch.tensor([True]), clip=0.2)
+    loss, stats = clipped_policy_loss(torch.tensor([[math.log(0.5)]]), torch.zeros(1, 1), torch.tensor([[-2.0]]),
+                                      torch.ones(1, 1), LossTerms(0.2, 0.2))
     assert math.isclose(float(loss), 0.8 * 2.0, rel_tol=1e-6)
-    assert stats.ppo_ratio_clamped == 1.0
+    assert stats.clipped_fraction == 1.0
 
 
 def test_critic_loss_by_hand():

@@ -9,7 +9,7 @@ every response token; return = reward.
 from __future__ import annotations
 
 from slurm_align.algorithms import advantages as A
-from slurm_align.algorithms.policy_gradient import register_estimator
+from slurm_align.algorithms.advantages import register_estimator
 from slurm_align.algorithms.rollout_batch import all_reduce_sums
 from slurm_align.config.algorithms import AlgorithmSpec, register
 

@@ -17,14 +17,13 @@ and the loss normalisers are all-reduced over the DP ranks.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from slurm_align.algorithms import advantages as A
-from slurm_align.algorithms import ppo_math
 from slurm_align.algorithms import rollout_correction
 from slurm_align.algorithms.policy_loss import LossTerms, aggregate, clipped_policy_loss, denominator
 from slurm_align.algorithms.rejection_sampling import keep_best
@@ -68,81 +67,24 @@ def combine_rewards(run: RunConfig, model_score: torch.Tensor | None, rule_score
 
 
 # -- advantages ------------------------------------------------------------------------------
-Estimator = Callable[[RunConfig, RolloutBatch, Any, float], "tuple[torch.Tensor, torch.Tensor]"]
-"""(run, batch, dp_group, kl_coef) -> (advantages, returns), both [B, T] over response tokens.
-kl_coef is ppo.kl_coef when the KL sits in the reward, else 0."""
-
-ESTIMATORS: dict[str, Estimator] = {}
-"""Advantage estimators by the name an AlgorithmSpec gives (config/algorithms.py)."""
-
-
-def register_estimator(name: str) -> Callable[[Estimator], Estimator]:
-    def deco(fn: Estimator) -> Estimator:
-        if name in ESTIMATORS and ESTIMATORS[name] is not fn:
-            raise ValueError(f"advantage estimator {name!r} is registered twice")
-        ESTIMATORS[name] = fn
-        return fn
-    return deco
-
-
-def _reference(batch: RolloutBatch, kl_coef: float) -> torch.Tensor:
-    # Without a KL penalty the reference pass is skipped (its column is NaN, and 0 * NaN is NaN):
-    # the policy's own log-probs make the penalty the 0 it is.
-    return batch["ref_logprobs"] if kl_coef > 0 else batch["logprobs"]
-
-
-@register_estimator("gae")
-def _gae(run: RunConfig, batch: RolloutBatch, dp_group, kl_coef: float):
-    mask = batch.mask
-    rewards = ppo_math.kl_penalized_rewards(batch["reward"].float(), batch["logprobs"], _reference(batch, kl_coef),
-                                            mask, kl_coef)
-    adv, returns = ppo_math.gae(rewards, batch["values"], mask, run.ppo.gamma, run.ppo.lam)
-    return ppo_math.masked_whiten(adv, mask, dp_group), returns
-
-
-@register_estimator("reinforce_pp")
-def _reinforce_pp(run: RunConfig, batch: RolloutBatch, dp_group, kl_coef: float):
-    mask, score, logp, ref = batch.mask, batch["reward"].float(), batch["logprobs"], _reference(batch, kl_coef)
-    adv = A.reinforce_pp(score, logp, ref, mask, kl_coef, group=dp_group)
-    rewards = ppo_math.kl_penalized_rewards(score, logp, ref, mask, kl_coef)
-    return adv, rewards.flip(1).cumsum(1).flip(1) * mask
-
-
-def _group_returns(batch: RolloutBatch, kl_coef: float) -> torch.Tensor:
-    # With the KL in the reward, a sample's return is its score minus its summed KL penalty.
-    return batch["reward"].float() - kl_coef * ((batch["logprobs"] - _reference(batch, kl_coef)) * batch.mask).sum(1)
-
-
-@register_estimator("grpo")
-def _grpo(run: RunConfig, batch: RolloutBatch, dp_group, kl_coef: float):
-    seq = _group_returns(batch, kl_coef)
-    per_sample = A.grpo(seq, batch["group"], normalize_std=run.rl.normalize_group_std)
-    return A.per_token(per_sample, batch.mask), A.per_token(seq, batch.mask)
-
-
-@register_estimator("rloo")
-def _rloo(run: RunConfig, batch: RolloutBatch, dp_group, kl_coef: float):
-    seq = _group_returns(batch, kl_coef)
-    return A.per_token(A.rloo(seq, batch["group"]), batch.mask), A.per_token(seq, batch.mask)
-
-
 def estimate_advantages(run: RunConfig, batch: RolloutBatch, dp_group) -> dict[str, float]:
     """Sets the per-token columns 'advantages' and 'returns' (and 'values' = 0 for the estimators
     without a critic) and the per-sample 'train' weight (0 for a group dropped by the equal-reward
     filter; best-of-n (loss 'sft', rejection sampling): 1 only for each group's best sample), and
     the rollout-correction weights (rollout_correction.WEIGHTS; not for the SFT loss). The
-    estimator is the run's registered algorithm's (ESTIMATORS). Needs the columns reward, group,
-    logprobs, ref_logprobs (values for GAE), rollout_logprobs for a correction. Returns metrics
-    (summed over DP)."""
+    estimator is the run's registered algorithm's (advantages.ESTIMATORS). Needs the columns
+    reward, group, logprobs, ref_logprobs (values for GAE), rollout_logprobs for a correction.
+    Returns metrics (summed over DP)."""
     spec = run.spec
     if spec.loss == "sft":
         s = all_reduce_sums(keep_best(batch), dp_group)
         return {"kept_rewards": s["kept_reward_sum"] / max(s["kept"], 1.0)}
-    if spec.estimator not in ESTIMATORS:
-        raise ValueError(f"algorithm {run.algorithm!r}: advantage estimator {spec.estimator!r} is not registered "
-                         f"(registered: {', '.join(ESTIMATORS)}; see register_estimator)")
+    try:
+        estimate = A.estimator(spec.estimator)
+    except ValueError as e:
+        raise ValueError(f"algorithm {run.algorithm!r}: {e}") from None
     mask, score = batch.mask, batch["reward"].float()
-    adv, returns = ESTIMATORS[spec.estimator](run, batch, dp_group, run.ppo.kl_coef if run.kl_in_reward else 0.0)
+    adv, returns = estimate(run, batch, dp_group, run.ppo.kl_coef if run.kl_in_reward else 0.0)
     metrics = {}
     if not spec.value_model:
         batch.set_tokens("values", torch.zeros_like(mask))

@@ -2,7 +2,7 @@
 ask about an algorithm, instead of comparing its name.
 
 Torch-free (the login node validates configs with it). An algorithm's advantage estimator is
-named here and registered where it runs (algorithms/policy_gradient.py, `register_estimator`);
+named here and registered where it runs (algorithms/advantages.py, `register_estimator`);
 a new algorithm is one `register(AlgorithmSpec(...))` (plus its estimator, when new), e.g. in a
 module a run config lists under `plugins:`.
 """
@@ -20,7 +20,7 @@ class AlgorithmSpec:
     rollout: bool
     """Generates rollouts in the actor loop (algorithms/ppo.py); False: a one-component trainer."""
     estimator: str | None = None
-    """Advantage estimator (policy_gradient.ESTIMATORS) of a rollout algorithm; None for
+    """Advantage estimator (advantages.ESTIMATORS) of a rollout algorithm; None for
     best-of-n (loss 'sft') and the trainers."""
     loss: Literal["policy", "sft"] | None = None
     """The actor's update: the clipped policy loss, or SFT on kept samples; None for trainers."""

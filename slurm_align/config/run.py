@@ -576,7 +576,7 @@ class RunConfig(StrictModel):
     plugins: list[str] = []
     """Python modules imported before the rest of the config is checked, on the login node and
     in every rank: they register algorithms (config.algorithms.register) and their estimators
-    (policy_gradient.register_estimator). Code you trust, as reward.rule is."""
+    (advantages.register_estimator). Code you trust, as reward.rule is."""
     algorithm: str = "ppo"
     """A registered algorithm (config/algorithms.py): ppo (actor + critic hetjob); grpo, rloo,
     reinforce_pp (advantages without a value model) and rejection_sampling (best of n samples per
