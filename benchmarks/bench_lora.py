@@ -34,7 +34,7 @@ def measure(mode: str, steps: int, batch: int, seq: int, micro: int) -> dict:
     """One mode in this process: the numbers, as a dict."""
     import torch
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    from slurm_align.algorithms.trainer import optimizer_step
+    from slurm_align.models.optimizer import optimizer_step
     from slurm_align.config.run import ModelConfig
     from slurm_align.models.forward import forward_logprobs, run_schedule, sequence_token_logprobs
     from slurm_align.models.gpt import build_gpt

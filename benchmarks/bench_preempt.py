@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from slurm_align import REPO_ROOT
-from slurm_align.algorithms.preemption import read_events
+from slurm_align.slurm.preemption import read_events
 from slurm_align.config import load_profile, load_run_config
 from slurm_align.rundir import RunDir
 from slurm_align.slurm.launch import launch_run

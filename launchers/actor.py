@@ -10,9 +10,9 @@ import sys
 # PyTriton's tensor store) re-run this module as __mp_main__, and would import torch and
 # megatron again for nothing (~5 s of CPU each).
 if __name__ == "__main__":
-    from slurm_align.algorithms.preemption import block_term
+    from slurm_align.slurm.preemption import block_term
 
-    block_term()   # before MPI, torch and their threads start: see slurm_align.algorithms.preemption
+    block_term()   # before MPI, torch and their threads start: see slurm_align.slurm.preemption
 
     from slurm_align.algorithms.ppo import main
 

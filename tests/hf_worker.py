@@ -79,7 +79,7 @@ def tied_grads(pctx, root: Path) -> None:
     """One backward step of the tied Qwen2 through megatron's schedule and the trainers' gradient
     reduction; rank 0 saves the embedding's gradient (first stage) and, under PP, every rank's
     view of the tied pair to DIR/tied_pp<PP>_rank<r>.pt."""
-    from slurm_align.algorithms.trainer import reduce_gradients
+    from slurm_align.models.optimizer import reduce_gradients
     from slurm_align.models.forward import run_schedule
     cfg = ModelConfig(hf_path=root / "models" / "qwen2")
     chunks = build_gpt(cfg, pctx)

@@ -63,7 +63,7 @@ def critic_results_with_hold(self, pending, step):
 # above call are bound here, as module globals.
 if __name__ == "__main__":
     from slurm_align.algorithms import ppo
-    from slurm_align.algorithms.preemption import StopPoint
+    from slurm_align.slurm.preemption import StopPoint
 
     _after_step, _on_term, _critic_results = StopPoint.after_step, StopPoint._on_term, ppo.PPOActor.critic_results
     StopPoint.after_step = after_step_with_hold

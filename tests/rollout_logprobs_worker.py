@@ -18,8 +18,9 @@ import torch
 
 torch.set_num_threads(1)
 
-from slurm_align.algorithms.losses import next_token_logprobs, token_logprobs  # noqa: E402
-from slurm_align.algorithms.rollout_batch import RolloutBatch, gather_response, rollout_logprobs  # noqa: E402
+from slurm_align.models.forward import next_token_logprobs, token_logprobs  # noqa: E402
+from slurm_align.algorithms.rollout_batch import RolloutBatch, rollout_logprobs  # noqa: E402
+from slurm_align.data.positions import gather_response  # noqa: E402
 from slurm_align.config.run import ModelConfig  # noqa: E402
 from slurm_align.generation.naive_engine import NaiveEngine  # noqa: E402
 from slurm_align.generation.params import GptShape, SamplingParams, logprob_temperature  # noqa: E402

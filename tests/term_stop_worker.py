@@ -13,13 +13,13 @@ import sys
 import time
 from pathlib import Path
 
-from slurm_align.algorithms.preemption import block_term
+from slurm_align.slurm.preemption import block_term
 
 assert block_term(), "SLURM_JOB_ID must be set"
 
 from mpi4py import MPI  # noqa: E402  (after block_term, as the launchers do)
 
-from slurm_align.algorithms.preemption import StopPoint  # noqa: E402
+from slurm_align.slurm.preemption import StopPoint  # noqa: E402
 from slurm_align.rundir import RunDir  # noqa: E402
 
 if __name__ == "__main__":

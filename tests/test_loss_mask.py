@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from slurm_align.algorithms.policy_loss import LossTerms, aggregate, clipped_policy_loss
-from slurm_align.algorithms.rollout_batch import gather_response, scatter_positions
+from slurm_align.data.positions import gather_response, scatter_positions
 from slurm_align.environments.loss_mask import Turn, build_trajectory, loss_mask_tensor, position_loss_mask
 
 EOS = 2

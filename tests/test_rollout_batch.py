@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from slurm_align.algorithms.rollout_batch import (
-    RolloutBatch, gather_response, position_mask, response_positions, scatter_positions)
+from slurm_align.algorithms.rollout_batch import RolloutBatch
+from slurm_align.data.positions import gather_response, position_mask, response_positions, scatter_positions
 from slurm_align.data.datasets import Sequence, response_mask
 
 PAD = 99

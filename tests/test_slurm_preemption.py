@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from slurm_align import REPO_ROOT
-from slurm_align.algorithms.preemption import GRACE_ENV, read_events
+from slurm_align.slurm.preemption import GRACE_ENV, read_events
 from slurm_align.config import load_profile
 from slurm_align.critic.client import CriticUnavailableError
 from slurm_align.rundir import START_ENV, RunDir, publish_critic_address, read_run_secret

@@ -27,11 +27,12 @@ from slurm_align.algorithms import advantages as A
 from slurm_align.algorithms import rollout_correction
 from slurm_align.algorithms.policy_loss import LossTerms, aggregate, clipped_policy_loss, denominator
 from slurm_align.algorithms.rejection_sampling import keep_best
-from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, gather_response
-from slurm_align.algorithms.trainer import optimizer_step
+from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
 from slurm_align.config.run import RunConfig
+from slurm_align.data.positions import gather_response
 from slurm_align.generation.params import logprob_temperature
 from slurm_align.models.forward import per_sequence, run_schedule, sequence_token_logprobs
+from slurm_align.models.optimizer import optimizer_step
 from slurm_align.models.packing import run_batching
 from slurm_align.profiling import phases as P
 from slurm_align.rewards.rule import RuleReward

@@ -44,7 +44,7 @@ from rich.progress import Progress
 from slurm_align.algorithms.evaluation import EvalSet, evaluate
 from slurm_align.algorithms.generator import RemoteRollouts, stale_mask
 from slurm_align.algorithms.policy_gradient import PolicyUpdate, Rewards, combine_rewards, estimate_advantages
-from slurm_align.algorithms.preemption import StopPoint
+from slurm_align.slurm.preemption import StopPoint
 from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
 from slurm_align.algorithms.rollout_collector import RolloutCollector
 from slurm_align.config import RunConfig, load_run_config

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from slurm_align.algorithms.preemption import critic_survives_term, ignore_stop_signal
+from slurm_align.slurm.preemption import critic_survives_term, ignore_stop_signal
 from slurm_align.config import load_run_config
 from slurm_align.config.run import RunConfig
 from slurm_align.critic.channel import Command, CommandChannel

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from slurm_align.algorithms.trainer import optimizer_step
+from slurm_align.models.optimizer import optimizer_step
 from slurm_align.critic.channel import Command
 from slurm_align.critic.loss import clipped_value_loss_sum
 from slurm_align.critic.swap import REWARD, VALUE, ModelSwap

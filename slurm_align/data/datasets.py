@@ -18,7 +18,7 @@ import jinja2
 import numpy as np
 import torch
 
-from slurm_align.algorithms.rollout_batch import position_mask
+from slurm_align.data.positions import position_mask
 from slurm_align.config.errors import ConfigError
 from slurm_align.data.jsonl import ASSISTANT, Row, read_rows
 

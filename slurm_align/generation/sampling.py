@@ -58,7 +58,7 @@ def select_tokens(logits: torch.Tensor, params: SamplingParams, seeds: torch.Ten
                   vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Next tokens [B] (never >= vocab_size) and their log-probs under softmax(logits / T), T the
     sampling temperature (1 when greedy), before top-k/top-p: the distribution the trainer
-    recomputes as pi_old (losses.next_token_logprobs at the same temperature). Top-k/top-p
+    recomputes as pi_old (models.forward.next_token_logprobs at the same temperature). Top-k/top-p
     truncation is not in it (the trainer's policy has no truncation either)."""
     logits = logits[:, :vocab_size].float()
     t = params.logprob_temperature

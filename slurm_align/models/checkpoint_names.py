@@ -1,5 +1,5 @@
 """Where a checkpoint folder's steps are and which are complete, without torch or megatron: what
-the preemption path reads on a signal thread (slurm_align.algorithms.preemption) and where
+the preemption path reads on a signal thread (slurm_align.slurm.preemption) and where
 the rest of models/checkpoint.py takes it from."""
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from slurm_align.algorithms.losses import token_logprobs
 from slurm_align.models.gpt import model_device
 from slurm_align.models.packing import Batching, PackedLayout, micro_batch_inputs, rope_at_positions
 
@@ -37,6 +36,24 @@ def model_inputs(tokens: torch.Tensor) -> dict:
     b, s = tokens.shape
     pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
     return {"input_ids": tokens, "position_ids": pos, "attention_mask": causal_mask(s, tokens.device)}
+
+
+def token_logprobs(output: torch.Tensor, tokens: torch.Tensor, vocab_size: int,
+                   temperature: float = 1.0) -> torch.Tensor:
+    """log p(tokens[:, t+1] | tokens[:, :t+1]) as [b, s-1]. `output` is the LM's TP-sharded
+    logits [b, s, V/tp]; they are gathered (backward splits the gradient again) and the
+    padding vocabulary is dropped, so padding ids never get probability mass. `temperature`:
+    p = softmax(logits / temperature), the policy a rollout sampled at that temperature
+    (the engines report the same; see generation.params.logprob_temperature)."""
+    return next_token_logprobs(gather_from_tensor_model_parallel_region(output)[..., :vocab_size], tokens,
+                               temperature)
+
+
+def next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """The same from already gathered, padding-free logits [b, s, vocab]: [b, s-1]."""
+    x = logits[:, :-1].float()
+    logp = torch.log_softmax(x / temperature if temperature != 1.0 else x, dim=-1)
+    return logp.gather(-1, tokens[:, 1:].unsqueeze(-1).to(logp.device)).squeeze(-1)
 
 
 def uses_thd(model: torch.nn.Module) -> bool:
@@ -168,7 +185,7 @@ def sequence_token_logprobs(output: torch.Tensor, mb: dict, vocab_size: int,
                             temperature: float = 1.0) -> torch.Tensor:
     """Next-token log-probs of a micro-batch's sequences [b, s-1] in the padded layout, from the
     LM's TP-sharded output, for packed and padded micro-batches alike (differentiable), at
-    `temperature` (losses.token_logprobs)."""
+    `temperature` (token_logprobs)."""
     layout = mb.get("packing")
     if layout is None:
         return token_logprobs(output, mb["tokens"], vocab_size, temperature)

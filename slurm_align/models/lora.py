@@ -100,7 +100,7 @@ class LoraLinear(torch.nn.Module):
 
 def mark_tp(param: torch.Tensor, dim: int | None) -> None:
     """megatron's TP attributes: the gradient norm counts a split tensor on every TP rank and a
-    replicated one once (trainer.reduce_gradients)."""
+    replicated one once (models.optimizer.reduce_gradients)."""
     param.tensor_model_parallel = dim is not None
     param.partition_dim = -1 if dim is None else dim
     param.partition_stride = 1

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from slurm_align.algorithms.preemption import STOPPED_EXIT_CODE
+from slurm_align.slurm.preemption import STOPPED_EXIT_CODE
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.loading import check_against_profile, check_run_dir, check_runnable
 from slurm_align.config.profile import ClusterProfile

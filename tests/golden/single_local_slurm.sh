@@ -176,7 +176,7 @@ done
 if [[ "$failed" -ne 0 ]]; then
   exit 1
 fi
-# The actor stopped at a checkpoint for preemption (slurm_align.algorithms.preemption): its ranks
+# The actor stopped at a checkpoint for preemption (slurm_align.slurm.preemption): its ranks
 # exit 0 (srun would kill the slower ones at a non-zero exit) and rank 0 wrote stopped_step.
 if [[ -e "$SLURM_ALIGN_RUN_DIR/stopped_step" ]]; then
   for name in "${names[@]}"; do
