@@ -202,7 +202,7 @@ def test_weights_arrive_whole_in_buckets_and_out_of_order_is_refused():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["reward.model=true"], "disaggregated"),
+    (["generation.engine=trtllm"], "disaggregated"),
     (["generator.tensor_parallel=2"], "generator.tensor_parallel=2"),
     (["rollout.max_off_policy_steps=-1"], "max_off_policy_steps"),
     (["rollout.bind_host=0.0.0.0"], "every interface"),

@@ -4,7 +4,8 @@ actor's end of its stream.
 The generator's ranks (each a TP 1 replica of the policy, generator.data_parallel of them) run
 the rollout collector (prompt server over the component, per-sample seeds, the rule reward);
 rank 0 serves one authenticated Stream (generation/stream.py) at its own address, published in
-RUN_DIR/generator_address.json, to the actor's rank 0:
+RUN_DIR/generator_address.json, to the actor's rank 0 (which sends each micro-batch on to the
+critic, when the run has one: PPO's values, a reward model's score):
 
     actor -> generator   start {start_step}; weights {version, bucket i of n} after each
                          optimizer step; stop

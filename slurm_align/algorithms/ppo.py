@@ -121,9 +121,10 @@ class PPOActor:
 
     def receive(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Future | None]]]:
         """Disaggregated: the step's samples from the generator (all on rank 0; the rebalance
-        spreads them). Waiting for them is the trainer's idle time (no span)."""
+        spreads them), each micro-batch sent on to the critic as it comes (PPO's values, a
+        reward model's score). Waiting for them is the trainer's idle time (no span)."""
         mbs = self.remote.receive(step)
-        return RolloutBatch.cat(mbs, self.pad_id), [(mb, None) for mb in mbs]
+        return RolloutBatch.cat(mbs, self.pad_id), [(mb, self.collector.to_critic(mb, step)) for mb in mbs]
 
     def weight_sync(self, step: int) -> dict[str, float]:
         """Disaggregated: the weights after `step` optimizer steps to the generator (not after

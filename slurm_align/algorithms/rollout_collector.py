@@ -153,13 +153,15 @@ class RolloutCollector:
                           seeds=[sample_seed(run.seed, step - 1, i) for i in idx],
                           keep=layout.is_requester, step=step)
             if mb is not None:
-                out.pending.append((mb, self._to_critic(mb, step)))
+                out.pending.append((mb, self.to_critic(mb, step)))
                 if on_batch is not None:
                     on_batch(mb)
         source.close()
         return out
 
-    def _to_critic(self, mb: RolloutBatch, step: int) -> Future | None:
+    def to_critic(self, mb: RolloutBatch, step: int) -> Future | None:
+        """A finished micro-batch to the critic (values, reward-model score): its future, or None
+        without a critic. Also for the samples a generator component streamed to the actor."""
         if self.critic is None:
             return None
         fut = self.critic.infer_async(mb.tokens.numpy(), mb.seq_lengths.numpy(), step=step)

@@ -711,11 +711,6 @@ class RunConfig(StrictModel):
             raise ValueError(f"rollout_correction.mode={rc.mode!r} with generation.engine='trtllm' needs "
                              f"generation.temperature=1 (got {self.generation.temperature}): TensorRT-LLM reports "
                              "log-probs without temperature scaling, so at another temperature it returns none")
-        if self.rollout.mode == "disaggregated" and "critic" in self.components:
-            raise ValueError(f"rollout.mode='disaggregated' with a critic component ({self.algorithm}"
-                             f"{', reward.model' if self.reward.use_model else ''}): not built yet; the generator "
-                             "scores with the rule reward only (use a rule reward without a reward model, or "
-                             "rollout.mode='colocated')")
         if self.rollout.mode == "disaggregated":
             g = self.generator
             if g.tensor_parallel != 1 or g.pipeline_parallel != 1:
