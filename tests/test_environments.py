@@ -171,7 +171,10 @@ def test_run_config_environment_field():
     for env, match in cases:
         with pytest.raises(ConfigError, match=match):
             validate(RunConfig, {**base, "environment": env}, "run.yaml")
-    with pytest.raises(ConfigError, match=r"field 'environment.environment': multi-turn rollouts with "
-                                          r"rollout.mode='disaggregated': not built yet"):
-        validate(RunConfig, {**base, "rollout": {"mode": "disaggregated"}, "environment": {"max_turns": 2}},
+    with pytest.raises(ConfigError, match=r"field 'environment.environment': multi-turn rollouts with a "
+                                          r"reward model \(reward.model\): not built yet"):
+        validate(RunConfig, {**base, "reward": {"rule": RULE, "model": True}, "environment": {"max_turns": 2}},
                  "run.yaml")
+    # disaggregated multi-turn is built (tests/test_multiturn.py runs it)
+    assert validate(RunConfig, {**base, "rollout": {"mode": "disaggregated"}, "environment": {"max_turns": 2}},
+                    "run.yaml").multi_turn

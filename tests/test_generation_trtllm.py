@@ -15,8 +15,8 @@ import torch
 
 from slurm_align.config.run import ModelConfig
 from slurm_align.generation import GenerationError, GptShape, SamplingParams, make_engine
-from slurm_align.generation.trtllm_engine import (TrtllmEngine, layer_buckets, model_config_of, physical_gpu,
-                                                  worker_environ)
+from slurm_align.generation.trtllm_engine import (TrtllmEngine, layer_buckets, model_config_of, native_stop_ids,
+                                                  physical_gpu, worker_environ)
 from slurm_align.generation.trtllm_mapping import hf_config, hf_model_type, hf_weights, trtllm_tp_slice
 from slurm_align.models.hf.mapping import read_shard, sources
 from slurm_align.models.weights import tp_shard
@@ -194,8 +194,10 @@ def test_ray_workers_get_the_replicas_gpus_and_no_launcher_variables(monkeypatch
     assert physical_gpu(1) == "1"
 
 
-def _result(ids, reason, logprobs=None):
-    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason=reason, logprobs=logprobs)])
+def _result(ids, reason, logprobs=None, stop_reason=None):
+    """A RequestOutput with one CompletionOutput (tests/fixtures/gpu_api.json lists its fields)."""
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=ids, finish_reason=reason, logprobs=logprobs,
+                                                    stop_reason=stop_reason)])
 
 
 def test_outputs_lengths_eos_and_logprobs_from_completion_outputs():
@@ -212,6 +214,20 @@ def test_outputs_lengths_eos_and_logprobs_from_completion_outputs():
     assert out.response_tokens.tolist() == [[5, 9]] and out.is_end.tolist() == [True] and out.logprobs is None
     out = engine._collect([_result([7, 7], "length")], SamplingParams(max_new_tokens=2), want_lp=False)
     assert out.is_end.tolist() == [False] and out.logprobs is None
+
+
+def test_one_token_stop_sequences_stop_inside_the_engine_and_longer_ones_are_cut_after():
+    """Multi-turn stops: TensorRT-LLM ends a sample at EOS and at each one-token stop sequence
+    (stop_token_ids: Qwen's </tool_call> is one token); a longer one it cannot take as token ids,
+    so the multi-turn loop cuts the turn after it (conversations.stop_cut)."""
+    engine = TrtllmEngine(QWEN, "cpu")
+    params = SamplingParams(max_new_tokens=4, eos_id=9, pad_id=0, stop_token_sequences=((42,), (1, 2), (9,)))
+    assert native_stop_ids(params) == [9, 42]
+    assert native_stop_ids(SamplingParams(max_new_tokens=4, stop_token_sequences=((42,),))) == [42]
+    out = engine._collect([_result([5, 42], "stop", stop_reason=42), _result([5], "stop", stop_reason=42),
+                           _result([1, 2, 3, 4], "length")], params, want_lp=False)
+    assert out.response_tokens.tolist() == [[5, 42, 0, 0], [5, 42, 0, 0], [1, 2, 3, 4]]
+    assert out.is_end.tolist() == [True, True, False]
 
 
 def _gpu_worker(n: int, *args: str, timeout: float = 420) -> subprocess.CompletedProcess:

@@ -252,8 +252,14 @@ def test_multiturn_as_a_slurm_job(slurm_cluster, tmp_path, algorithm):
     check_one_step_of_trajectories(tmp_path / "run", critic=algorithm == "ppo")
 
 
-def test_multiturn_ppo_with_the_critic_on_the_local_profile(tmp_path):
+def test_multiturn_ppo_with_the_critic_and_a_generator_on_the_local_profile(tmp_path):
+    """Multi-turn PPO with disaggregated rollouts: the generator component runs the conversations
+    (its tool pool, its environment) and streams whole trajectories (loss mask, turns, roles) to
+    the actor, which sends them on to the critic. (Colocated multi-turn PPO: the Slurm test.)"""
     from tests.test_grpo import launch
-    launch(tmp_path, ppo_calculator_config("actor.data_parallel=1"),
+    launch(tmp_path, ppo_calculator_config("actor.data_parallel=1", "rollout.mode=disaggregated"),
            profile=local_profile("components.actor.tasks_per_node=1"))
+    assert json.loads((tmp_path / "run" / "job.json").read_text())["components"] == ["actor", "critic", "generator"]
     check_one_step_of_trajectories(tmp_path / "run", critic=True)
+    spans = read_traces(tmp_path / "run" / "traces.zarr").spans
+    assert P.TOOLS in set(spans[spans["component"] == "generator"]["phase"].tolist())   # the tools ran there

@@ -723,9 +723,6 @@ class RunConfig(StrictModel):
                                  "(the generator runs the torch engines); use 'torch' or rollout.mode='colocated'")
         if self.multi_turn:
             problems = check_against_run(self.environment, self.model.max_seq_len, self.reward.rule)
-            if self.rollout.mode == "disaggregated":
-                problems.append("field 'environment.environment': multi-turn rollouts with rollout.mode="
-                                "'disaggregated': not built yet (use rollout.mode 'colocated')")
             if self.reward.use_model:
                 problems.append("field 'environment.environment': multi-turn rollouts with a reward model "
                                 "(reward.model): not built yet; the environment's rewards score them")

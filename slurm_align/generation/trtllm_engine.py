@@ -353,7 +353,7 @@ class TrtllmEngine:
 
         # Its log-probs ignore temperature and top-k/top-p masking: ours only at temperature 1.
         want_lp = params.return_logprobs and not params.greedy and params.temperature == 1.0
-        stop = [params.eos_id] if params.eos_id is not None else None
+        stop = native_stop_ids(params) or None
         greedy = params.greedy  # top_k 1; TensorRT-LLM's top_k 0 / top_p 1 mean "all", as ours
         per_sample = [TrtSamplingParams(max_tokens=params.max_new_tokens, seed=s, end_id=-1, stop_token_ids=stop,
                                         include_stop_str_in_output=True, logprobs=1 if want_lp else None,
@@ -366,6 +366,7 @@ class TrtllmEngine:
 
     def _collect(self, results: list, params: SamplingParams, want_lp: bool) -> GenerationOutput:
         n, m = len(results), params.max_new_tokens
+        stops = set(native_stop_ids(params))
         tokens = torch.full((n, m), params.pad_id, dtype=torch.int64)
         logprobs = torch.zeros(n, m, dtype=torch.float32) if want_lp else None
         lengths = torch.zeros(n, dtype=torch.int64)
@@ -373,9 +374,11 @@ class TrtllmEngine:
         for i, r in enumerate(results):
             c = r.outputs[0]
             ids = list(c.token_ids)[:m]
-            ended = params.eos_id is not None and c.finish_reason == "stop"
-            if ended and (not ids or ids[-1] != params.eos_id):  # stop token left out of the ids
-                ids = ids[: m - 1] + [params.eos_id]
+            ended = bool(stops) and c.finish_reason == "stop"
+            if ended and (not ids or ids[-1] not in stops):  # stop token left out of the ids
+                last = c.stop_reason if c.stop_reason in stops else params.eos_id
+                if last is not None:
+                    ids = ids[: m - 1] + [last]
                 logprobs = None
             tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
             lengths[i], is_end[i] = len(ids), ended
@@ -387,6 +390,15 @@ class TrtllmEngine:
                     logprobs[i, : len(lp)] = torch.tensor(lp)
         width = int(lengths.max()) if n else 0
         return GenerationOutput(tokens[:, :width], lengths, is_end, None if logprobs is None else logprobs[:, :width])
+
+
+def native_stop_ids(params: SamplingParams) -> list[int]:
+    """The stops TensorRT-LLM ends a sample at itself (`stop_token_ids`): EOS and every stop
+    sequence of one token (e.g. Qwen's `</tool_call>` and `<|im_end|>`). Its token-sequence stops
+    come only from `stop` strings through its own tokenizer, so a longer stop sequence is cut
+    afterwards by the multi-turn loop (conversations.stop_cut): the engine may generate past it."""
+    ids = [params.eos_id] if params.eos_id is not None else []
+    return ids + [q[0] for q in params.stop_token_sequences if len(q) == 1 and q[0] not in ids]
 
 
 def _sampled_logprobs(per_step: Any, ids: list[int]) -> list[float] | None:
