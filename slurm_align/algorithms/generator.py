@@ -52,6 +52,7 @@ from slurm_align.generation.params import GptShape
 from slurm_align.models.lora import merged
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.models.weights import full_state_dict
+from slurm_align.parallel import quiet
 from slurm_align.parallel.bootstrap import init_distributed
 from slurm_align.profiling import phases as P
 from slurm_align.profiling.timers import Tracer
@@ -155,6 +156,7 @@ class Generator:
                 except _Stopped:
                     stopped = True
             if self.comm.Get_size() > 1:
+                quiet.barrier(self.comm)   # while rank 0 waits for the trainer's weights
                 got, stopped = self.comm.bcast((got, stopped), root=0)
             if stopped:
                 raise _Stopped()

@@ -57,6 +57,7 @@ from slurm_align.generation.refit import refit_from_training
 from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_weights, save_checkpoint
 from slurm_align.models.forward import forward_logprobs
 from slurm_align.models.gpt import build_gpt
+from slurm_align.parallel import quiet
 from slurm_align.models.lora import attach_configured, lora_base, reference_policy, trainable_parameters
 from slurm_align.models.moe_stats import RouterStats
 from slurm_align.models.packing import run_batching
@@ -124,6 +125,7 @@ class PPOActor:
         spreads them), each micro-batch sent on to the critic as it comes (PPO's values, a
         reward model's score). Waiting for them is the trainer's idle time (no span)."""
         mbs = self.remote.receive(step)
+        quiet.barrier(self.env.comm)   # the other ranks wait for rank 0's samples without spinning
         return RolloutBatch.cat(mbs, self.pad_id), [(mb, self.collector.to_critic(mb, step)) for mb in mbs]
 
     def weight_sync(self, step: int) -> dict[str, float]:

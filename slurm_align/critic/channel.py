@@ -11,11 +11,12 @@ idle, stealing it from the actor on shared nodes. A command's data travels as an
 from __future__ import annotations
 
 import io
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
+from slurm_align.parallel import quiet
 
 KINDS = ("infer", "train", "save", "shutdown")
 
@@ -54,9 +55,7 @@ class CommandChannel:
     def recv(self) -> Command:
         """Followers: wait (without spinning a core) for the next command from root."""
         header = np.zeros(2, dtype=np.int64)
-        req = self.comm.Ibcast(header, root=self.root)
-        while not req.Test():
-            time.sleep(self.poll_s)
+        quiet.wait(self.comm.Ibcast(header, root=self.root), self.poll_s)
         buf = np.empty(int(header[1]), dtype=np.uint8)
         self.comm.Bcast(buf, root=self.root)
         return Command(KINDS[int(header[0])], decode_data(buf.tobytes()))
