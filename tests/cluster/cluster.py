@@ -32,6 +32,9 @@ TEMPLATE = Path(__file__).with_name("slurm.conf.template")
 #   in a suite run too): a fragment reaching a rank before its PML registered the fragment's tag: a call
 #   through a NULL callback in mca_btl_tcp, read from a core file. UCX, which OpenMPI also ships,
 #   gave 0 crashes in 200. Real clusters pick their own transport; this one is the test cluster's.
+# - its cores: every rank of every "node" runs on this host's few cores, so a rank that waits in
+#   MPI yields its core (mpi_yield_when_idle, which mpirun sets itself when it oversubscribes;
+#   srun does not) instead of spinning on it while other jobs' ranks compute.
 # Each `export` line the TaskProlog prints lands in the task's environment.
 TASK_PROLOG = """#!/bin/sh
 echo "export OMPI_MCA_btl_vader_backing_directory={tmp}/$SLURMD_NODENAME"
@@ -39,6 +42,7 @@ echo "export OMPI_MCA_orte_tmpdir_base={tmp}/$SLURMD_NODENAME"
 echo "export OMPI_MCA_pml=ucx"
 echo "export OMPI_MCA_pml_ucx_tls=any"
 echo "export OMPI_MCA_pml_ucx_devices=any"
+echo "export OMPI_MCA_mpi_yield_when_idle=1"
 """
 SLURMCTLD = "/usr/sbin/slurmctld"
 SLURMD = "/usr/sbin/slurmd"
