@@ -220,20 +220,21 @@ def test_the_run_declares_a_generator_component_with_its_resources():
 
 
 @pytest.mark.slurm
-def test_a_killed_generator_rank_fails_the_hetjob_naming_it(slurm_cluster, tmp_path):
-    """A real heterogeneous job, actor + generator (two ranks) on the local Slurm cluster: kill -9
-    of generator rank 1 once a step is done fails the job within a bound (without the failure
-    handling the actor would wait on the stream, or run its 50 steps, far past it), and `status`
-    names the generator and the rank."""
+def test_a_killed_generator_rank_fails_the_three_component_hetjob_naming_it(slurm_cluster, tmp_path):
+    """A real heterogeneous job of three components on the local Slurm cluster, PPO's actor and
+    critic and a generator of two ranks: kill -9 of generator rank 1 once a step is done fails
+    the job within a bound (without the failure handling the actor would wait on the stream, or
+    run its 50 steps, far past it), and `status` names the generator and the rank."""
     from tests.preempt_support import cli, logs_text, wait_for
     from tests.test_failures import rank_process
+    from tests.test_ppo import tiny_run
     from slurm_align.slurm.launch import launch_run
 
-    run = grpo_config(*SMALL, "rollout.mode=disaggregated", "ppo.num_steps=50", "generator.data_parallel=2",
-                      "actor.data_parallel=1")
+    run = tiny_run("rollout.mode=disaggregated", "ppo.num_steps=50", "generator.data_parallel=2",
+                   "actor.data_parallel=1", "switches.dynamic_prompts=false")
     profile = load_profile("local-slurm", ["components.actor.nodes=1", "components.generator.tasks_per_node=2"])
     job = launch_run(run, profile, tmp_path / "run")
-    assert json.loads((tmp_path / "run" / "job.json").read_text())["components"] == ["actor", "generator"]
+    assert json.loads((tmp_path / "run" / "job.json").read_text())["components"] == ["actor", "critic", "generator"]
     assert "hetjob" in (tmp_path / "run" / "job.sbatch").read_text()
     m = tmp_path / "run" / "metrics.jsonl"
     wait_for(lambda: m.exists() and m.read_text(), "a first step", timeout=600, job=job)

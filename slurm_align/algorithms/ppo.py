@@ -44,7 +44,6 @@ from rich.progress import Progress
 from slurm_align.algorithms.evaluation import EvalSet, evaluate
 from slurm_align.algorithms.generator import RemoteRollouts, stale_mask
 from slurm_align.algorithms.policy_gradient import PolicyUpdate, Rewards, combine_rewards, estimate_advantages
-from slurm_align.slurm.preemption import StopPoint
 from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
 from slurm_align.algorithms.rollout_collector import RolloutCollector
 from slurm_align.config import RunConfig, load_run_config
@@ -57,17 +56,18 @@ from slurm_align.generation.refit import refit_from_training
 from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_weights, save_checkpoint
 from slurm_align.models.forward import forward_logprobs
 from slurm_align.models.gpt import build_gpt
-from slurm_align.parallel import quiet
 from slurm_align.models.lora import attach_configured, lora_base, reference_policy, trainable_parameters
 from slurm_align.models.moe_stats import RouterStats
 from slurm_align.models.packing import run_batching
 from slurm_align.models.tokenizer import build_tokenizer
+from slurm_align.parallel import quiet
 from slurm_align.parallel.bootstrap import DistEnv, init_distributed
 from slurm_align.parallel.layout import ParallelContext, initialize_model_parallel
 from slurm_align.profiling import phases as P
 from slurm_align.profiling.metrics import MetricsLogger
 from slurm_align.profiling.timers import Tracer
 from slurm_align.rundir import RunDir
+from slurm_align.slurm.preemption import StopPoint
 from slurm_align.store.rollouts import TOKEN_FIELDS, RolloutStore
 
 STORED_SAMPLE_FIELDS = ("reward", "is_end", "rank", "version")

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import torch
 
-from slurm_align.slurm.preemption import critic_survives_term, ignore_stop_signal
 from slurm_align.config import load_run_config
 from slurm_align.config.run import RunConfig
 from slurm_align.critic.channel import Command, CommandChannel
@@ -32,6 +31,7 @@ from slurm_align.profiling import phases
 from slurm_align.profiling.timers import Tracer
 from slurm_align.rundir import RunDir
 from slurm_align.slurm.hetenv import service_host
+from slurm_align.slurm.preemption import critic_survives_term, ignore_stop_signal
 
 
 def load_full_weights(path: Path) -> dict[str, torch.Tensor]:

@@ -23,7 +23,6 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from slurm_align.slurm.preemption import STOPPED_EXIT_CODE
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.loading import check_against_profile, check_run_dir, check_runnable
 from slurm_align.config.profile import ClusterProfile
@@ -33,6 +32,7 @@ from slurm_align.slurm import state as job_state
 from slurm_align.slurm.capacity import check_fits_cluster
 from slurm_align.slurm.executor import HetjobExecutor
 from slurm_align.slurm.choose import check_shared_paths
+from slurm_align.slurm.preemption import STOPPED_EXIT_CODE
 from slurm_align.slurm.render import CONTAINER_SETUP, Entry, container_setup_text, job_python, render_script
 
 SETTLE_S = 60.0
