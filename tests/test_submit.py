@@ -205,6 +205,39 @@ def test_status_names_the_component_whose_rank_died_not_the_one_that_lost_it(tmp
     assert first_failure(rd, None, []) is None
 
 
+def test_status_passes_over_a_rank_killed_by_the_teardown_of_the_job(tmp_path):
+    """As in a CI run of the three-component hetjob: generator rank 1 was killed, the actor lost
+    its stream and ended first, then the job script's teardown killed the critic's rank 0, whose
+    srun names it after "forcing job termination". The generator's rank is the cause."""
+    from slurm_align.rundir import RunDir
+    from slurm_align.slurm.status import first_failure, failing_rank
+
+    rd = RunDir(tmp_path)
+    launchers = {
+        "actor": "srun: Job step aborted: Waiting up to 4 seconds for job step to finish.\n"
+                 "slurmstepd-n1: error: *** STEP 5.3 ON n1 CANCELLED AT 2026-12-03T13:38:26 ***\n"
+                 "srun: error: n1: task 0: Exited with exit code 1\n",
+        "critic": "srun: forcing job termination\n"
+                  "srun: Job step aborted: Waiting up to 4 seconds for job step to finish.\n"
+                  "slurmstepd-n2: error: *** STEP 6.4 ON n2 CANCELLED AT 2026-12-03T13:38:26 ***\n"
+                  "srun: error: n2: task 0: Killed\n",
+        "generator": "srun: error: n3: task 1: Killed\n"
+                     "slurmstepd-n3: error: *** STEP 7.5 ON n3 CANCELLED AT 2026-12-03T13:38:24 ***\n"
+                     "srun: forcing job termination\n"
+                     "srun: error: n3: task 0: Killed\n",
+    }
+    for comp, text in launchers.items():
+        (rd.logs / comp).mkdir(parents=True)
+        (rd.logs / comp / "launcher.log").write_text(text)
+        for r in (0, 1) if comp == "generator" else (0,):
+            (rd.logs / comp / f"rank{r}.log").write_text("working\n")
+    (rd.logs / "actor" / "rank0.log").write_text(
+        "Traceback (most recent call last):\nslurm_align.generation.stream.StreamClosed: the peer closed the stream\n")
+    assert failing_rank(rd, "critic").torn_down and not failing_rank(rd, "generator").torn_down
+    failed = first_failure(rd, "actor", ["actor", "critic", "generator"])
+    assert (failed.component, failed.rank, failed.why) == ("generator", 1, "Killed")
+
+
 @pytest.mark.parametrize("slurm,codes,first,expected", [
     # CI: the critic failed (exit 3); the script's stop of the actor left Slurm's record of the
     # critic's component CANCELLED

@@ -24,6 +24,9 @@ _TRACEBACK = re.compile(r"^Traceback \(most recent call last\)", re.M)
 # an error, as it does when one of its own ranks died mid-collective): a consequence.
 _LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|remote process exited|StreamClosed: the peer closed"
                         r"|CriticError: critic at \S+, endpoint \w+: |CriticUnavailableError")
+# srun's teardown of a step (the job script's kill of the other components after one failed,
+# or --kill-on-bad-exit): a task srun names after one of these ended because of it.
+_TEARDOWN = re.compile(r"srun: forcing job termination|srun: Job step aborted|\*\*\* STEP \S+ ON \S+ CANCELLED")
 _ITER = re.compile(r"^iter_(\d+)$")
 
 
@@ -41,6 +44,8 @@ class FailedRank:
     why: str
     log: Path | None
     tail: list[str] = field(default_factory=list)
+    torn_down: bool = False
+    """srun named the rank only after it began tearing the step down: its end is a consequence."""
 
 
 @dataclass
@@ -90,13 +95,15 @@ def failing_rank(rd: RunDir, component: str, lines: int = 20) -> FailedRank:
             return FailedRank(component, None, failed[0].removeprefix("slurm-align "), preflight, failed[:lines])
     launcher = rd.logs / component / "launcher.log"
     text = launcher.read_text(errors="replace") if launcher.is_file() else ""
-    rank, why = None, ""
+    rank, why, torn_down = None, "", False
+    teardown = _TEARDOWN.search(text)
     for pattern in (_SRUN_TASK, _MPIRUN_RANK):
-        named = [(int(m.group(1)), m.group(2).strip().rstrip(".")) for m in pattern.finditer(text)]
+        named = [(int(m.group(1)), m.group(2).strip().rstrip("."), teardown is not None and m.start() > teardown.start())
+                 for m in pattern.finditer(text)]
         if named:
             # The launcher lists ranks in the order their ends reached it, which races: a rank
             # that only lost its peer can be listed before the one that died. Skip those.
-            rank, why = next((n for n in named if not _lost_peer(rd.log(component, n[0]))), named[0])
+            rank, why, torn_down = next((n for n in named if not _lost_peer(rd.log(component, n[0]))), named[0])
             break
     logs = sorted((rd.logs / component).glob("rank*.log"), key=lambda p: int(p.stem[4:] or 0))
     if rank is None:
@@ -106,7 +113,7 @@ def failing_rank(rd: RunDir, component: str, lines: int = 20) -> FailedRank:
         elif logs:
             rank, why = int(logs[0].stem[4:]), "unknown (see the launcher's log)"
     log = rd.log(component, rank) if rank is not None else None
-    return FailedRank(component, rank, why, log, tail(log, lines) if log else [])
+    return FailedRank(component, rank, why, log, tail(log, lines) if log else [], torn_down)
 
 
 def _lost_peer(log: Path) -> bool:
@@ -131,9 +138,11 @@ def run_status(job) -> RunStatus:
 
 def first_failure(rd: RunDir, first: str | None, failed: list[str]) -> FailedRank | None:
     """The failure to report: the failing rank of the component the job script saw end first
-    (`first`), unless that rank only lost its peer and another failed component's rank did not.
-    The script reaps components as they end, and one whose peer died (the actor reading the
-    generator's stream) can end before the component of the rank that died."""
+    (`first`), unless that rank only lost its peer, or was killed by srun's teardown of the job,
+    and another failed component's rank was not. The script reaps components as they end, and
+    one whose peer died (the actor reading the generator's stream) can end before the component
+    of the rank that died; the teardown then kills the others (a critic rank)."""
     order = ([first] if first else []) + [c for c in failed if c != first]
     ranks = [failing_rank(rd, c) for c in order]
-    return next((f for f in ranks if f.log is None or not _lost_peer(f.log)), ranks[0] if ranks else None)
+    cause = (f for f in ranks if not f.torn_down and (f.log is None or not _lost_peer(f.log)))
+    return next(cause, next((f for f in ranks if f.log is None or not _lost_peer(f.log)), ranks[0] if ranks else None))
