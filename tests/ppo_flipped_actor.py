@@ -4,12 +4,7 @@ this one FAILS to learn, so the test can tell a working PPO from a broken one.""
 import argparse
 import sys
 
-
-def flipped(estimate):
-    def flipped_estimate(*args, **kwargs):
-        advantages, returns = estimate(*args, **kwargs)
-        return -advantages, returns
-    return flipped_estimate
+from grpo_flipped_actor import flipped   # this script's folder is on sys.path
 
 
 # Imports under the guard: spawned helpers (megatron's checkpoint writer) re-run this file as

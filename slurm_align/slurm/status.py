@@ -144,5 +144,8 @@ def first_failure(rd: RunDir, first: str | None, failed: list[str]) -> FailedRan
     of the rank that died; the teardown then kills the others (a critic rank)."""
     order = ([first] if first else []) + [c for c in failed if c != first]
     ranks = [failing_rank(rd, c) for c in order]
-    cause = (f for f in ranks if not f.torn_down and (f.log is None or not _lost_peer(f.log)))
-    return next(cause, next((f for f in ranks if f.log is None or not _lost_peer(f.log)), ranks[0] if ranks else None))
+    if not ranks:
+        return None
+    lost = [f.log is not None and _lost_peer(f.log) for f in ranks]   # read each log once
+    return next((f for f, peer in zip(ranks, lost) if not peer and not f.torn_down),
+                next((f for f, peer in zip(ranks, lost) if not peer), ranks[0]))
