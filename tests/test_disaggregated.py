@@ -25,6 +25,7 @@ from slurm_align.config.errors import ConfigError
 from slurm_align.generation.stream import StreamAuthError, StreamServer, connect
 from slurm_align.generation.weight_stream import WeightAssembler, buckets, send_weights
 from slurm_align.store.rollouts import RolloutStore
+from tests.test_generation_trtllm import GPU_REASON, GPUS, HAVE_TRTLLM
 from tests.test_grpo import grpo_config, launch, metrics
 
 STEPS = {"colocated": 2, "k0": 2, "k1": 3, "k2": 4}
@@ -202,14 +203,66 @@ def test_weights_arrive_whole_in_buckets_and_out_of_order_is_refused():
 
 
 @pytest.mark.parametrize("overrides,match", [
-    (["generation.engine=trtllm"], "disaggregated"),
-    (["generator.tensor_parallel=2"], "generator.tensor_parallel=2"),
+    (["generator.tensor_parallel=2"], "generator.tensor_parallel=2 with generation.engine='torch'"),
+    (["generator.pipeline_parallel=2"], "generator.pipeline_parallel=2"),
+    (["generation.engine=trtllm", "rollout.record_weight_digests=true"], "record_weight_digests"),
     (["rollout.max_off_policy_steps=-1"], "max_off_policy_steps"),
     (["rollout.bind_host=0.0.0.0"], "every interface"),
 ])
 def test_bad_disaggregated_settings_are_refused_with_the_field(overrides, match):
     with pytest.raises(ConfigError, match=match):
         grpo_config("rollout.mode=disaggregated", *overrides)
+
+
+@pytest.mark.mpi
+def test_generator_ranks_form_tensor_parallel_replicas_for_tensorrt_llm():
+    """Four generator ranks at generator.tensor_parallel 2: two replicas of consecutive ranks, a
+    TensorRT-LLM engine per pair on the ranks' GPUs, and the collector's samples each once, from
+    the requesters (tests/mpi_progs/generator_replica_prog.py)."""
+    from tests.test_balance import mpirun
+    proc = mpirun(4, "tests.mpi_progs.generator_replica_prog", timeout=300)
+    assert proc.returncode == 0 and "GENERATOR_REPLICAS_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[0]) == {"per_rank": [12, 0, 12, 0]}
+
+
+def test_tensorrt_llm_in_the_generator_is_checked_against_the_generators_gpus():
+    """TensorRT-LLM runs in the generator: at submit its GPUs are checked, not the actor's (a CPU
+    generator is refused; a TP replica larger than a node is refused, naming the generator)."""
+    from slurm_align.config.loading import check_runnable, trtllm_tp_fits_a_node
+    trt = ["rollout.mode=disaggregated", "generation.engine=trtllm"]
+    with pytest.raises(ConfigError, match="gives the generator gpus_per_node=0"):
+        check_runnable(grpo_config(*trt, "eval.interval=0"),
+                       load_profile("local", ["components.actor.gpus_per_node=2"]))
+    gpu = load_profile("example-gpu-cluster")   # the generator: 2 nodes x 8 GPUs
+
+    def run(tp: int) -> RunConfig:
+        return grpo_config(*trt, "model.num_attention_heads=16", "model.hidden_size=256", "eval.interval=0",
+                           f"generator.tensor_parallel={tp}", f"generator.data_parallel={16 // tp}")
+    assert trtllm_tp_fits_a_node(run(8), gpu) == []
+    (problem,) = trtllm_tp_fits_a_node(run(16), gpu)
+    assert "field 'generator.tensor_parallel': got 16" in problem and "tensor_parallel <= 8" in problem
+
+
+@pytest.mark.gpu
+@pytest.mark.mpi
+@pytest.mark.skipif(not (HAVE_TRTLLM and GPUS), reason=GPU_REASON)
+def test_tensorrt_llm_generates_in_the_generator_component(tmp_path):
+    """GRPO as actor + generator on one GPU (local profile), TensorRT-LLM in the generator, k=0:
+    its engine is refitted from the stream every step, every sample is of version step - 1, and
+    the engine's log-probs are the trainer's up to bf16 (rollout correction's k3 KL, weights ~1)."""
+    run = grpo_config(*SMALL, "actor.data_parallel=1", "rollout.mode=disaggregated", "generation.engine=trtllm",
+                      "rollout.max_off_policy_steps=0", "rollout_correction.mode=token_truncate", "ppo.num_steps=3",
+                      "model.position_embedding=rope", "model.normalization=RMSNorm", "model.activation=swiglu",
+                      "model.add_bias_linear=false")
+    gpu = ["gpus_per_node=1", "tasks_per_node=1"]
+    launch(tmp_path, run, profile=load_profile("local", [f"components.{c}.{x}" for c in ("actor", "generator")
+                                                         for x in gpu]))
+    data, rows = store(tmp_path / "run"), training_rows(tmp_path / "run")
+    assert list(data) == [1, 2, 3] and all((d["version"] == step - 1).all() for step, d in data.items())
+    assert [m["weight_sync/bytes"] > 0 for m in rows[:-1]] == [True, True]
+    for m in rows:
+        kl, w = m["train_rollouts/rollout_correction_kl_k3"], m["train_rollouts/rollout_correction_weight_mean"]
+        assert 0 <= kl < 0.02 and abs(w - 1) < 0.05, m
 
 
 def test_the_run_declares_a_generator_component_with_its_resources():

@@ -29,6 +29,13 @@ CASES = {
     "hetjob_gpu_cluster": ("example-gpu-cluster", ["data.train_path=/lustre/datasets/prompts.jsonl",
                                                    "reward.rule=tests.toy_algorithm:length_reward"],
                            ["python=/opt/venv/bin/python", "container.setup=['source /opt/env.sh']"]),
+    # three components: TensorRT-LLM generation on the generator's own partition, TP 2 replicas
+    "hetjob_gpu_disaggregated": ("example-gpu-cluster", ["data.train_path=/lustre/datasets/prompts.jsonl",
+                                                         "rollout.mode=disaggregated", "generation.engine=trtllm",
+                                                         "model.position_embedding=rope", "model.normalization=RMSNorm",
+                                                         "model.activation=swiglu", "model.add_bias_linear=false",
+                                                         "generator.tensor_parallel=2", "generator.data_parallel=8"],
+                                 ["python=/opt/venv/bin/python"]),
     "hetjob_local_slurm": ("local-slurm", [], ["python=/opt/venv/bin/python"]),
     "single_local_slurm": ("local-slurm", [], ["python=/opt/venv/bin/python", "job_shape=single"]),
     "plain_sft": ("local-slurm", ["algorithm=sft"], ["python=/opt/venv/bin/python", "account=proj-1"]),
@@ -71,6 +78,10 @@ def test_hetjob_structure():
     # the critic's hosts come from Slurm at run time, never from the script
     assert "SLURM_JOB_NODELIST_HET_GROUP" not in text
     assert 'wait -n' in text
+    three = _render("hetjob_gpu_disaggregated")
+    assert three.count("#SBATCH hetjob") == 2 and "srun --het-group=2 --mpi=pmix" in three
+    generator = three.split("#SBATCH hetjob")[2]
+    assert "#SBATCH --partition=inference" in generator and "#SBATCH --gpus-per-node=8" in generator
 
 
 def test_container_job_runs_the_installed_package_in_the_run_dir():

@@ -1,8 +1,9 @@
 """Disaggregated rollouts (rollout.mode 'disaggregated'): the generator component, and the
 actor's end of its stream.
 
-The generator's ranks (each a TP 1 replica of the policy, generator.data_parallel of them) run
-the rollout collector (prompt server over the component, per-sample seeds, the rule reward);
+The generator's ranks (generator.data_parallel replicas of the policy, each of
+generator.tensor_parallel ranks: TP 1 for the torch engines, a TensorRT-LLM LLM over its ranks'
+GPUs otherwise) run the rollout collector (prompt server over the component, per-sample seeds, the rule reward);
 rank 0 serves one authenticated Stream (generation/stream.py) at its own address, published in
 RUN_DIR/generator_address.json, to the actor's rank 0 (which sends each micro-batch on to the
 critic, when the run has one: PPO's values, a reward model's score):
@@ -65,13 +66,37 @@ WEIGHT_DIGESTS = {"generator": "generator_weights.jsonl", "trainer": "trainer_we
 the generator's engine holds once it applied it, and of each tensor the trainer sent."""
 
 
-@dataclass
-class _Replica:
-    """The generation layout of a generator rank: a TP 1 replica of its own."""
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Where a generator rank generates (the GenerationLayout fields the engine and the collector
+    read): replica dp_rank of dp_size, each of tp_size consecutive ranks of the component."""
     dp_rank: int
     dp_size: int
+    tp_rank: int
+    tp_size: int
     mp_comm: Any
-    is_requester: bool = True
+    """mpi4py communicator over the replica's ranks; its rank 0 is the requester."""
+    pp_size: int = 1
+
+    @property
+    def is_requester(self) -> bool:
+        return self.tp_rank == 0
+
+
+def replica_layout(comm, tensor_parallel: int) -> ReplicaLayout:
+    """Collective over the generator's ranks: consecutive groups of tensor_parallel ranks (one
+    node's GPUs on a cluster, as TensorRT-LLM needs) form one replica each."""
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if size % tensor_parallel:
+        raise ValueError(f"generator: {size} ranks do not split into replicas of generator.tensor_parallel="
+                         f"{tensor_parallel}")
+    dp_rank, tp_rank = divmod(rank, tensor_parallel)
+    if tensor_parallel == 1:
+        from mpi4py import MPI
+        mp_comm = MPI.COMM_SELF
+    else:
+        mp_comm = comm.Split(dp_rank, tp_rank)
+    return ReplicaLayout(dp_rank, size // tensor_parallel, tp_rank, tensor_parallel, mp_comm)
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -101,12 +126,11 @@ class Generator:
         tokenizer = build_tokenizer(run.model)
         dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len)
         self.shape = GptShape.from_model_config(run.model)
-        self.engine = engine_from_config(run, env.device)
+        self.layout = replica_layout(self.comm, run.generator.tensor_parallel)
+        self.engine = engine_from_config(run, env.device, self.layout)
         self.tracer: Tracer | None = None
         self.collector = RolloutCollector(run, self.engine, tokenizer, dataset.token_arrays(),
                                           Rewards(run, tokenizer, dataset.fields()), rank=env.rank)
-        from mpi4py import MPI
-        self.layout = _Replica(self.comm.Get_rank(), self.comm.Get_size(), MPI.COMM_SELF)
         self.stream: Stream | None = None
         self.assembler = WeightAssembler()
         self.version = -1
@@ -208,6 +232,8 @@ class Generator:
                 self.assembler.feed(msg)
 
     def close(self) -> None:
+        self.collector.close()   # multi-turn: the environment's tool workers
+        self.engine.free()       # TensorRT-LLM: its LLM and Ray workers shut down
         if self.tracer is not None:
             self.tracer.close()
         if self.stream is not None:

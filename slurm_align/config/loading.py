@@ -160,17 +160,31 @@ def check_run_dir(path: Path) -> None:
         raise ConfigError.at("--run-dir", str(path), f"{target} is not writable")
 
 
+def engine_components(run: RunConfig) -> list[str]:
+    """Components whose ranks run the generation engine: the one that generates rollouts (the
+    actor, or the generator when disaggregated), and the actor when it evaluates."""
+    comps = [run.engine_component]
+    if run.eval.interval and "actor" not in comps:
+        comps.append("actor")
+    return comps
+
+
 def trtllm_tp_fits_a_node(run: RunConfig, profile: ClusterProfile) -> list[str]:
-    """TensorRT-LLM's replica (one LLM over actor.tensor_parallel GPUs, CUDA IPC refit from the
-    same GPUs) must sit on one node: TP larger than the profile's GPUs per node is refused."""
-    res = profile.components.get("actor")
-    tp = run.actor.tensor_parallel
-    if run.generation.engine != "trtllm" or res is None or not res.gpus_per_node or tp <= res.gpus_per_node:
+    """TensorRT-LLM's replica (one LLM over a component's tensor_parallel GPUs, CUDA IPC refit
+    from the same GPUs) must sit on one node: TP larger than the profile's GPUs per node is
+    refused, for every component that runs the engine."""
+    if run.generation.engine != "trtllm":
         return []
-    return [f"field 'actor.tensor_parallel': got {tp} with generation.engine 'trtllm'; profile '{profile.name}' "
-            f"gives the actor {res.gpus_per_node} GPU(s) per node, and a TensorRT-LLM replica's TP ranks must share "
-            f"one node (its workers and the CUDA IPC refit are node-local): use tensor_parallel <= "
-            f"{res.gpus_per_node}, or generation.engine 'torch'"]
+    problems = []
+    for comp in engine_components(run):
+        res, tp = profile.components.get(comp), run.parallel(comp).tensor_parallel
+        if res is None or not res.gpus_per_node or tp <= res.gpus_per_node:
+            continue
+        problems.append(f"field '{comp}.tensor_parallel': got {tp} with generation.engine 'trtllm'; profile "
+                        f"'{profile.name}' gives the {comp} {res.gpus_per_node} GPU(s) per node, and a TensorRT-LLM "
+                        f"replica's TP ranks must share one node (its workers and the CUDA IPC refit are "
+                        f"node-local): use tensor_parallel <= {res.gpus_per_node}, or generation.engine 'torch'")
+    return problems
 
 
 def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path | None = None) -> None:
@@ -190,10 +204,11 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
         if gbs is not None and gbs % dp:
             problems.append(f"field 'ppo.global_batch_size': got {gbs}; must be a multiple of "
                             f"actor.data_parallel={dp} (each optimizer step takes an equal part of every shard)")
-        res = profile.components.get("actor")
-        if run.generation.engine == "trtllm" and res is not None and not res.gpus_per_node:
-            problems.append(f"field 'generation.engine': got 'trtllm'; TensorRT-LLM needs GPUs, but profile "
-                            f"'{profile.name}' gives the actor gpus_per_node=0 (use 'torch' on CPU)")
+        for comp in engine_components(run) if run.generation.engine == "trtllm" else []:
+            res = profile.components.get(comp)
+            if res is not None and not res.gpus_per_node:
+                problems.append(f"field 'generation.engine': got 'trtllm'; TensorRT-LLM needs GPUs, but profile "
+                                f"'{profile.name}' gives the {comp} gpus_per_node=0 (use 'torch' on CPU)")
         problems += trtllm_tp_fits_a_node(run, profile)
     elif run.trainer.global_batch_size % dp:
         problems.append(f"field 'trainer.global_batch_size': got {run.trainer.global_batch_size}; must be a "

@@ -595,8 +595,9 @@ class RunConfig(StrictModel):
     critic: ParallelConfig = ParallelConfig()
     """Parallel layout of the critic (ppo only)."""
     generator: ParallelConfig = ParallelConfig()
-    """Parallel layout of the generator component (rollout.mode 'disaggregated'): its ranks
-    generate at TP 1 (each a replica, data_parallel of them), whatever the actor's layout."""
+    """Parallel layout of the generator component (rollout.mode 'disaggregated'), whatever the
+    actor's: data_parallel replicas of tensor_parallel consecutive ranks each (TP > 1 only with
+    generation.engine 'trtllm', one LLM per replica; the torch engines generate at TP 1)."""
     data: DataConfig = DataConfig()
     """Datasets."""
     generation: GenerationConfig = GenerationConfig()
@@ -712,22 +713,27 @@ class RunConfig(StrictModel):
                              f"generation.temperature=1 (got {self.generation.temperature}): TensorRT-LLM reports "
                              "log-probs without temperature scaling, so at another temperature it returns none")
         if self.rollout.mode == "disaggregated":
-            g = self.generator
-            if g.tensor_parallel != 1 or g.pipeline_parallel != 1:
-                raise ValueError(f"generator.tensor_parallel={g.tensor_parallel}, pipeline_parallel="
-                                 f"{g.pipeline_parallel}: the generator's ranks generate at TP 1 and PP 1 (one "
-                                 "replica each, the trainer's shards are gathered before they are streamed); "
-                                 "give its ranks as generator.data_parallel")
-            if self.generation.engine == "trtllm":
-                raise ValueError("generation.engine='trtllm' with rollout.mode='disaggregated': not built yet "
-                                 "(the generator runs the torch engines); use 'torch' or rollout.mode='colocated'")
+            g, engine = self.generator, self.generation.engine
+            if g.pipeline_parallel != 1:
+                raise ValueError(f"generator.pipeline_parallel={g.pipeline_parallel}: generation runs no pipeline "
+                                 "(the trainer's stages are gathered before they are streamed); give the ranks as "
+                                 "generator.data_parallel")
+            if g.tensor_parallel != 1 and engine != "trtllm":
+                raise ValueError(f"generator.tensor_parallel={g.tensor_parallel} with generation.engine={engine!r}: "
+                                 "the torch engines compute at TP 1, so a replica's ranks would repeat each other's "
+                                 "work; give them as generator.data_parallel (TP > 1 is generation.engine 'trtllm')")
+            if engine == "trtllm" and self.rollout.record_weight_digests:
+                raise ValueError("rollout.record_weight_digests with generation.engine='trtllm': the weights live in "
+                                 "TensorRT-LLM's worker processes, which give none back to hash; record them with "
+                                 "the torch engine, or leave it off")
         if self.multi_turn:
             problems = check_against_run(self.environment, self.model.max_seq_len, self.reward.rule)
             if self.reward.use_model:
                 problems.append("field 'environment.environment': multi-turn rollouts with a reward model "
                                 "(reward.model): not built yet; the environment's rewards score them")
-            if self.actor.tensor_parallel > 1:
-                problems.append(f"field 'actor.tensor_parallel': got {self.actor.tensor_parallel}; multi-turn "
+            tp = self.engine_parallel.tensor_parallel
+            if tp > 1:
+                problems.append(f"field '{self.engine_component}.tensor_parallel': got {tp}; multi-turn "
                                 "rollouts with generation replicas of several ranks: not built yet (use 1)")
             if self.spec.loss != "policy":
                 problems.append(f"field 'environment.environment': multi-turn rollouts with {self.algorithm} "
@@ -786,6 +792,17 @@ class RunConfig(StrictModel):
         """gae, grpo, rloo or reinforce_pp, or a plugin's (None for rejection sampling and the
         trainers)."""
         return self.spec.estimator
+
+    @property
+    def engine_component(self) -> str:
+        """The component whose ranks run the generation engine: the generator when rollouts are
+        disaggregated, else the actor."""
+        return "generator" if self.rollout.mode == "disaggregated" else "actor"
+
+    @property
+    def engine_parallel(self) -> ParallelConfig:
+        """The engine component's layout; its tensor_parallel sizes a TensorRT-LLM replica."""
+        return self.parallel(self.engine_component)
 
     def parallel(self, component: str) -> ParallelConfig:
         return {"actor": self.actor, "critic": self.critic, "generator": self.generator}[component]
