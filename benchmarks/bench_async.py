@@ -16,7 +16,12 @@ weight_sync span (waiting for and applying weights) counts as idle. Last line:
 
     async_over_sync= weight_sync_s= weight_sync_over_step= max_staleness= gen_idle_share= train_idle_share=
 
-    python benchmarks/bench_async.py [--steps 5] [--warmup 2] [--prompts 16] [--samples-per-prompt 4] [--out DIR]
+    python benchmarks/bench_async.py [--steps 5] [--warmup 2] [--prompts 16] [--samples-per-prompt 4]
+                                     [--weight-transport stream|collective] [--out DIR]
+
+weight_sync_s is the trainer's own time per sync (gather, and the stream's send, or with
+'collective' posting the broadcasts); the generator's wait for and apply of the weights is its
+weight_sync phase, printed beside it.
 """
 
 from __future__ import annotations
@@ -59,12 +64,22 @@ def idle_share(spans: np.ndarray, component: str, rank: int, first_step: int, id
     return 1.0 - busy / window if window > 0 else float("nan")
 
 
+def phase_seconds(spans: np.ndarray, component: str, phase: str, first_step: int) -> float:
+    """Mean seconds per step that rank 0 of `component` spent in `phase`, steps >= first_step."""
+    s = spans[(spans["component"] == component) & (spans["rank"] == 0) & (spans["step"] >= first_step)
+              & (spans["phase"] == phase)]
+    steps = len(set(s["step"].tolist()))
+    return float((s["end_ns"] - s["start_ns"]).sum() / 1e9 / steps) if steps else 0.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
     ap.add_argument("--prompts", type=int, default=16, help="prompts per step")
     ap.add_argument("--samples-per-prompt", type=int, default=4)
+    ap.add_argument("--weight-transport", choices=("stream", "collective"), default="stream",
+                    help="rollout.weight_transport of the disaggregated run")
     ap.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temp dir)")
     args = ap.parse_args()
     os.chdir(REPO_ROOT)   # the example's data paths are relative to the repo
@@ -76,7 +91,8 @@ def main() -> None:
     runs = {
         "colocated": ("grpo_tiny.yaml", ["actor.data_parallel=2"], []),
         "disaggregated": ("grpo_async_tiny.yaml", ["actor.data_parallel=1", "generator.data_parallel=1",
-                                                   "rollout.max_off_policy_steps=1"],
+                                                   "rollout.max_off_policy_steps=1",
+                                                   f"rollout.weight_transport={args.weight_transport}"],
                           ["components.actor.tasks_per_node=1", "components.generator.tasks_per_node=1"]),
     }
     first = args.warmup + 1
@@ -102,7 +118,9 @@ def main() -> None:
     staleness = max(m["train_rollouts/max_staleness"] for m in dis)
     gen_idle = idle_share(spans["disaggregated"], "generator", 0, first, idle_phases=(P.WEIGHT_SYNC,))
     train_idle = idle_share(spans["disaggregated"], "actor", 0, first)
-    console.print(f"weight sync: {np.mean([m['weight_sync/bytes'] for m in synced]) / 2**20:.2f} MiB per step", highlight=False)
+    gen_sync = phase_seconds(spans["disaggregated"], "generator", P.WEIGHT_SYNC, first)
+    console.print(f"weight sync ({args.weight_transport}): {np.mean([m['weight_sync/bytes'] for m in synced]) / 2**20:.2f} "
+                  f"MiB per step; the generator's weight_sync phase {gen_sync:.3f} s per step", highlight=False)
     print(f"async_over_sync={rate['disaggregated'] / rate['colocated']:.2f} weight_sync_s={sync_s:.4f} "
           f"weight_sync_over_step={sync_s / step_s:.4f} max_staleness={staleness:.0f} "
           f"gen_idle_share={gen_idle:.2f} train_idle_share={train_idle:.2f}")

@@ -9,7 +9,9 @@ RUN_DIR/generator_address.json, to the actor's rank 0 (which sends each micro-ba
 critic, when the run has one: PPO's values, a reward model's score):
 
     actor -> generator   start {start_step}; weights {version, bucket i of n} after each
-                         optimizer step; stop
+                         optimizer step (rollout.weight_transport 'collective': weights_meta
+                         instead, the bucket itself over a gloo group; generation/weight_group.py);
+                         stop
     generator -> actor   samples {step} (a finished micro-batch: whole groups, each sample with
                          the weight version that generated it); step_done {step}
 
@@ -34,6 +36,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +50,7 @@ from slurm_align.config import RunConfig, load_run_config
 from slurm_align.data.datasets import PromptDataset
 from slurm_align.generation import engine_from_config
 from slurm_align.generation.stream import STOP, Stream, StreamClosed, StreamServer, connect
+from slurm_align.generation.weight_group import META, GroupReceiver, GroupSender, open_group
 from slurm_align.generation.weight_stream import WeightAssembler, send_weights
 from slurm_align.generation.weights import expected_shapes
 from slurm_align.generation.params import GptShape
@@ -132,6 +136,7 @@ class Generator:
         self.collector = RolloutCollector(run, self.engine, tokenizer, dataset.token_arrays(),
                                           Rewards(run, tokenizer, dataset.fields()), rank=env.rank)
         self.stream: Stream | None = None
+        self.group: GroupReceiver | None = None   # rollout.weight_transport 'collective'
         self.assembler = WeightAssembler()
         self.version = -1
 
@@ -148,6 +153,10 @@ class Generator:
             if msg.kind != "start":
                 raise RuntimeError(f"the actor's first message is {msg.kind!r}, expected 'start'")
             start = int(msg.meta["start_step"])
+            if self.run.rollout.weight_transport == "collective":
+                self.group = GroupReceiver(open_group(self.stream, 1, server.host, self.run.rollout.connect_timeout_s))
+                print(f"weights: gloo group with the trainer, bound to {server.host}, rendezvous over the stream",
+                      flush=True)
         start = self.comm.bcast(start, root=0)
         self.tracer = Tracer(self.rd.root, COMPONENT, self.rank, resume_from_step=start)
         self.collector.tracer = self.tracer
@@ -167,9 +176,13 @@ class Generator:
                 return newest
             if msg.kind == STOP:
                 raise _Stopped()   # the actor ended early (a stop for preemption): it decides
-            done = self.assembler.feed(msg)
+            done = self._feed(msg)
             if done is not None:
                 newest = done
+
+    def _feed(self, msg):
+        """A weights message (or a collective bucket's announcement: then the bucket itself)."""
+        return self.assembler.feed(self.group.receive(msg) if msg.kind == META else msg)
 
     def apply_weights(self, step: int, need: int) -> None:
         with self.tracer.span(P.WEIGHT_SYNC, step):
@@ -229,7 +242,7 @@ class Generator:
             return   # the actor saved and ends (preemption); so does the generator
         if self.rank == 0:   # the actor's remaining weight versions, then its stop
             while (msg := self.stream.recv()).kind != STOP:
-                self.assembler.feed(msg)
+                self._feed(msg)
 
     def close(self) -> None:
         self.collector.close()   # multi-turn: the environment's tool workers
@@ -264,6 +277,7 @@ class RemoteRollouts:
     def __init__(self, run: RunConfig, rd: RunDir, rank: int, pad_id: int):
         self.run, self.rd, self.rank, self.pad_id = run, rd, rank, pad_id
         self.stream: Stream | None = None
+        self.group: GroupSender | None = None   # rollout.weight_transport 'collective'
         self.bucket_bytes = int(run.rollout.weight_bucket_mb * 2**20)
 
     def connect(self, start_step: int) -> None:
@@ -284,6 +298,9 @@ class RemoteRollouts:
             delay = min(delay * 2, 1.0)
         self.stream = connect(*found, secret)
         self.stream.send("start", {"start_step": int(start_step)})
+        if self.run.rollout.weight_transport == "collective":
+            host = self.stream.sock.getsockname()[0]   # the address the generator reaches this rank at
+            self.group = GroupSender(self.stream, open_group(self.stream, 0, host, self.run.rollout.connect_timeout_s))
 
     def sync(self, policy: list, pctx, version: int) -> dict[str, float]:
         """Collective over the actor: the full weights after `version` optimizer steps to the
@@ -291,7 +308,10 @@ class RemoteRollouts:
         t0 = time.perf_counter()
         with merged(policy):   # LoRA: the generator generates with W + scale * B A
             sd = full_state_dict(policy, pctx, to_all=False) if pctx.dp_rank == 0 else None
-        sent = send_weights(self.stream, sd, version, self.bucket_bytes) if self.rank == 0 else 0
+        sent = 0
+        if self.rank == 0:
+            send = self.group.send if self.group is not None else partial(send_weights, self.stream)
+            sent = send(sd, version, self.bucket_bytes)
         if self.rank == 0 and self.run.rollout.record_weight_digests:
             record_digests(self.rd, "trainer", version, sd)
         return {"weight_sync_bytes": float(sent), "weight_sync_s": time.perf_counter() - t0}
@@ -313,6 +333,8 @@ class RemoteRollouts:
 
     def close(self) -> None:
         if self.stream is not None:
+            if self.group is not None:   # the generator takes what was posted before it sees the stop
+                self.group.close(self.run.rollout.connect_timeout_s)
             self.stream.send(STOP)
             self.stream.close()
 
