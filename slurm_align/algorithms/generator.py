@@ -3,7 +3,8 @@ actor's end of its stream.
 
 The generator's ranks (generator.data_parallel replicas of the policy, each of
 generator.tensor_parallel ranks: TP 1 for the torch engines, a TensorRT-LLM LLM over its ranks'
-GPUs otherwise) run the rollout collector (prompt server over the component, per-sample seeds, the rule reward);
+GPUs otherwise) run the rollout collector (prompt server over the component, per-sample seeds,
+the rule reward);
 rank 0 serves one authenticated Stream (generation/stream.py) at its own address, published in
 RUN_DIR/generator_address.json, to the actor's rank 0 (which sends each micro-batch on to the
 critic, when the run has one: PPO's values, a reward model's score):

@@ -413,11 +413,12 @@ class RolloutConfig(StrictModel):
     weight_bucket_mb: float = Field(64.0, gt=0)
     """Size of one bucket of the weight stream (trainer -> generator), in MiB."""
     weight_transport: Literal["stream", "collective"] = "stream"
-    """How the weights travel after each optimizer step. stream: in the authenticated stream's
-    messages. collective: broadcast over a gloo process group of the trainer's rank 0 and the
-    generator's rank 0, posted without waiting; its rendezvous runs over the stream (no TCPStore
-    anyone could join) and every bucket's sha256 comes over the stream too, so the generator
-    refuses weights the group did not get from the trainer (generation/weight_group.py)."""
+    """disaggregated only: how the weights travel after each optimizer step. stream: in the
+    authenticated stream's messages. collective: broadcast over a gloo process group of the
+    trainer's rank 0 and the generator's rank 0, posted without waiting; its rendezvous runs over
+    the stream (no TCPStore anyone could join) and every bucket's sha256 comes over the stream
+    too, so the generator refuses weights the group did not get from the trainer
+    (generation/weight_group.py)."""
     connect_timeout_s: float = Field(300.0, gt=0)
     """How long the actor waits for the generator's published address (it starts an engine),
     and the generator for the actor to connect."""
