@@ -178,3 +178,12 @@ def test_run_config_environment_field():
     # disaggregated multi-turn is built (tests/test_multiturn.py runs it)
     assert validate(RunConfig, {**base, "rollout": {"mode": "disaggregated"}, "environment": {"max_turns": 2}},
                     "run.yaml").multi_turn
+    # generation replicas of several ranks are not: the actor's when colocated, the generator's when not
+    tp2 = {"tensor_parallel": 2, "data_parallel": 1}
+    for extra, field in [({"actor": tp2}, "actor"),
+                         ({"rollout": {"mode": "disaggregated"}, "generation": {"engine": "trtllm"},
+                           "generator": tp2}, "generator")]:
+        with pytest.raises(ConfigError, match=rf"field '{field}.tensor_parallel': got 2; multi-turn"):
+            validate(RunConfig, {**base, **extra, "environment": {"max_turns": 2}}, "run.yaml")
+    assert validate(RunConfig, {**base, "actor": tp2, "rollout": {"mode": "disaggregated"},
+                                "environment": {"max_turns": 2}}, "run.yaml").multi_turn   # a TP 2 trainer

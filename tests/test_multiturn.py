@@ -252,13 +252,16 @@ def test_multiturn_as_a_slurm_job(slurm_cluster, tmp_path, algorithm):
     check_one_step_of_trajectories(tmp_path / "run", critic=algorithm == "ppo")
 
 
-def test_multiturn_ppo_with_the_critic_and_a_generator_on_the_local_profile(tmp_path):
+@pytest.mark.parametrize("trainer_tp", [1, 2], ids=["trainer_tp1", "trainer_tp2"])
+def test_multiturn_ppo_with_the_critic_and_a_generator_on_the_local_profile(tmp_path, trainer_tp):
     """Multi-turn PPO with disaggregated rollouts: the generator component runs the conversations
     (its tool pool, its environment) and streams whole trajectories (loss mask, turns, roles) to
-    the actor, which sends them on to the critic. (Colocated multi-turn PPO: the Slurm test.)"""
+    the actor, which sends them on to the critic; the trainer may be TP 2 (only generation
+    replicas of several ranks are refused for multi-turn). (Colocated multi-turn PPO: the Slurm test.)"""
     from tests.test_grpo import launch
-    launch(tmp_path, ppo_calculator_config("actor.data_parallel=1", "rollout.mode=disaggregated"),
-           profile=local_profile("components.actor.tasks_per_node=1"))
+    launch(tmp_path, ppo_calculator_config(f"actor.tensor_parallel={trainer_tp}", "actor.data_parallel=1",
+                                           "rollout.mode=disaggregated"),
+           profile=local_profile(f"components.actor.tasks_per_node={trainer_tp}"))
     assert json.loads((tmp_path / "run" / "job.json").read_text())["components"] == ["actor", "critic", "generator"]
     check_one_step_of_trajectories(tmp_path / "run", critic=True)
     spans = read_traces(tmp_path / "run" / "traces.zarr").spans
