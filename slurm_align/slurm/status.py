@@ -46,6 +46,8 @@ class FailedRank:
     tail: list[str] = field(default_factory=list)
     torn_down: bool = False
     """srun named the rank only after it began tearing the step down: its end is a consequence."""
+    lost_peer: bool = False
+    """Its log ends in an error about a peer's lost connection: its end is a consequence."""
 
 
 @dataclass
@@ -92,10 +94,11 @@ def failing_rank(rd: RunDir, component: str, lines: int = 20) -> FailedRank:
     if preflight.is_file():
         failed = [line for line in preflight.read_text(errors="replace").splitlines() if "pre-flight failed" in line]
         if failed:
-            return FailedRank(component, None, failed[0].removeprefix("slurm-align "), preflight, failed[:lines])
+            return FailedRank(component, None, failed[0].removeprefix("slurm-align "), preflight, failed[:lines],
+                              lost_peer=_lost_peer(preflight))
     launcher = rd.logs / component / "launcher.log"
     text = launcher.read_text(errors="replace") if launcher.is_file() else ""
-    rank, why, torn_down = None, "", False
+    rank, why, torn_down, lost_peer = None, "", False, None
     teardown = _TEARDOWN.search(text)
     for pattern in (_SRUN_TASK, _MPIRUN_RANK):
         named = [(int(m.group(1)), m.group(2).strip().rstrip("."), teardown is not None and m.start() > teardown.start())
@@ -103,7 +106,8 @@ def failing_rank(rd: RunDir, component: str, lines: int = 20) -> FailedRank:
         if named:
             # The launcher lists ranks in the order their ends reached it, which races: a rank
             # that only lost its peer can be listed before the one that died. Skip those.
-            rank, why, torn_down = next((n for n in named if not _lost_peer(rd.log(component, n[0]))), named[0])
+            chosen = next((n for n in named if not _lost_peer(rd.log(component, n[0]))), None)
+            (rank, why, torn_down), lost_peer = (named[0], True) if chosen is None else (chosen, False)
             break
     logs = sorted((rd.logs / component).glob("rank*.log"), key=lambda p: int(p.stem[4:] or 0))
     if rank is None:
@@ -113,7 +117,9 @@ def failing_rank(rd: RunDir, component: str, lines: int = 20) -> FailedRank:
         elif logs:
             rank, why = int(logs[0].stem[4:]), "unknown (see the launcher's log)"
     log = rd.log(component, rank) if rank is not None else None
-    return FailedRank(component, rank, why, log, tail(log, lines) if log else [], torn_down)
+    if lost_peer is None:
+        lost_peer = log is not None and _lost_peer(log)
+    return FailedRank(component, rank, why, log, tail(log, lines) if log else [], torn_down, lost_peer)
 
 
 def _lost_peer(log: Path) -> bool:
@@ -146,6 +152,5 @@ def first_failure(rd: RunDir, first: str | None, failed: list[str]) -> FailedRan
     ranks = [failing_rank(rd, c) for c in order]
     if not ranks:
         return None
-    lost = [f.log is not None and _lost_peer(f.log) for f in ranks]   # read each log once
-    return next((f for f, peer in zip(ranks, lost) if not peer and not f.torn_down),
-                next((f for f, peer in zip(ranks, lost) if not peer), ranks[0]))
+    return next((f for f in ranks if not f.lost_peer and not f.torn_down),
+                next((f for f in ranks if not f.lost_peer), ranks[0]))
