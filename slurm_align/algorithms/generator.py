@@ -96,12 +96,7 @@ def replica_layout(comm, tensor_parallel: int) -> ReplicaLayout:
         raise ValueError(f"generator: {size} ranks do not split into replicas of generator.tensor_parallel="
                          f"{tensor_parallel}")
     dp_rank, tp_rank = divmod(rank, tensor_parallel)
-    if tensor_parallel == 1:
-        from mpi4py import MPI
-        mp_comm = MPI.COMM_SELF
-    else:
-        mp_comm = comm.Split(dp_rank, tp_rank)
-    return ReplicaLayout(dp_rank, size // tensor_parallel, tp_rank, tensor_parallel, mp_comm)
+    return ReplicaLayout(dp_rank, size // tensor_parallel, tp_rank, tensor_parallel, comm.Split(dp_rank, tp_rank))
 
 
 def tensor_digest(t: torch.Tensor) -> str:
