@@ -17,7 +17,11 @@ weight_sync span (waiting for and applying weights) counts as idle. Last line:
     async_over_sync= weight_sync_s= weight_sync_over_step= max_staleness= gen_idle_share= train_idle_share=
 
     python benchmarks/bench_async.py [--steps 5] [--warmup 2] [--prompts 16] [--samples-per-prompt 4]
-                                     [--weight-transport stream|collective] [--out DIR]
+                                     [--weight-transport stream|collective] [--one-rank] [--out DIR]
+
+--one-rank adds a third run, colocated on ONE rank with the other core idle, and every run's
+per-rank seconds per step of generate, logprobs and train: what each phase costs alone against
+beside a busy neighbour (on a 2-vCPU machine the two slow each other down).
 
 weight_sync_s is the trainer's own time per sync (gather, and the stream's send, or with
 'collective' posting the broadcasts); the generator's wait for and apply of the weights is its
@@ -34,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 from rich.console import Console
+from rich.table import Table
 
 from slurm_align import REPO_ROOT
 from slurm_align.config import load_profile, load_run_config
@@ -41,6 +46,7 @@ from slurm_align.profiling import phases as P
 from slurm_align.slurm.launch import launch_run
 from slurm_align.store.traces import read_traces
 
+PHASES = (P.GENERATE, P.LOGPROBS, P.TRAIN)
 W1_SHAPE = ["num_layers=4", "hidden_size=256", "num_attention_heads=4", "vocab_size=512", "max_seq_len=256"]
 COMMON = [*(f"model.{x}" for x in W1_SHAPE), "generation.max_new_tokens=128", "generation.prompt_batch_size=4",
           "ppo.train_micro_batch_size=4", "eval.interval=0", "ppo.global_batch_size=null"]
@@ -64,9 +70,9 @@ def idle_share(spans: np.ndarray, component: str, rank: int, first_step: int, id
     return 1.0 - busy / window if window > 0 else float("nan")
 
 
-def phase_seconds(spans: np.ndarray, component: str, phase: str, first_step: int) -> float:
-    """Mean seconds per step that rank 0 of `component` spent in `phase`, steps >= first_step."""
-    s = spans[(spans["component"] == component) & (spans["rank"] == 0) & (spans["step"] >= first_step)
+def phase_seconds(spans: np.ndarray, component: str, phase: str, first_step: int, rank: int = 0) -> float:
+    """Mean seconds per step that `rank` of `component` spent in `phase`, steps >= first_step."""
+    s = spans[(spans["component"] == component) & (spans["rank"] == rank) & (spans["step"] >= first_step)
               & (spans["phase"] == phase)]
     steps = len(set(s["step"].tolist()))
     return float((s["end_ns"] - s["start_ns"]).sum() / 1e9 / steps) if steps else 0.0
@@ -80,6 +86,8 @@ def main() -> None:
     ap.add_argument("--samples-per-prompt", type=int, default=4)
     ap.add_argument("--weight-transport", choices=("stream", "collective"), default="stream",
                     help="rollout.weight_transport of the disaggregated run")
+    ap.add_argument("--one-rank", action="store_true",
+                    help="also run colocated on one rank and print every run's per-rank phase seconds")
     ap.add_argument("--out", type=Path, default=None, help="where the runs go (default: a temp dir)")
     args = ap.parse_args()
     os.chdir(REPO_ROOT)   # the example's data paths are relative to the repo
@@ -95,8 +103,10 @@ def main() -> None:
                                                    f"rollout.weight_transport={args.weight_transport}"],
                           ["components.actor.tasks_per_node=1", "components.generator.tasks_per_node=1"]),
     }
+    if args.one_rank:
+        runs["one_rank"] = ("grpo_tiny.yaml", ["actor.data_parallel=1"], ["components.actor.tasks_per_node=1"])
     first = args.warmup + 1
-    rate, rows, spans = {}, {}, {}
+    rate, rows, spans, ranks = {}, {}, {}, {}
     for name, (example, overrides, profile_overrides) in runs.items():
         run = load_run_config(REPO_ROOT / "examples" / example, [*COMMON, *shape, *overrides])
         console.print(f"[bold]{name}[/]: {rollouts} rollouts per step, components {', '.join(run.components)}")
@@ -107,7 +117,8 @@ def main() -> None:
                       if "timers/step" in m and m["step"] >= first]
         step_s = float(np.mean([m["timers/step"] for m in rows[name]]))
         rate[name] = rollouts / step_s
-        spans[name] = read_traces(out / name / "traces.zarr", {c: run.parallel(c).world_size for c in run.components}).spans
+        ranks[name] = {c: run.parallel(c).world_size for c in run.components}
+        spans[name] = read_traces(out / name / "traces.zarr", ranks[name]).spans
         lengths = [m["train_rollouts/response_lengths"] for m in rows[name]]
         console.print(f"{name}: step {step_s:.2f} s, {rate[name]:.1f} rollouts/s, mean response length "
                       f"{np.mean(lengths):.1f}", highlight=False)
@@ -121,6 +132,14 @@ def main() -> None:
     gen_sync = phase_seconds(spans["disaggregated"], "generator", P.WEIGHT_SYNC, first)
     console.print(f"weight sync ({args.weight_transport}): {np.mean([m['weight_sync/bytes'] for m in synced]) / 2**20:.2f} "
                   f"MiB per step; the generator's weight_sync phase {gen_sync:.3f} s per step", highlight=False)
+    if args.one_rank:
+        table = Table("run", "component", "rank", *(f"{p} s/step" for p in PHASES), title=f"steps >= {first}")
+        for name, comps in ranks.items():
+            for comp, n in comps.items():
+                for r in range(n):
+                    table.add_row(name, comp, str(r), *(f"{phase_seconds(spans[name], comp, p, first, r):.2f}"
+                                                        for p in PHASES))
+        console.print(table)
     print(f"async_over_sync={rate['disaggregated'] / rate['colocated']:.2f} weight_sync_s={sync_s:.4f} "
           f"weight_sync_over_step={sync_s / step_s:.4f} max_staleness={staleness:.0f} "
           f"gen_idle_share={gen_idle:.2f} train_idle_share={train_idle:.2f}")
