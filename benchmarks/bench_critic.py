@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from tests.critic_support import CriticProcess, free_port_triple, write_run_dir  # noqa: E402
+from tests.support.critic_support import CriticProcess, free_port_triple, write_run_dir  # noqa: E402
 
 MODEL = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "vocab_size": 512, "max_seq_len": 256}
 B, T = 32, 192

@@ -272,10 +272,10 @@ def rm_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def grpo_learning_run(tmp_path_factory: pytest.TempPathFactory, sft_checkpoint: Path) -> Path:
-    """grpo_tiny's learning run from the shared SFT policy (tests/test_grpo.py `learning_config`):
+    """grpo_tiny's learning run from the shared SFT policy (tests/integration/test_grpo.py `learning_config`):
     GRPO's own learning test and the asynchronous example's comparison with it read the same run.
     Built once per session for all workers; its run directory. Read-only."""
-    from tests.test_grpo import learning_config
+    from tests.integration.test_grpo import learning_config
 
     def build(folder: Path) -> None:
         _launch_and_wait(learning_config(sft_checkpoint, "algorithm=grpo"), folder / "run", "the shared GRPO learning run")
@@ -284,8 +284,8 @@ def grpo_learning_run(tmp_path_factory: pytest.TempPathFactory, sft_checkpoint: 
 
 @pytest.fixture(scope="session")
 def ppo_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path]:
-    """The uninterrupted tiny PPO run with static prompts (tests/test_ppo.py `tiny_run` with
-    tests/preempt_support.py DETERMINISTIC: 4 steps, a checkpoint after each, on the local
+    """The uninterrupted tiny PPO run with static prompts (tests/integration/test_ppo.py `tiny_run` with
+    tests/support/preempt_support.py DETERMINISTIC: 4 steps, a checkpoint after each, on the local
     profile). Every run of that config that was stopped, killed, requeued or resumed must end
     with its rollouts and final weights (preempt_support.assert_same_final_state).
 
@@ -294,8 +294,8 @@ def ppo_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path
     workers (the other workers' calls wait for it)."""
     from slurm_align.config import load_profile
     from slurm_align.slurm.launch import launch_run
-    from tests.preempt_support import DETERMINISTIC, logs_text
-    from tests.test_ppo import tiny_run
+    from tests.support.preempt_support import DETERMINISTIC, logs_text
+    from tests.integration.test_ppo import tiny_run
 
     def build(folder: Path) -> None:
         job = launch_run(tiny_run(*DETERMINISTIC), load_profile("local"), folder / "run")

@@ -18,7 +18,7 @@ to compare with: GRPO and RLOO give it advantage 0 (it carries no learning signa
 group whose rewards are all equal; `equal_reward_groups` finds those for dynamic sampling (DAPO).
 
 A new estimator is one `@register_estimator("name")` function (run, batch, dp_group, kl_coef) ->
-(advantages, returns), named by an AlgorithmSpec (config/algorithms.py); tests/toy_algorithm.py
+(advantages, returns), named by an AlgorithmSpec (config/algorithms.py); tests/support/toy_algorithm.py
 registers one from outside the library.
 """
 

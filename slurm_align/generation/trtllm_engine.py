@@ -3,7 +3,7 @@
 Supported release: TensorRT-LLM 1.2.x (written against 1.2.1), its LLM API with the PyTorch
 backend, the path current RL toolkits refit in place (../shared/TRTLLM.md, part B). Every
 TensorRT-LLM call made here is checked on CPU against signatures extracted from the release's
-sources (tests/test_gpu_api_conformance.py); running it needs a GPU (tests/gpu/run_gpu_checks.sh).
+sources (tests/unit/generation/test_trtllm_engine.py); running it needs a GPU (tests/gpu/run_gpu_checks.sh).
 
 Refit, colocated (the generation workers share the training ranks' GPUs), per bucket of
 whole layers (TrtllmOptions.bucket_mib):
@@ -74,7 +74,7 @@ from slurm_align.generation.trtllm_mapping import check_full_names, hf_bucket, h
 PINNED_VERSION = "1.2.1"
 WORKER_EXTENSION = "tensorrt_llm.llmapi.rlhf_utils.WorkerExtension"
 # Literal choices passed to TensorRT-LLM, each checked against the values the release accepts
-# (tests/fixtures/gpu_api.json "literals"; tests/test_gpu_api_conformance.py).
+# (tests/fixtures/gpu_api.json "literals"; tests/unit/generation/test_trtllm_engine.py).
 SAMPLER = "TRTLLMSampler"      # honours SamplingParams.seed per request ("auto" = TorchSampler: one generator)
 LOAD_FORMAT = "dummy"          # create from config.json alone; the refit brings the weights
 ORCHESTRATOR = "ray"           # the only orchestrator serving _collective_rpc (update_weights, sleep)

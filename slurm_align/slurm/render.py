@@ -129,7 +129,7 @@ def _flag(key: str, value: object, field: str, profile: ClusterProfile, *, name:
     a backslash escapes (and is removed, even inside single quotes), unquoted `#` after a space
     ends the line. So free text (constraint `gpu&hbm80g`, `[rack1|rack2]`, a comment with spaces)
     is shell-quoted, and a backslash is refused (checked with `scontrol show job`, Slurm 22.05;
-    tests/test_render.py::test_sbatch_reads_values_back_exactly)."""
+    tests/unit/slurm/test_render.py::test_sbatch_reads_values_back_exactly)."""
     text = str(value)
     source = f"profile '{profile.name}'"
     if name and not _NAME_VALUE.match(text):

@@ -64,7 +64,7 @@ def put_chunk(arr: zarr.Array, coords: tuple[int, ...], block: np.ndarray) -> No
     """Write one whole chunk: encoded with the array's own codecs (bytes, then Blosc) and put
     atomically, synchronously. Zarr's async write path costs about 0.6 ms per call on top of the
     file write, more than the file write itself for a step's rows (bench_store.py); arrays with
-    other codecs or stores go through zarr's setitem. tests/test_store_rollouts.py checks that
+    other codecs or stores go through zarr's setitem. tests/unit/store/test_rollouts.py checks that
     the bytes equal zarr's own."""
     block = np.asarray(block, dtype=arr.dtype)
     if block.shape != arr.chunks:

@@ -1,5 +1,5 @@
 """Signatures of the GPU-only APIs slurm-align calls, read with `ast` from the packages' files
-(never imported), into the fixture tests/test_gpu_api_conformance.py checks our calls against.
+(never imported), into the fixture tests/unit/generation/test_trtllm_engine.py checks our calls against.
 
     python tests/gpu/extract_api.py --package tensorrt_llm=SRC [--package transformer_engine=SRC]
         [--package megatron=SRC] [--note PKG=TEXT] [--out tests/fixtures/gpu_api.json] [--check]

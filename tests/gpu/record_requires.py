@@ -5,7 +5,7 @@
 SRC: an sdist (.tar.gz, its PKG-INFO), a wheel (.whl, its dist-info/METADATA) or a metadata file.
 For TensorRT-LLM, PyPI's sdist is a stub (wheel-stub fetches the real wheel from NVIDIA's index at
 install time) whose PKG-INFO carries the release's Requires-Dist; NVIDIA's wheel holds the same.
-tests/test_requirements.py intersects our setup.cfg with what is recorded.
+tests/unit/test_requirements.py intersects our setup.cfg with what is recorded.
 """
 
 from __future__ import annotations

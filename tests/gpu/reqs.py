@@ -1,6 +1,6 @@
 """setup.cfg's requirements read as `packaging` objects, and whether specifier sets intersect.
 
-Shared by tests/test_requirements.py (our ranges against TensorRT-LLM 1.2.1's Requires-Dist)
+Shared by tests/unit/test_requirements.py (our ranges against TensorRT-LLM 1.2.1's Requires-Dist)
 and tests/gpu/make_wheelhouse.py (what a GPU machine must be brought). Reads setup.cfg with
 configparser: no build backend, no import of the package.
 """

@@ -128,7 +128,7 @@ for pkg in tensorrt_llm transformer_engine megatron; do
     fi
 done
 if have pytest; then
-    GPU_API_FIXTURE=$installed_api run 120 "$PY" -m pytest -q -p no:cacheprovider tests/test_gpu_api_conformance.py \
+    GPU_API_FIXTURE=$installed_api run 120 "$PY" -m pytest -q -p no:cacheprovider tests/unit/generation/test_trtllm_engine.py \
         || failures+=("our calls vs installed packages")
 fi
 

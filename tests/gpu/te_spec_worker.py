@@ -1,4 +1,4 @@
-"""GPU program for tests/test_te_names.py (not a test): the same model built on CUDA with the
+"""GPU program for tests/unit/models/test_te_names.py (not a test): the same model built on CUDA with the
 Transformer Engine layer spec and with megatron's local spec, same seed, has the same full
 state dict (shared naming, models/te_names.py) and the same logits. Prints TE_SPEC_OK.
 

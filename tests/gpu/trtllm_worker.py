@@ -1,4 +1,4 @@
-"""GPU rank program for tests/test_generation_trtllm.py (run under mpirun; not a test).
+"""GPU rank program for tests/integration/test_generation_trtllm.py (run under mpirun; not a test).
 
     mpirun -n TP python tests/gpu/trtllm_worker.py TP
 

@@ -50,15 +50,15 @@ def test_the_sweep_scales_each_algorithms_batch_field(name):
 @pytest.mark.mpi
 @pytest.mark.slow
 def test_a_toy_algorithm_registered_by_a_plugin_runs_two_steps(tmp_path):
-    """One registration (tests/toy_algorithm.py) and the whole loop runs it: config validation,
+    """One registration (tests/support/toy_algorithm.py) and the whole loop runs it: config validation,
     the job's shape, rendering, 2 actor ranks (DP=2), its estimator, the policy loss, the store."""
     from slurm_align.slurm.launch import launch_run
     from slurm_align.store.rollouts import RolloutStore
 
     synth = REPO_ROOT / "examples" / "synthetic"
     run = load_run_config(REPO_ROOT / "examples" / "grpo_tiny.yaml", [
-        "plugins=[tests.toy_algorithm]", "algorithm=toy_batch_mean", "rl.n_samples_per_prompt=1",
-        "reward.rule=tests.toy_algorithm:length_reward", f"data.train_path={synth / 'prompts.jsonl'}",
+        "plugins=[tests.support.toy_algorithm]", "algorithm=toy_batch_mean", "rl.n_samples_per_prompt=1",
+        "reward.rule=tests.support.toy_algorithm:length_reward", f"data.train_path={synth / 'prompts.jsonl'}",
         "eval.interval=0", "ppo.num_steps=2", "ppo.num_rollout_samples=16", "ppo.global_batch_size=16",
         "ppo.train_micro_batch_size=8", "generation.max_new_tokens=8", "generation.prompt_batch_size=2"])
     assert run.components == ("actor",) and run.advantage_estimator == "toy_batch_mean"

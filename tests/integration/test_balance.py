@@ -15,7 +15,7 @@ import pytest
 from slurm_align.balance.rebalance import RebalanceError, plan_groups, plan_rebalance
 from slurm_align.balance.static import static_shard
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def mpirun(n: int, module: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -27,7 +27,7 @@ def mpirun(n: int, module: str, timeout: float = 120) -> subprocess.CompletedPro
 @pytest.mark.mpi
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4])
 def test_prompt_server_and_rebalance_on_real_ranks(ranks: int) -> None:
-    proc = mpirun(ranks, "tests.mpi_progs.balance_prog")
+    proc = mpirun(ranks, "tests.programs.balance_prog")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = [json.loads(x) for x in proc.stdout.splitlines() if x.startswith("{")]
     seen = {x["scenario"]: x for x in lines}

@@ -16,7 +16,7 @@ import torch
 
 from slurm_align.parallel.bootstrap import BootstrapError, Placement, choose_backend
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1"}
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from slurm_align.models.checkpoint import MANIFEST, CheckpointError, find_latest, verify_checkpoint
-from tests.test_models_parallel import mpirun
+from tests.integration.test_models_parallel import mpirun
 
 
 @pytest.mark.mpi

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from slurm_align.critic.client import CriticClient, CriticError, CriticUnavailableError
-from tests.critic_support import (CriticProcess, client_for, random_batch, run_child,
+from tests.support.critic_support import (CriticProcess, client_for, random_batch, run_child,
                                   write_run_dir)
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from slurm_align.critic import protocol as P
 from slurm_align.critic.client import CriticClient, CriticError
-from tests.critic_support import CriticProcess, random_batch, write_run_dir
+from tests.support.critic_support import CriticProcess, random_batch, write_run_dir
 
 REQUEST_TIMEOUT_S = 4.0
 # Slack over the request timeout, sized for a loaded 2-core machine (other tests' ranks can stall

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from slurm_align.store.traces import read_traces
-from tests.critic_support import CriticProcess, run_child, write_run_dir
+from tests.support.critic_support import CriticProcess, run_child, write_run_dir
 
 pytestmark = pytest.mark.mpi
 

@@ -29,9 +29,9 @@ from slurm_align.critic.client import CriticClient, CriticError
 from slurm_align.rundir import RunDir, create_run_secret, read_run_secret
 from slurm_align.slurm.launch import launch_run
 from slurm_align.store.traces import read_traces
-from tests.critic_support import CriticProcess, client_for, critic_address, random_batch, write_run_dir
-from tests.preempt_support import DETERMINISTIC
-from tests.test_ppo import tiny_run
+from tests.integration.test_ppo import tiny_run
+from tests.support.critic_support import CriticProcess, client_for, critic_address, random_batch, write_run_dir
+from tests.support.preempt_support import DETERMINISTIC
 
 OTHER = "o" * 43   # a well-formed secret of nobody
 

@@ -25,8 +25,8 @@ from slurm_align.config.errors import ConfigError
 from slurm_align.generation.stream import StreamAuthError, StreamServer, connect
 from slurm_align.generation.weight_stream import WeightAssembler, buckets, send_weights
 from slurm_align.store.rollouts import RolloutStore
-from tests.test_generation_trtllm import GPU_REASON, GPUS, HAVE_TRTLLM
-from tests.test_grpo import grpo_config, launch, metrics
+from tests.integration.test_generation_trtllm import GPU_REASON, GPUS, HAVE_TRTLLM
+from tests.integration.test_grpo import grpo_config, launch, metrics
 
 STEPS = {"colocated": 2, "k0": 2, "k1": 3, "k2": 4}
 SMALL = ["switches.dynamic_prompts=false", "eval.interval=0", "ppo.num_rollout_samples=4", "ppo.global_batch_size=16",
@@ -130,12 +130,12 @@ def test_generator_weights_equal_the_trainers_after_each_sync(runs, name):
 
 def test_a_usr2_stop_then_resume_trains_each_sample_once_as_the_uninterrupted_run(runs, tmp_path):
     """USR2 to the job script once step 1 is done (the actor holds there until the stop request
-    came, tests/preempt_hold_actor.py, so the run cannot finish first): the actor saves, the
+    came, tests/programs/preempt_hold_actor.py, so the run cannot finish first): the actor saves, the
     generator stops with it, the job ends STOPPED. The resumed run's generator regenerates step 2
     from the checkpoint's weights with the same per-sample seeds (nothing of the generator's is
     checkpointed), so with k=0 the store, the metrics and the final actor checkpoint equal the
     uninterrupted k0 run's: no sample trained twice, none lost."""
-    from tests.preempt_support import assert_same_final_actor_checkpoint, stop_by_usr2_after_the_first_step
+    from tests.support.preempt_support import assert_same_final_actor_checkpoint, stop_by_usr2_after_the_first_step
 
     run, ranks = run_configs()["k0"]
     run_dir = tmp_path / "run"
@@ -221,9 +221,9 @@ def test_bad_disaggregated_settings_are_refused_with_the_field(overrides, match)
 def test_generator_ranks_form_tensor_parallel_replicas_for_tensorrt_llm():
     """Four generator ranks at generator.tensor_parallel 2: two replicas of consecutive ranks, a
     TensorRT-LLM engine per pair on the ranks' GPUs, and the collector's samples each once, from
-    the requesters (tests/mpi_progs/generator_replica_prog.py)."""
-    from tests.test_balance import mpirun
-    proc = mpirun(4, "tests.mpi_progs.generator_replica_prog", timeout=300)
+    the requesters (tests/programs/generator_replica_prog.py)."""
+    from tests.integration.test_balance import mpirun
+    proc = mpirun(4, "tests.programs.generator_replica_prog", timeout=300)
     assert proc.returncode == 0 and "GENERATOR_REPLICAS_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     per_rank = json.loads(proc.stdout.splitlines()[0])["per_rank"]   # the split between replicas is work-stealing's
     assert per_rank[1] == per_rank[3] == 0 and sum(per_rank) == 24, per_rank
@@ -282,9 +282,9 @@ def test_a_killed_generator_rank_fails_the_three_component_hetjob_naming_it(slur
     critic and a generator of two ranks: kill -9 of generator rank 1 once a step is done fails
     the job within a bound (without the failure handling the actor would wait on the stream, or
     run its 50 steps, far past it), and `status` names the generator and the rank."""
-    from tests.preempt_support import cli, logs_text, wait_for
-    from tests.test_failures import rank_process
-    from tests.test_ppo import tiny_run
+    from tests.support.preempt_support import cli, logs_text, wait_for
+    from tests.integration.test_failures import rank_process
+    from tests.integration.test_ppo import tiny_run
     from slurm_align.slurm.launch import launch_run
 
     run = tiny_run("rollout.mode=disaggregated", "ppo.num_steps=50", "generator.data_parallel=2",

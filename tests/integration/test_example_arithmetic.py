@@ -23,7 +23,7 @@ import pytest
 from slurm_align import REPO_ROOT
 from slurm_align.config import load_run_config
 from slurm_align.slurm.render import Entry
-from tests.test_grpo import BROKEN_ACTOR, BROKEN_STEPS, MARGIN, accuracy_gain, launch, val_score
+from tests.integration.test_grpo import BROKEN_ACTOR, BROKEN_STEPS, MARGIN, accuracy_gain, launch, val_score
 
 EXAMPLE = REPO_ROOT / "examples" / "arithmetic"
 RULE = "slurm_align.rewards.arithmetic:exact_answer"

@@ -22,7 +22,7 @@ import pytest
 
 from slurm_align import REPO_ROOT
 from slurm_align.config import load_run_config
-from tests.test_grpo import launch, metrics, val_score
+from tests.integration.test_grpo import launch, metrics, val_score
 
 EXAMPLE = REPO_ROOT / "examples" / "tool_arithmetic"
 GAIN = 0.15

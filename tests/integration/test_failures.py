@@ -17,8 +17,8 @@ from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.render import Entry
 from tests.cluster import procs
 from tests.cluster.cluster import SLURMD
-from tests.preempt_support import cli, logs_text, wait_for
-from tests.test_ppo import tiny_run
+from tests.integration.test_ppo import tiny_run
+from tests.support.preempt_support import cli, logs_text, wait_for
 
 TWO_BY_TWO = ["components.actor.nodes=1", "components.actor.tasks_per_node=2",
               "components.critic.nodes=1", "components.critic.tasks_per_node=2"]

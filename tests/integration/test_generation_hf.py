@@ -20,7 +20,7 @@ import torch
 from slurm_align.generation import GenerationError, GptShape, SamplingParams, make_engine
 from slurm_align.generation.weights import expected_shapes
 
-WORKER = Path(__file__).with_name("arch_generation_worker.py")
+WORKER = Path(__file__).parents[1] / "programs" / "arch_generation_worker.py"
 ARCHS = ("llama", "qwen2", "gpt2")
 
 
@@ -111,7 +111,7 @@ def make_hf_models(root: Path) -> dict[str, Path]:
 
 
 def assert_generates_as_transformers(folders: list[Path], tmp_path: Path) -> None:
-    """Both torch engines (tests/arch_generation_worker.py), refitted from each imported HF folder,
+    """Both torch engines (tests/programs/arch_generation_worker.py), refitted from each imported HF folder,
     reproduce transformers' greedy generate token for token on four prompts of ids below 250."""
     t = pytest.importorskip("transformers")
     g = torch.Generator().manual_seed(5)

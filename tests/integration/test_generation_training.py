@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-WORKER = Path(__file__).with_name("generation_worker.py")
+WORKER = Path(__file__).parents[1] / "programs" / "generation_worker.py"
 
 
 def _run(tp: int, pp: int, n: int, out: Path) -> list[dict]:

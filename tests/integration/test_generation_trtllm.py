@@ -21,7 +21,7 @@ from slurm_align.generation.trtllm_mapping import hf_config, hf_model_type, hf_w
 from slurm_align.models.hf.mapping import read_shard, sources
 from slurm_align.models.weights import tp_shard
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HAVE_TRTLLM = importlib.util.find_spec("tensorrt_llm") is not None
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 GPU_REASON = ("needs an NVIDIA GPU and TensorRT-LLM 1.2 (NVIDIA container or NVIDIA's index); this machine has "
@@ -104,7 +104,7 @@ def test_mapping_on_real_megatron_weights(tmp_path):
             "from slurm_align.parallel.layout import initialize_model_parallel\n"
             "from slurm_align.models.gpt import build_gpt\n"
             "from slurm_align.models.weights import full_state_dict\n"
-            "from tests.test_generation_trtllm import QWEN\n"
+            "from tests.integration.test_generation_trtllm import QWEN\n"
             "pctx = initialize_model_parallel(init_distributed(), 1, 1)\n"
             f"torch.save(full_state_dict(build_gpt(QWEN, pctx, seed=4), pctx), {str(tmp_path / 'full.pt')!r})\n")
     proc = subprocess.run([sys.executable, "-W", "ignore", "-c", code], cwd=REPO, capture_output=True, text=True,

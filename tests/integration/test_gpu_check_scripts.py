@@ -19,7 +19,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from tests.gpu.make_wheelhouse import SKIP, read_have
 from tests.gpu.reqs import setup_requirements
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = ("tests/gpu/run_gpu_checks.sh", "tests/gpu/make_wheelhouse.sh", "benchmarks/check_oldest_supported.sh",
            ".ci/setup.sh")
 HAS_GPU_DEVICE = any(Path("/dev").glob("nvidia[0-9]*"))

@@ -23,7 +23,7 @@ from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.render import Entry
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
-from tests.critic_support import run_child
+from tests.support.critic_support import run_child
 
 EXAMPLES = REPO_ROOT / "examples"
 SYNTH = EXAMPLES / "synthetic"
@@ -192,12 +192,13 @@ def exact_then_broken(response, prompt, **fields):
 
 
 def test_rule_reward_error_stops_the_run_and_keeps_earlier_steps(tmp_path):
-    run = grpo_config("ppo.num_steps=4", "reward.rule=tests.test_grpo:exact_then_broken", "eval.interval=0")
+    run = grpo_config("ppo.num_steps=4", "reward.rule=tests.integration.test_grpo:exact_then_broken", "eval.interval=0")
     local = load_profile("local")   # jobs run in their run directory: make this module importable there
     profile = local.model_copy(update={"env": {**local.env, "PYTHONPATH": str(REPO_ROOT)}})
     job = launch(tmp_path, run, profile=profile, expect="FAILED")
     logs = "".join(p.read_text() for p in (tmp_path / "run" / "logs" / "actor").glob("rank*.log"))
-    assert "rule reward tests.test_grpo:exact_then_broken raised ValueError: the checker lost its answer key" in logs
+    assert ("rule reward tests.integration.test_grpo:exact_then_broken raised ValueError: "
+            "the checker lost its answer key") in logs
     assert "(prompt '" in logs
     store = RolloutStore.open(tmp_path / "run" / "rollouts.zarr", read_only=True)
     kept = store.steps.tolist()
@@ -232,7 +233,7 @@ def accuracy_gain(run_dir: Path) -> float:
     return scores[max(scores)] - scores[0]
 
 
-BROKEN_ACTOR = Path(__file__).parent / "grpo_flipped_actor.py"
+BROKEN_ACTOR = Path(__file__).parents[1] / "programs" / "grpo_flipped_actor.py"
 BROKEN_STEPS = ["ppo.num_steps=10", "eval.interval=10"]
 """The broken twin runs 10 steps (held-out score at its last): that is enough to show it does not
 rise. Measured from the 0.28 start, held-out after 5 and 10 steps: grpo 0.0, 0.0; rloo 0.02,
@@ -242,7 +243,7 @@ steps grpo gains only +0.06 and +0.045, rloo +0.05 and +0.08, reinforce_pp +0.06
 grpo_lora +0.04 and +0.055 (MARGIN 0.06)."""
 
 
-# Each algorithm against its own broken twin (tests/grpo_flipped_actor.py): the advantage's sign
+# Each algorithm against its own broken twin (tests/programs/grpo_flipped_actor.py): the advantage's sign
 # flipped (GRPO, RLOO, REINFORCE++), the worst sample of each group kept (rejection sampling).
 @pytest.mark.slow
 @pytest.mark.timeout(1500)   # two or more end-to-end runs: a hang guard sized for a loaded 2-core machine

@@ -3,7 +3,7 @@
 Tiny random Llama (GQA, untied, Llama-3 RoPE scaling), Qwen2 (QKV bias, tied), Mistral, GPT-2
 (learned positions, LayerNorm, gelu_new, Conv1D, tied) and a Llama reward model
 (ForSequenceClassification) are made by transformers here and saved with save_pretrained; their
-import into megatron on real mpirun ranks (tests/hf_worker.py) must give transformers' logits at
+import into megatron on real mpirun ranks (tests/programs/hf_worker.py) must give transformers' logits at
 TP=1, TP=2 and PP=2. Round trip: import, 4 SFT steps at TP=2 with the real CLI, export,
 transformers loads it. Bad folders and targets are refused with nothing written.
 """
@@ -24,8 +24,8 @@ from slurm_align.config.run import ModelConfig
 
 transformers = pytest.importorskip("transformers")
 
-WORKER = Path(__file__).with_name("hf_worker.py")
-PLAN_WORKER = Path(__file__).with_name("plan_worker.py")
+WORKER = Path(__file__).parents[1] / "programs" / "hf_worker.py"
+PLAN_WORKER = Path(__file__).parents[1] / "programs" / "plan_worker.py"
 ROOT = WORKER.parent.parent
 TOL = 1e-4
 SHAPE = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -42,7 +42,7 @@ def mpirun(n: int, *args: str, timeout: int = 300, worker: Path = WORKER) -> Non
 
 def mpirun_plan(n: int, plan: list[tuple], path: Path) -> None:
     """One mpirun launch of `n` ranks running every (worker, action, tp, pp, ep, dir) of `plan` in
-    turn (tests/plan_worker.py): the ranks import megatron once for all these layouts."""
+    turn (tests/programs/plan_worker.py): the ranks import megatron once for all these layouts."""
     path.write_text(json.dumps([[*step[:5], str(step[5])] for step in plan]))
     mpirun(n, str(path), worker=PLAN_WORKER)
 

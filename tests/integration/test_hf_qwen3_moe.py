@@ -3,7 +3,7 @@ Qwen3-MoE and Mixtral (megatron-core's MoE layers, expert parallelism) against t
 
 One tiny random Qwen3 (and its ForSequenceClassification twin) and one tiny Qwen3-MoE and
 Mixtral are made by transformers here and saved with save_pretrained, shared by the module. Imported through model.hf_path on
-real mpirun ranks (tests/hf_worker.py) it must give transformers' logits at TP=1, TP=2 and
+real mpirun ranks (tests/programs/hf_worker.py) it must give transformers' logits at TP=1, TP=2 and
 PP=2; the torch engines generate greedily as transformers' generate; import -> SFT steps ->
 export loads in transformers with the trained logits; its chat template renders as
 transformers' apply_chat_template.
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from slurm_align.config.run import ModelConfig
-from tests.test_generation_hf import assert_generates_as_transformers
-from tests.test_hf_models import (ROOT, TOL, _perturb, cli, import_train_export, mpirun, mpirun_plan, reference,
-                                  save_tokenizer, tokens)
+from tests.integration.test_generation_hf import assert_generates_as_transformers
+from tests.integration.test_hf_models import (ROOT, TOL, _perturb, cli, import_train_export, mpirun, mpirun_plan,
+                                              reference, save_tokenizer, tokens)
 
 transformers = pytest.importorskip("transformers")
 
@@ -157,7 +157,7 @@ QWEN3_TEMPLATE = (
 
 @pytest.mark.parametrize("gen_prompt", [False, True])
 def test_qwen3_chat_template_renders_as_transformers(tmp_path: Path, gen_prompt: bool):
-    from tests.test_chat_template import make_tokenizer
+    from tests.unit.models.test_chat_template import make_tokenizer
     from slurm_align.models.tokenizer import HFTokenizer
     folder = make_tokenizer(tmp_path / "qwen3_tok", QWEN3_TEMPLATE,
                             {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
@@ -270,7 +270,7 @@ def moe_sft(moe_zoo: Path, tmp_path_factory) -> Path:
     replicas) with the aux loss on, 3 steps, for the tests below: DIR/run (its metrics and EP=2
     checkpoint), DIR/export_ep2 (that checkpoint's export), DIR/work/trained_logits.pt (the
     checkpoint loaded at EP=1: its logits), DIR/export_ep1 (the export of the same weights saved
-    again at EP=1, tests/hf_worker.py resave)."""
+    again at EP=1, tests/programs/hf_worker.py resave)."""
     tmp = tmp_path_factory.mktemp("moe_sft")
     folder = moe_zoo / "models" / "qwen3_moe"
     cfg = {"algorithm": "sft", "seed": 1, "model": {"hf_path": str(folder), "moe_aux_loss_coeff": 0.01},
@@ -321,7 +321,7 @@ def test_moe_ep2_checkpoint_exports_as_ep1(moe_sft: Path):
 ], ids=["experts-not-divisible", "ep-not-dividing-dp", "tp-with-moe"])
 def test_bad_expert_layout_is_a_clear_error_and_submits_nothing(moe_zoo: Path, tmp_path: Path, actor, needles):
     from slurm_align.config.errors import ConfigError
-    from tests.test_config import _try_submit
+    from tests.unit.config.test_loading import _try_submit
     cfg = {"algorithm": "sft", "model": {"hf_path": str(moe_zoo / "models" / "mixtral")}, "actor": actor,
            "data": {"train_path": str(ROOT / "examples/synthetic/sft_train.jsonl")}}
     path = tmp_path / "sft.yaml"
@@ -335,7 +335,7 @@ def test_bad_expert_layout_is_a_clear_error_and_submits_nothing(moe_zoo: Path, t
 
 def test_expert_parallel_on_a_dense_model_is_refused(zoo: Path, tmp_path: Path):
     from slurm_align.config.errors import ConfigError
-    from tests.test_config import _try_submit
+    from tests.unit.config.test_loading import _try_submit
     cfg = {"algorithm": "sft", "model": {"hf_path": str(zoo / "models" / "qwen3")},
            "actor": {"data_parallel": 2, "expert_parallel": 2},
            "data": {"train_path": str(ROOT / "examples/synthetic/sft_train.jsonl")}}

@@ -19,7 +19,7 @@ from slurm_align.config.errors import ConfigError
 from slurm_align.config.run import RunConfig
 from slurm_align.profiling.metrics import MetricsLogger
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LOGGING = {"tensorboard": True, "wandb": {"project": "slurm-align-tests", "mode": "offline"}}
 
 

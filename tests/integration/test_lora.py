@@ -1,7 +1,7 @@
 """LoRA (model.lora) on real megatron-core layers, with transformers and peft as the reference.
 
 One SFT run with LoRA on a tiny transformers-made Llama (GQA, SwiGLU) at TP=2 on real mpirun
-ranks (tests/lora_worker.py), then a DPO run on the same model, are shared by the tests:
+ranks (tests/programs/lora_worker.py), then a DPO run on the same model, are shared by the tests:
 adapters at init leave the logits exactly the base's; after training only adapters changed; the
 reference (adapters off) gives the base's log-probs, and DPO's margin starts at 0 and moves; the
 merged shards (the refit's weights) give the LoRA model's logits; TP shapes. `export hf` of the
@@ -26,11 +26,11 @@ from slurm_align.config.run import RunConfig
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from tests.test_hf_models import ROOT, SHAPE, _perturb, cli, mpirun, save_tokenizer  # noqa: E402
+from tests.integration.test_hf_models import ROOT, SHAPE, _perturb, cli, mpirun, save_tokenizer  # noqa: E402
 
 TOL = 1e-4
 RANK, ALPHA, TP = 4, 8.0, 2
-WORKER = Path(__file__).with_name("lora_worker.py")
+WORKER = Path(__file__).parents[1] / "programs" / "lora_worker.py"
 
 
 def _tokens() -> torch.Tensor:
@@ -200,7 +200,7 @@ def test_grpo_actor_with_lora_on_a_moe_model(tmp_path: Path):
     engine generates from the merged refit, the reference is the adapters-off model, the actor's
     checkpoint holds adapters only, and the update's router statistics are in the metrics."""
     from megatron.core import dist_checkpointing
-    from tests.test_grpo import grpo_config, launch, metrics
+    from tests.integration.test_grpo import grpo_config, launch, metrics
     run = grpo_config("model.num_experts=4", "model.moe_aux_loss_coeff=0.01", "model.add_bias_linear=false",
                       "model.activation=swiglu", "model.normalization=RMSNorm", "model.position_embedding=rope",
                       "model.lora.targets=[qkv,proj]")

@@ -1,6 +1,6 @@
 """Logits/values with TP=2 and PP=2 equal TP=1 with the same weights; full-weight round trip.
 
-Real megatron-core models on real mpirun ranks (tests/models_worker.py is the rank program).
+Real megatron-core models on real mpirun ranks (tests/programs/models_worker.py is the rank program).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = Path(__file__).with_name("models_worker.py")
+WORKER = Path(__file__).parents[1] / "programs" / "models_worker.py"
 ROOT = WORKER.parent.parent
 
 

@@ -34,7 +34,7 @@ from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
 
 ARITH = REPO_ROOT / "examples" / "arithmetic"
-ENV = "tests.test_multiturn:CalculatorFirst"
+ENV = "tests.integration.test_multiturn:CalculatorFirst"
 RULE = "slurm_align.rewards.arithmetic:exact_answer"
 
 
@@ -89,7 +89,7 @@ def local_profile(*overrides: str):
 
 @pytest.fixture(scope="module")
 def calculator_run(tmp_path_factory) -> Path:
-    from tests.test_grpo import launch
+    from tests.integration.test_grpo import launch
     tmp = tmp_path_factory.mktemp("multiturn")
     # per rank: 2 eval rows (step 0), 4 conversations per step, 2 eval rows after step 2
     run = calculator_config("environment.options={fail_after_resets: 12}")
@@ -160,8 +160,8 @@ def test_a_usr2_stop_then_resume_keeps_every_trajectory_whole(tmp_path):
     once each, step 1 as it was before the resume, and both equal an uninterrupted run of the
     same config, field by field (tokens, loss mask, turns, roles, rewards, advantages): no
     trajectory cut, lost or redone."""
-    from tests.preempt_support import stop_by_usr2_after_the_first_step
-    from tests.test_grpo import launch
+    from tests.support.preempt_support import stop_by_usr2_after_the_first_step
+    from tests.integration.test_grpo import launch
 
     run = calculator_config("ppo.num_steps=2", "eval.interval=0", "actor.data_parallel=1")
     profile = local_profile("components.actor.tasks_per_node=1")
@@ -240,7 +240,7 @@ def test_multiturn_as_a_slurm_job(slurm_cluster, tmp_path, algorithm):
     """On the Slurm cluster: PPO (value model in the critic component) as a hetjob, the critic's
     value loss and GAE seeing the same masked trajectories; GRPO as a plain job. One step is
     enough to show each path works (GRPO's multi-step run is on the local profile above)."""
-    from tests.test_grpo import launch
+    from tests.integration.test_grpo import launch
     if algorithm == "ppo":
         run, components = ppo_calculator_config(), ["actor", "critic"]
     else:
@@ -258,7 +258,7 @@ def test_multiturn_ppo_with_the_critic_and_a_generator_on_the_local_profile(tmp_
     (its tool pool, its environment) and streams whole trajectories (loss mask, turns, roles) to
     the actor, which sends them on to the critic; the trainer may be TP 2 (only generation
     replicas of several ranks are refused for multi-turn). (Colocated multi-turn PPO: the Slurm test.)"""
-    from tests.test_grpo import launch
+    from tests.integration.test_grpo import launch
     launch(tmp_path, ppo_calculator_config(f"actor.tensor_parallel={trainer_tp}", "actor.data_parallel=1",
                                            "rollout.mode=disaggregated"),
            profile=local_profile(f"components.actor.tasks_per_node={trainer_tp}"))

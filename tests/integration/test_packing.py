@@ -3,7 +3,7 @@
 The layout and the partition are checked in-process; the model-level equalities (packed and
 token-budget forwards equal the padded path's; one optimizer step gives the same weights
 however the batch is micro-batched) on real megatron-core models over real mpirun ranks at
-TP=1, TP=2 and PP=2 (tests/packing_worker.py is the rank program).
+TP=1, TP=2 and PP=2 (tests/programs/packing_worker.py is the rank program).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ import torch
 
 from slurm_align.algorithms.rollout_batch import RolloutBatch
 from slurm_align.models.packing import Batching, PackedLayout, balanced_partition, micro_batch_inputs
-from tests.test_models_parallel import mpirun as _mpirun
+from tests.integration.test_models_parallel import mpirun as _mpirun
 
-WORKER = Path(__file__).with_name("packing_worker.py")
+WORKER = Path(__file__).parents[1] / "programs" / "packing_worker.py"
 
 
 def mpirun(n: int, *args: str, timeout: int = 300):
-    import tests.test_models_parallel as tmp
+    import tests.integration.test_models_parallel as tmp
     old = tmp.WORKER
     tmp.WORKER = WORKER
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1", "OMP_NUM_THREADS": "1"}
 
 
@@ -23,7 +23,7 @@ def _run(cmd: list[str], timeout: float) -> subprocess.CompletedProcess:
 @pytest.mark.slow  # 4 ranks importing megatron-core on 2 cores: 40-80 s
 def test_layout_and_refold_on_four_ranks() -> None:
     """(TP,PP,DP) in (1,1,4), (1,2,2), (2,2,1): megatron's ranks, refold mapping, groups, prompts."""
-    cmd = ["mpirun", "--oversubscribe", "-n", "4", sys.executable, "-W", "ignore", "-m", "tests.mpi_progs.layout_prog"]
+    cmd = ["mpirun", "--oversubscribe", "-n", "4", sys.executable, "-W", "ignore", "-m", "tests.programs.layout_prog"]
     proc = _run(cmd, timeout=300)
     assert proc.returncode == 0 and "LAYOUT_OK" in proc.stdout, proc.stdout + proc.stderr[-4000:]
     report = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("{")))
@@ -37,7 +37,7 @@ def test_layout_and_refold_on_four_ranks() -> None:
 
 
 def test_bootstrap_errors_are_clear() -> None:
-    proc = _run([sys.executable, "-W", "ignore", "-m", "tests.mpi_progs.bootstrap_errors_prog"], timeout=120)
+    proc = _run([sys.executable, "-W", "ignore", "-m", "tests.programs.bootstrap_errors_prog"], timeout=120)
     assert proc.returncode == 0 and "BOOTSTRAP_ERRORS_OK" in proc.stdout, proc.stdout + proc.stderr[-4000:]
     for name in ("no_mpi", "size_mismatch", "nccl_without_gpu", "bad_port", "port_in_use", "twice"):
         assert f"\n{name}: " in "\n" + proc.stdout, name

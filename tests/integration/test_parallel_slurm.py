@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _srun(cluster, mpi: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -18,7 +18,7 @@ def _srun(cluster, mpi: str, timeout: float = 240) -> subprocess.CompletedProces
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     # --kill-on-bad-exit, as the job scripts have it: a rank that dies ends the step at once.
     cmd = ["srun", f"--mpi={mpi}", "--kill-on-bad-exit=1", "-N", "2", "-n", "2", "-p", cluster.partition, "--time=5",
-           sys.executable, "-W", "ignore", "-m", "tests.mpi_progs.slurm_boot_prog"]
+           sys.executable, "-W", "ignore", "-m", "tests.programs.slurm_boot_prog"]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -18,7 +18,7 @@ from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.render import Entry
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
-from tests.preempt_support import DETERMINISTIC, STEPS, assert_same_final_state, assert_unchanged, snapshot
+from tests.support.preempt_support import DETERMINISTIC, STEPS, assert_same_final_state, assert_unchanged, snapshot
 
 EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"
 PROMPTS = REPO_ROOT / "examples" / "synthetic" / "prompts.jsonl"
@@ -221,9 +221,9 @@ def test_ppo_raises_its_reward_and_a_flipped_advantage_does_not(tmp_path, sft_an
     for m in updates:
         assert m["train_optim/optimizer_steps"] == 1 and m["train_optim/ppo_ratio_clamped"] == 0.0, m
         assert abs(m["train_optim/ppo_ratio"] - 1.0) < 1e-4, m
-    # The same run with the advantage sign flipped (tests/ppo_flipped_actor.py) must not learn.
+    # The same run with the advantage sign flipped (tests/programs/ppo_flipped_actor.py) must not learn.
     job = launch_run(tiny_run(*learn), load_profile("local"), tmp_path / "flipped",
-                     entry=Entry(scripts={"actor": Path(__file__).parent / "ppo_flipped_actor.py"}))
+                     entry=Entry(scripts={"actor": Path(__file__).parents[1] / "programs" / "ppo_flipped_actor.py"}))
     assert job.wait(timeout_s=600) == "COMPLETED", job.failed_logs()
     good, flipped = reward_gain(good_dir), reward_gain(tmp_path / "flipped")
     good_val, flipped_val = val_gain(good_dir), val_gain(tmp_path / "flipped")

@@ -11,7 +11,7 @@ Same seeds and static prompts, so the end state (every step stored once, metrics
 final actor weights and AdamW state, critic weights) equals the reference's within 1e-5. Signals
 and kills are triggered on observed events (a checkpoint being written, a first step done), never
 after a sleep, and the actor holds after each job's first step until its stop request came
-(tests/preempt_hold_actor.py), so no job can finish before its signal.
+(tests/programs/preempt_hold_actor.py), so no job can finish before its signal.
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import pytest
 from slurm_align.config import load_profile
 from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.render import Entry
-from tests.preempt_support import (
+from tests.support.preempt_support import (
     DETERMINISTIC, HOLD_ACTOR, assert_same_final_state, assert_unchanged, cli, events, logs_text, snapshot, wait_for,
 )
-from tests.test_ppo import tiny_run
+from tests.integration.test_ppo import tiny_run
 
-FAULTY_ACTOR = Path(__file__).parent / "preempt_faulty_actor.py"
+FAULTY_ACTOR = Path(__file__).parents[1] / "programs" / "preempt_faulty_actor.py"
 
 
 def _status(run_dir: Path) -> dict:

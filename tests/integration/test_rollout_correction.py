@@ -1,7 +1,7 @@
 """Engine log-probs and rollout correction (algorithms/rollout_correction.py).
 
 - the torch engines' log-probs of the tokens they sampled equal the trainer's recomputed ones
-  (a real megatron-core GPT, under mpirun; tests/rollout_logprobs_worker.py);
+  (a real megatron-core GPT, under mpirun; tests/programs/rollout_logprobs_worker.py);
 - each mode's weights, and the policy loss they enter, equal a hand computation of the formulas;
   equal log-probs give weights of exactly 1; the weights carry no gradient;
 - one real tiny GRPO run with token_truncate: its metrics and its rollout store.
@@ -23,7 +23,7 @@ from slurm_align.algorithms.policy_loss import LossTerms, clipped_policy_loss
 from slurm_align.algorithms.rollout_batch import RolloutBatch
 from slurm_align.config.run import RolloutCorrectionConfig
 
-WORKER = Path(__file__).with_name("rollout_logprobs_worker.py")
+WORKER = Path(__file__).parents[1] / "programs" / "rollout_logprobs_worker.py"
 
 
 # -- engines against the trainer -------------------------------------------------------------------

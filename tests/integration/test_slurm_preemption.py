@@ -25,11 +25,11 @@ from slurm_align.critic.client import CriticUnavailableError
 from slurm_align.rundir import START_ENV, RunDir, publish_critic_address, read_run_secret
 from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.render import Entry
-from tests.critic_support import client_for, write_run_dir
-from tests.preempt_support import (
+from tests.support.critic_support import client_for, write_run_dir
+from tests.support.preempt_support import (
     DETERMINISTIC, assert_same_final_state, assert_unchanged, cli, events, logs_text, snapshot, wait_for,
 )
-from tests.test_ppo import tiny_run
+from tests.integration.test_ppo import tiny_run
 
 
 class StrangerListener:
@@ -102,7 +102,7 @@ def _term_stop_worker(tmp_path: Path, grace: float, *args) -> tuple[subprocess.C
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     env = {**os.environ, "SLURM_JOB_ID": "1", GRACE_ENV: str(grace), "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "tests.term_stop_worker", str(run_dir), *map(str, args)],
+    proc = subprocess.run([sys.executable, "-m", "tests.programs.term_stop_worker", str(run_dir), *map(str, args)],
                           capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return proc, RunDir(run_dir)
@@ -143,7 +143,7 @@ def test_term_in_the_last_step_lets_the_run_complete(tmp_path):
 
 
 # --- Slurm's own preemption on the test cluster ------------------------------------------------
-HOLD_ACTOR = Path(__file__).parent / "preempt_hold_actor.py"
+HOLD_ACTOR = Path(__file__).parents[1] / "programs" / "preempt_hold_actor.py"
 GRACE = "preempt_grace_s=60"   # the partition's GraceTime (tests/cluster/slurm.conf.template)
 
 
@@ -177,7 +177,7 @@ def test_partition_preemption_finishes_the_step_in_flight_stops_then_requeues_an
     """A PPO hetjob on `preemptible` (PreemptMode=REQUEUE, GraceTime=60, preempt_grace_s=60),
     preempted twice by a job on `urgent` (higher PriorityTier) that asks for its nodes. Slurm
     sends SIGTERM to every task of every step at once; the actor holds mid-step until its TERM
-    came (tests/preempt_hold_actor.py "term"), then finishes that step (the critic trains and saves
+    came (tests/programs/preempt_hold_actor.py "term"), then finishes that step (the critic trains and saves
     after the TERM: it survived it) and saves it, so no step is redone.
     1. requeue false: the job ends STOPPED (exit 75), status says STOPPED at step 1;
     2. resumed with requeue true: stopped at step 2 the same way, requeued (SLURM_RESTART_COUNT=1),

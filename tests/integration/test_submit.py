@@ -251,7 +251,7 @@ def test_status_passes_over_a_rank_killed_by_the_teardown_of_the_job(tmp_path):
 def test_the_component_the_script_saw_fail_first_is_failed_unless_the_job_was_cancelled(
         tmp_path, monkeypatch, slurm, codes, first, expected):
     """Component states read from the run directory and Slurm's per-component states (given
-    here: the real ones are read in the Slurm tests of this file and test_failures.py)."""
+    here: the real ones are read in the Slurm tests of this file and integration/test_failures.py)."""
     from slurm_align.slurm import state as job_state
     from slurm_align.slurm.launch import Job, JobRecord
 
@@ -421,7 +421,7 @@ def test_single_allocation_shape_runs_tiny_ppo_to_completion(slurm_cluster, tmp_
     run as sruns on disjoint node sets of it, find each other as in a hetjob, and the tiny PPO
     completes with every step stored."""
     from slurm_align.store.rollouts import RolloutStore
-    from tests.test_ppo import check_complete_run, tiny_run
+    from tests.integration.test_ppo import check_complete_run, tiny_run
 
     run_dir = tmp_path / "run"
     job = launch_run(tiny_run(), load_profile("local-slurm", ["job_shape=single"]), run_dir)

@@ -17,7 +17,7 @@ from slurm_align.slurm.render import Entry
 from slurm_align.slurm.sweep import critic_nodes_for, parse_nodes, plan_sweep, start_sweep
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
-from tests.test_ppo import check_complete_run
+from tests.integration.test_ppo import check_complete_run
 
 EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"
 
@@ -142,7 +142,7 @@ def test_sweep_records_a_failing_point_and_refuses_one_that_cannot_start(slurm_c
 
     # A point whose job fails is recorded with where it failed; the others go on.
     run = load_run_config(EXAMPLE, ["ppo.num_rollout_samples=4"])
-    entry = Entry("report", scripts={"actor": Path(__file__).parent / "sweep_failing_actor.py"})
+    entry = Entry("report", scripts={"actor": Path(__file__).parents[1] / "programs" / "sweep_failing_actor.py"})
     manifest = start_sweep(run, load_profile("local-slurm"), [1, 2], "weak", tmp_path / "sweep", EXAMPLE,
                            entry=entry, max_concurrent=1, poll_s=0.5)
     ok, bad = manifest.points

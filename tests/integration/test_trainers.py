@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_models_parallel import mpirun
-from tests.trainer_runs import make_run, metrics, train
+from tests.integration.test_models_parallel import mpirun
+from tests.support.trainer_runs import make_run, metrics, train
 
 pytestmark = pytest.mark.mpi
 ONE_RANK = ["actor.data_parallel=1"]

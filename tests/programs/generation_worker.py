@@ -1,6 +1,6 @@
-"""Rank program for tests/test_generation_training.py (run under mpirun; not a test).
+"""Rank program for tests/integration/test_generation_training.py (run under mpirun; not a test).
 
-    python tests/generation_worker.py TP PP OUT_DIR
+    python tests/programs/generation_worker.py TP PP OUT_DIR
 
 Builds the contract GPT with build_gpt in a TP x PP layout, sets every weight from a function
 of its GLOBAL name (so any layout holds the same model), refits the generation engines through

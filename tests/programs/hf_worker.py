@@ -1,6 +1,6 @@
-"""Rank program for tests/test_hf_models.py (run under mpirun; not a test).
+"""Rank program for tests/integration/test_hf_models.py (run under mpirun; not a test).
 
-    python tests/hf_worker.py ACTION TP PP DIR
+    python tests/programs/hf_worker.py ACTION TP PP DIR
 
 - logits:  every HF folder under DIR/models imported at TP x PP (build_gpt with model.hf_path);
            rank 0 saves its logits (values for *_rm folders) to DIR/out/<name>_tp<TP>_pp<PP>.pt;
@@ -9,7 +9,7 @@
 - resave:  the trained checkpoint named in DIR/ckpt.txt loaded at TP x PP: its logits, and the
            same weights saved again at this layout (see resave).
 
-tests/plan_worker.py runs several of these actions, at several layouts, in one launch.
+tests/programs/plan_worker.py runs several of these actions, at several layouts, in one launch.
 """
 
 from __future__ import annotations

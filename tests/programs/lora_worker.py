@@ -1,6 +1,6 @@
-"""Rank program for tests/test_lora.py (run under mpirun; not a test).
+"""Rank program for tests/integration/test_lora.py (run under mpirun; not a test).
 
-    python tests/lora_worker.py TP RUN_DIR
+    python tests/programs/lora_worker.py TP RUN_DIR
 
 RUN_DIR holds config.yaml (an SFT run with model.lora, actor.tensor_parallel = TP) and
 tokens.pt. Each rank: the base model's logits, the same model with adapters attached (B = 0),

@@ -1,6 +1,7 @@
-"""Rank program for the model tests (run under mpirun by tests/test_models_*.py; not a test).
+"""Rank program for the model tests (run under mpirun by tests/integration/test_models_*.py and others;
+not a test).
 
-    python tests/models_worker.py ACTION TP PP OUT_DIR
+    python tests/programs/models_worker.py ACTION TP PP OUT_DIR
 
 Each rank joins a gloo world and sets up megatron's parallel state through slurm_align.parallel
 (the runtime's own bootstrap: rank 0 binds a free port and shares it over MPI), and runs ACTION.
@@ -129,7 +130,7 @@ def greedy_score(pctx, out: Path, value_head: bool):
     if src != "init":
         load_weights(src, chunks)
     tok = ByteTokenizer()
-    prompts = [r["prompt"] for r in read_jsonl(Path(__file__).parent.parent / "examples/synthetic/prompts.jsonl",
+    prompts = [r["prompt"] for r in read_jsonl(Path(__file__).parents[2] / "examples/synthetic/prompts.jsonl",
                                                ("prompt",), "prompt")[:32]]
     seqs = [[tok.bos_id] + tok.encode(p) for p in prompts]
     done = [False] * len(seqs)
@@ -162,7 +163,7 @@ def rm_accuracy(pctx, out: Path, value_head: bool):
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=260, max_seq_len=32)
     chunks = build_gpt(cfg, pctx, value_head=True, seed=4321)
     load_weights((out / "ckpt_path.txt").read_text().strip(), chunks)
-    ds = PreferenceDataset(Path(__file__).parent.parent / "examples/synthetic/pref_val.jsonl", ByteTokenizer(), 32)
+    ds = PreferenceDataset(Path(__file__).parents[2] / "examples/synthetic/pref_val.jsonl", ByteTokenizer(), 32)
     b = ds.batch(list(range(64)))
     rewards = last_token_values(forward_values(chunks, pctx, b["tokens"]), b["lengths"])
     acc = (rewards[:64] > rewards[64:]).float().mean().item()

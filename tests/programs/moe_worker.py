@@ -1,6 +1,6 @@
-"""Rank program for tests/test_hf_qwen3_moe.py's MoE tests (run under mpirun; not a test).
+"""Rank program for tests/integration/test_hf_qwen3_moe.py's MoE tests (run under mpirun; not a test).
 
-    python tests/moe_worker.py ACTION TP PP EP DIR
+    python tests/programs/moe_worker.py ACTION TP PP EP DIR
 
 - logits: every HF folder under DIR/models imported at TP x PP x EP (build_gpt with
           model.hf_path); rank 0 saves its logits on DIR/tokens.pt to
@@ -8,7 +8,7 @@
           read to DIR/out/<name>_ep<EP>_read<rank>.pt;
 - grads:  reduced gradients and their norm of one backward step (see grads).
 
-tests/plan_worker.py runs several of these actions, at several layouts, in one launch.
+tests/programs/plan_worker.py runs several of these actions, at several layouts, in one launch.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Rank program for tests/test_packing.py (run under mpirun; not a test).
+"""Rank program for tests/integration/test_packing.py (run under mpirun; not a test).
 
-    python tests/packing_worker.py ACTION TP PP OUT_DIR
+    python tests/programs/packing_worker.py ACTION TP PP OUT_DIR
 
 forward: per shape (GPT, Llama, Qwen2), LM next-token log-probs and value-model values of the
 same long-tailed batch, padded (sample-count micro-batches) vs token-budget micro-batches

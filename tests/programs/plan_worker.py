@@ -1,8 +1,8 @@
-"""Rank program that runs several actions of tests/hf_worker.py and tests/moe_worker.py, each at
+"""Rank program that runs several actions of tests/programs/hf_worker.py and tests/programs/moe_worker.py, each at
 its own layout, in ONE mpirun launch (not a test): every rank imports megatron once, not once
 per layout (~4 s of CPU per rank and launch on the 2-core CI machine).
 
-    python tests/plan_worker.py PLAN.json
+    python tests/programs/plan_worker.py PLAN.json
 
 PLAN.json: a list of [worker, action, tp, pp, ep, dir] (worker "hf" or "moe"); for each, in
 order, megatron's parallel state is set up at TP x PP x EP over all ranks, the action runs on

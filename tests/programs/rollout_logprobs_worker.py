@@ -1,6 +1,6 @@
-"""Rank program for tests/test_rollout_correction.py (run under mpirun -n 1; not a test).
+"""Rank program for tests/integration/test_rollout_correction.py (run under mpirun -n 1; not a test).
 
-    python tests/rollout_logprobs_worker.py OUT_FILE
+    python tests/programs/rollout_logprobs_worker.py OUT_FILE
 
 Builds a real megatron-core GPT (build_gpt, TP=PP=1) with deterministic weights, refits the
 KV-cache and naive engines from it (refit_from_training), samples at temperature 0.7 with

@@ -1,8 +1,8 @@
 """One actor-like rank (MPI COMM_SELF) under a blocked SIGTERM, as the launchers run under Slurm:
 a loop of steps of given lengths, each committed as a checkpoint folder, with the real StopPoint
-deciding at a TERM sent to itself during one step. For tests/test_slurm_preemption.py.
+deciding at a TERM sent to itself during one step. For tests/integration/test_slurm_preemption.py.
 
-    python -m tests.term_stop_worker RUN_DIR STEP_SECONDS(comma list) TERM_STEP [LINGER_S]
+    python -m tests.programs.term_stop_worker RUN_DIR STEP_SECONDS(comma list) TERM_STEP [LINGER_S]
 Exit 0; prints 'stopped at the boundary of step N' when the loop stopped there, else (after
 LINGER_S more seconds, as an actor shutting down) 'ran to the end'.
 """

@@ -2,9 +2,9 @@
 child-process checks (reference forward, swap check) that need their own MPI/torch world.
 
 Run as a module for the child parts:
-    python -m tests.critic_support reference RUN_DIR CKPT IN.npz OUT.npz
-    python -m tests.critic_support swap-check RUN_DIR
-    python -m tests.critic_support reward-scores RUN_DIR IN.npz OUT.npz
+    python -m tests.support.critic_support reference RUN_DIR CKPT IN.npz OUT.npz
+    python -m tests.support.critic_support swap-check RUN_DIR
+    python -m tests.support.critic_support reward-scores RUN_DIR IN.npz OUT.npz
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import yaml
 from slurm_align.critic.client import CriticClient
 from slurm_align.rundir import RunDir, create_run_secret, read_critic_address, read_run_secret
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 100,
               "max_seq_len": 64}
 CHILD_ENV = {"OMP_NUM_THREADS": "1", "OMPI_ALLOW_RUN_AS_ROOT": "1",
@@ -138,7 +138,7 @@ class CriticProcess:
 
 
 def run_child(*args: str, timeout: float = 120, mpi_ranks: int = 0) -> str:
-    cmd = [sys.executable, "-m", "tests.critic_support", *args]
+    cmd = [sys.executable, "-m", "tests.support.critic_support", *args]
     if mpi_ranks:
         cmd = ["mpirun", "--oversubscribe", "-n", str(mpi_ranks), *cmd]
     out = subprocess.run(cmd, cwd=REPO, env={**os.environ, **CHILD_ENV}, capture_output=True, text=True,

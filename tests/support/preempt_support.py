@@ -1,6 +1,6 @@
 """Helpers for the preemption and failure tests on the real local Slurm cluster.
 
-The runs are the tiny PPO hetjob of tests/test_ppo.py with static prompt sharding, so a run
+The runs are the tiny PPO hetjob of tests/integration/test_ppo.py with static prompt sharding, so a run
 that was stopped, requeued and resumed must end with the very weights of an uninterrupted one.
 """
 
@@ -23,7 +23,7 @@ from slurm_align.rundir import RunDir
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
 
-HOLD_ACTOR = Path(__file__).parent / "preempt_hold_actor.py"
+HOLD_ACTOR = Path(__file__).parents[1] / "programs" / "preempt_hold_actor.py"
 STEPS = 4
 DETERMINISTIC = ("switches.dynamic_prompts=false", f"ppo.num_steps={STEPS}", "ppo.save_interval=1")
 """Static sharding: every start gives each rank the same prompts, so resumed == uninterrupted."""

@@ -1,5 +1,5 @@
 """A toy RL algorithm registered from outside the library, as a user's plugin module would
-(a run config lists it under `plugins:`; tests/test_algorithm_registry.py runs it). Not a test.
+(a run config lists it under `plugins:`; tests/integration/test_algorithm_registry.py runs it). Not a test.
 
 toy_batch_mean: REINFORCE with the step's mean reward as the baseline (one sample per prompt, no
 groups, no value model): advantage = reward - mean reward of the whole step (all DP ranks), on

@@ -13,7 +13,7 @@ import yaml
 
 from slurm_align.config import load_run_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_run(run_dir: Path, example: str, overrides: list[str]) -> Path:

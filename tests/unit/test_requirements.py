@@ -19,7 +19,7 @@ from packaging.version import Version
 
 from tests.gpu.reqs import by_name, satisfiable, setup_requirements
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TRTLLM = json.loads((REPO / "tests/fixtures/trtllm_1.2.1_requires.json").read_text())
 # TensorRT-LLM's wheels are for these (cp310/cp312, Linux): its markers are evaluated there.
 TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",

@@ -1,5 +1,5 @@
 """RolloutBatch: padding, the sequence <-> response mapping, selection, the wire format and
-equal-shape micro-batches (single process; the alltoall itself runs in tests/test_balance.py)."""
+equal-shape micro-batches (single process; the alltoall itself runs in tests/integration/test_balance.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from slurm_align.config import ConfigError, check_against_profile, load_profile,
 from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.render import Entry, render_script
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[3]
 EXAMPLE = REPO / "examples" / "ppo_tiny.yaml"
 
 

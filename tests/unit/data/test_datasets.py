@@ -13,7 +13,7 @@ from slurm_align.data.jsonl import PREFERENCE_KEYS, SFT_KEYS, read_jsonl
 from slurm_align.data.synthetic import score
 from slurm_align.models.tokenizer import ByteTokenizer
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "synthetic"
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples" / "synthetic"
 
 
 @pytest.mark.parametrize("content,expected", [

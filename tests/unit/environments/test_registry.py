@@ -89,7 +89,7 @@ def test_registry_by_name_and_module_class():
     assert {"rule", "tools"} <= set(environment_names())
     register_environment(Echo)
     assert "echo_test" in environment_names()
-    for spec in ("echo_test", "tests.test_environments:Echo"):
+    for spec in ("echo_test", "tests.unit.environments.test_registry:Echo"):
         env = load_environment(ctx(environment=spec))
         row = {"prompt": "hi"}
         conv = checked_reset(env, row) + [{"role": "assistant", "content": "a"}]
@@ -106,8 +106,8 @@ def test_registry_by_name_and_module_class():
 @pytest.mark.parametrize("spec,match", [
     ("no_such_env", r"got 'no_such_env'; unknown environment; registered: .*rule.*tools"),
     ("slurm_align.no_such_module:Env", r"cannot import module 'slurm_align.no_such_module'"),
-    ("tests.test_environments:ctx", r"has no Environment subclass 'ctx'"),
-    ("tests.test_environments:Nope", r"has no Environment subclass 'Nope'"),
+    ("tests.unit.environments.test_registry:ctx", r"has no Environment subclass 'ctx'"),
+    ("tests.unit.environments.test_registry:Nope", r"has no Environment subclass 'Nope'"),
 ])
 def test_load_errors_name_the_spec_and_list_the_names(spec, match):
     settings = EnvironmentConfig.model_construct(environment=spec)   # past the config's own check
@@ -117,11 +117,11 @@ def test_load_errors_name_the_spec_and_list_the_names(spec, match):
 
 
 def test_step_errors_name_the_environment_and_the_row():
-    for env_cls, match in [(Raises, r"environment 'tests.test_environments:Raises': step raised KeyError: "
-                                    r"'no_such_field' \(data row \{'prompt': 'bad'\}\)"),
+    for env_cls, match in [(Raises, r"environment 'tests.unit.environments.test_registry:Raises': "
+                                    r"step raised KeyError: 'no_such_field' \(data row \{'prompt': 'bad'\}\)"),
                            (ReturnsNan, r"returned reward nan; rewards must be finite"),
                            (BadMessages, r"message 0 .*'robot'.*needs a 'role' in system, user, assistant, tool")]:
-        env = load_environment(ctx(environment=f"tests.test_environments:{env_cls.__name__}"))
+        env = load_environment(ctx(environment=f"tests.unit.environments.test_registry:{env_cls.__name__}"))
         rows = [{"prompt": "good"}, {"prompt": "bad"}]
         convs = [(checked_reset(env, r) + [{"role": "assistant", "content": "x"}], r) for r in rows]
         with pytest.raises(EnvironmentStepError, match=match) as e:
@@ -152,7 +152,8 @@ def test_settings_defaults_and_errors():
     assert check_against_run(EnvironmentConfig(), 128, None) == [
         "field 'environment.environment': got 'rule'; it scores answers with reward.rule, which is not set "
         "(give reward.rule 'module:function')"]
-    assert check_against_run(EnvironmentConfig(environment="tests.test_environments:Echo"), 128, None) == []
+    echo = EnvironmentConfig(environment="tests.unit.environments.test_registry:Echo")
+    assert check_against_run(echo, 128, None) == []
 
 
 def test_run_config_environment_field():
@@ -175,7 +176,7 @@ def test_run_config_environment_field():
                                           r"reward model \(reward.model\): not built yet"):
         validate(RunConfig, {**base, "reward": {"rule": RULE, "model": True}, "environment": {"max_turns": 2}},
                  "run.yaml")
-    # disaggregated multi-turn is built (tests/test_multiturn.py runs it)
+    # disaggregated multi-turn is built (tests/integration/test_multiturn.py runs it)
     assert validate(RunConfig, {**base, "rollout": {"mode": "disaggregated"}, "environment": {"max_turns": 2}},
                     "run.yaml").multi_turn
     # generation replicas of several ranks are not: the actor's when colocated, the generator's when not

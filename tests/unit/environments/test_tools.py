@@ -1,5 +1,6 @@
 """Tool calls in model turns, the tool environment's error observations and worker pool, the
-calculator (a safe evaluator) and the python tool's wiring (the sandbox itself: test_sandbox.py)."""
+calculator (a safe evaluator) and the python tool's wiring (the sandbox itself:
+unit/environments/test_sandbox.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from slurm_align.environments.tool_calls import BadCall, ToolCall, assistant_mes
 from slurm_align.environments.tool_env import ToolEnvironment, ToolRunner
 from slurm_align.environments.tools import CalculatorTool, Tool, check_arguments, load_tools
 
+HERE = "tests.unit.environments.test_tools"   # this module, named as user code names its tools
 RULE = "slurm_align.rewards.arithmetic:exact_answer"
 ROW = {"prompt": "123*456=", "answer": "56088"}
 CEILING_S = 60.0    # generous bound on every event wait: the tests never rely on timing
@@ -272,16 +274,16 @@ calculator_instance = CalculatorTool()
 
 
 def test_tools_settings_and_user_tools():
-    s = EnvironmentConfig(environment="tools", tools=["calculator", "tests.test_tools:Raising",
-                                                     "tests.test_tools:calculator_instance"], max_turns=2)
+    s = EnvironmentConfig(environment="tools", tools=["calculator", f"{HERE}:Raising", f"{HERE}:calculator_instance"],
+                          max_turns=2)
     with pytest.raises(ConfigError, match=r"environment.tools\[2\]': tool .* has name 'calculator', empty or already taken"):
         load_tools(s)
-    s = EnvironmentConfig(environment="tools", tools=["python", "tests.test_tools:Raising"], max_turns=2,
+    s = EnvironmentConfig(environment="tools", tools=["python", f"{HERE}:Raising"], max_turns=2,
                           tool_timeout_s=5)
     tools = load_tools(s)
     assert list(tools) == ["python", "raising"] and tools["python"].limits.timeout_s == 4.5
-    with pytest.raises(ConfigError, match=r"environment.tools\[0\]': tool 'tests.test_tools:ROW'.*has no Tool 'ROW'"):
-        load_tools(EnvironmentConfig.model_construct(tools=["tests.test_tools:ROW"], tool_timeout_s=1))
+    with pytest.raises(ConfigError, match=rf"environment.tools\[0\]': tool '{HERE}:ROW'.*has no Tool 'ROW'"):
+        load_tools(EnvironmentConfig.model_construct(tools=[f"{HERE}:ROW"], tool_timeout_s=1))
     for data, match in [
         ({"tools": ["search"], "max_turns": 2}, r"environment.tools'.*unknown tool 'search'; built-in: calculator, python"),
         ({"environment": "tools"}, r"environment 'tools' needs at least one tool"),

@@ -15,8 +15,9 @@ from slurm_align.generation import GenerationError
 from slurm_align.generation.ray_env import (LAUNCHER_PREFIXES, TRTLLM_ENV, check_replica_gpus, parse_visible_devices,
                                             ray_init_kwargs, task_cpus)
 from slurm_align.generation.trtllm_engine import TrtllmEngine, physical_gpu
-from tests.test_generation_trtllm import QWEN, megatron_full
-from tests.test_gpu_api_conformance import fake_trtllm  # noqa: F401  (the fixture: tensorrt_llm and ray recorded)
+from tests.integration.test_generation_trtllm import QWEN, megatron_full
+# the fixture fake_trtllm: tensorrt_llm and ray recorded
+from tests.unit.generation.test_trtllm_engine import fake_trtllm  # noqa: F401
 
 JOB_ENV = {  # what a rank of `srun --mpi=pmix` / mpirun / Intel MPI sees, besides our rendezvous
     "SLURM_PROCID": "3", "SLURM_JOB_ID": "42", "SLURMD_NODENAME": "n1", "SRUN_CPUS_PER_TASK": "4",

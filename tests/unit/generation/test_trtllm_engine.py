@@ -24,9 +24,9 @@ import pytest
 import torch
 
 from slurm_align.models import te_names
-from tests.test_generation_trtllm import QWEN, megatron_full  # imported before any fake tensorrt_llm
+from tests.integration.test_generation_trtllm import QWEN, megatron_full  # imported before any fake tensorrt_llm
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 # GPU_API_FIXTURE: signatures extracted from installed packages instead (run_gpu_checks.sh).
 FIXTURE = json.loads(Path(os.environ.get("GPU_API_FIXTURE", REPO / "tests/fixtures/gpu_api.json")).read_text())
 OBJECTS = {k: v for pkg in FIXTURE.values() for k, v in pkg["objects"].items()}

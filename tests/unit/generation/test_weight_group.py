@@ -15,7 +15,7 @@ import torch
 from slurm_align.generation.weight_group import (META, GroupReceiver, GroupSender, StreamStore, WeightTamperError,
                                                  open_group)
 from slurm_align.generation.weight_stream import WeightAssembler
-from tests.test_disaggregated import _pair
+from tests.integration.test_disaggregated import _pair
 
 SECRET = "s" * 32
 

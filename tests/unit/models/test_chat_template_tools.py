@@ -4,7 +4,7 @@ Two templates with tools, written after the real ones: Qwen2.5's (tools in the s
 JSON lines, calls as <tool_call> blocks, tool turns folded into a user turn of
 <tool_response>s) and Llama 3.1's (tools in the first user turn as indented JSON, one call per
 assistant turn as {"name", "parameters"}, tool turns as ipython turns, strings via tojson).
-Tokenizers are built with `tokenizers` and saved by transformers (tests/test_chat_template.py).
+Tokenizers are built with `tokenizers` and saved by transformers (tests/unit/models/test_chat_template.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from slurm_align.environments.tool_calls import assistant_message  # noqa: E402
 from slurm_align.environments.tool_env import ToolEnvironment  # noqa: E402
 from slurm_align.environments.tools import CalculatorTool, PythonTool  # noqa: E402
 from slurm_align.models.tokenizer import HFTokenizer  # noqa: E402
-from tests.test_chat_template import CHATML_NAMES, LLAMA3_NAMES, make_tokenizer  # noqa: E402
+from tests.unit.models.test_chat_template import CHATML_NAMES, LLAMA3_NAMES, make_tokenizer  # noqa: E402
 
 QWEN25 = (
     "{%- if tools %}\n"

@@ -25,7 +25,7 @@ from slurm_align.models.weights import full_state_dict, init_weights, load_full_
 SHAPE = GptShape(num_layers=2, hidden_size=16, num_attention_heads=2, ffn_hidden_size=32,
                  vocab_size=50, padded_vocab_size=64, max_seq_len=24)
 PCTX = SimpleNamespace(tp_size=1, tp_rank=0, pp_size=1, pp_rank=0)
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def te_spec_names(shape: GptShape) -> dict[str, tuple[int, ...]]:

@@ -11,7 +11,7 @@ from slurm_align.rewards import arithmetic, sort
 from slurm_align.rewards.rule import RuleReward, RuleRewardError
 
 
-# --- rule functions the tests load by name ("tests.test_rewards:...") ------------------------
+# --- rule functions the tests load by name ("tests.unit.rewards.test_rule:...") ------------------------
 def raises(response, prompt, **fields):
     raise KeyError("no_such_field")
 
@@ -29,7 +29,7 @@ def length(response, prompt, **fields):
 
 
 def test_load_and_call_with_the_rows_other_fields():
-    fn = RuleReward.load("tests.test_rewards:length")
+    fn = RuleReward.load("tests.unit.rewards.test_rule:length")
     assert fn("abc", "p=", {"answer": "12"}) == 5.0
     assert fn.many(["a", "bb"], [{"prompt": "x", "answer": "1"}, {"prompt": "y"}]) == [2.0, 2.0]
 
@@ -49,10 +49,10 @@ def test_load_errors_name_the_spec(spec, match):
     ("raises", "raised KeyError"), ("returns_nan", "returned nan"), ("returns_text", "returned str '1.0', not a number"),
 ])
 def test_bad_results_name_the_function_and_the_prompt(name, match):
-    fn = RuleReward.load(f"tests.test_rewards:{name}")
+    fn = RuleReward.load(f"tests.unit.rewards.test_rule:{name}")
     with pytest.raises(RuleRewardError, match=match) as e:
         fn("4321", "7391=", {})
-    assert f"tests.test_rewards:{name}" in str(e.value) and "'7391='" in str(e.value)
+    assert f"tests.unit.rewards.test_rule:{name}" in str(e.value) and "'7391='" in str(e.value)
 
 
 def test_sort_rewards():

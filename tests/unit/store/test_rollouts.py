@@ -81,7 +81,7 @@ def test_round_trip_and_per_step_reads(tmp_path):
 _KILLED_WRITER = textwrap.dedent("""
     import os, signal, sys
     sys.path.insert(0, {tests!r})
-    from test_store_rollouts import make_batch
+    from test_rollouts import make_batch
     import slurm_align.store.rollouts as R
     store = R.RolloutStore.create({path!r})
     store.append_step(0, make_batch(0, 4))
@@ -118,7 +118,7 @@ def test_killed_writer_leaves_previous_steps_and_hides_partial_step(tmp_path):
 _LOOPING_WRITER = textwrap.dedent("""
     import sys
     sys.path.insert(0, {tests!r})
-    from test_store_rollouts import make_batch
+    from test_rollouts import make_batch
     from slurm_align.store.rollouts import RolloutStore
     store = RolloutStore.create({path!r}, background={background})
     step = 0
