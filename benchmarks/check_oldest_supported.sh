@@ -19,8 +19,9 @@ OLDEST_TORCH=${OLDEST_TORCH:-2.9.1}
 OLDEST_TRANSFORMERS=${OLDEST_TRANSFORMERS:-4.57.3}
 TORCH_INDEX=${TORCH_INDEX:-https://download.pytorch.org/whl/cpu}
 VENV=${OLDEST_VENV:-.venv-oldest}
-TESTS=(tests/unit/test_requirements.py tests/unit/models/test_chat_template.py tests/integration/test_hf_models.py tests/integration/test_generation_hf.py
-       tests/unit/generation/test_torch_engine.py tests/integration/test_generation_trtllm.py tests/unit/models/test_cpu_compat.py)
+TESTS=(tests/unit/test_requirements.py tests/unit/models/test_chat_template.py tests/integration/test_hf_models.py
+       tests/integration/test_generation_hf.py tests/unit/generation/test_torch_engine.py
+       tests/integration/test_generation_trtllm.py tests/unit/models/test_cpu_compat.py)
 say() { echo "[oldest] $*"; }
 BASE=.venv/bin/python
 [[ -x $BASE ]] || { say "no .venv: run .ci/setup.sh first"; exit 1; }
