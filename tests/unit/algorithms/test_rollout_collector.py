@@ -264,6 +264,19 @@ def test_rule_rewards_score_each_response_against_its_own_prompt_row(data: Path)
     assert "rule_reward" not in s.collector.collect(2, mpi().COMM_SELF, layout()).batch.samples
 
 
+def test_a_replica_follower_runs_the_engine_call_and_keeps_nothing(data: Path) -> None:
+    """generate_samples, the small interface: a follower rank of a generation replica (keep
+    false) joins the engine call in lock-step (a TP engine needs every rank) and returns None;
+    rows=None labels samples without a rule reward."""
+    s = setup(make_run(), data)
+    prompts = s.prompts[:2]
+    assert s.collector.generate_samples(prompts, index=[0, 1], group=[0, 0], rows=[0, 1], seeds=[4, 5],
+                                        keep=False) is None
+    mb = s.collector.generate_samples(prompts, index=[0, 1], group=[0, 0], rows=None, seeds=[4, 5])
+    assert [c.seeds for c in s.engine.calls] == [[4, 5], [4, 5]]
+    assert mb is not None and mb["index"].tolist() == [0, 1] and "rule_reward" not in mb.samples
+
+
 # -- the critic --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("async_critic", [True, False])
 def test_each_micro_batch_goes_to_the_critic_once_as_soon_as_it_is_generated(data: Path, tmp_path: Path,
