@@ -279,6 +279,10 @@ def init_distributed(comm: Any = None, backend: str | None = None, timeout_s: fl
         timeout,
         master_listen_fd=listener.fileno() if listener is not None else None,
     )
+    if listener is not None:
+        # The store owns the listening fd now and closes it when it goes; the socket object
+        # must not close it too (later, that fd number may be another file of this process).
+        listener.detach()
     device = "cpu"
     if be == "nccl":
         device = f"cuda:{placements[rank].index}"
@@ -310,6 +314,4 @@ def shutdown_distributed(env: DistEnv) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    store, listener = env._store or (None, None)
-    if listener is not None:
-        listener.close()
+    # The rendezvous socket is the TCPStore's (env._store): it closes it when it goes.
