@@ -5,7 +5,10 @@ over its size limit (it uses the package registry, as it does where it is meant 
 
 from __future__ import annotations
 
+import ast
+import copy
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -75,6 +78,87 @@ def test_gpu_checks_pass_on_cpu(tmp_path):
     last = proc.stdout.strip().splitlines()[-1].split()
     assert [kv.split("=")[0] for kv in last] == ["torch_gpu_tok_s", "refit_s", "grpo_step_s"]
     assert all(kv.split("=")[1] != "NA" for kv in last)
+
+
+# What starts MPI: a launcher, or MPI_Init (slurm_align's bootstrap, mpi4py). run_gpu_checks.sh runs
+# `pytest -m "gpu and not mpi"` where there is no mpirun (this project's GPU machine).
+MPI_SIGNS = ("mpirun", "init_distributed(", "mpi4py", "MPI.")
+
+
+def _mark_names(decorators: list[ast.expr]) -> set[str]:
+    """pytest.mark.NAME (called or not) among decorators or a pytestmark list."""
+    out = set()
+    for d in decorators:
+        d = d.func if isinstance(d, ast.Call) else d
+        if isinstance(d, ast.Attribute) and isinstance(d.value, ast.Attribute) and d.value.attr == "mark":
+            out.add(d.attr)
+    return out
+
+
+def _code(tree: ast.AST) -> str:
+    """The code of a tree without docstrings and comments (prose may name mpirun freely)."""
+    tree = copy.deepcopy(tree)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            body[0] = ast.Pass()
+    return ast.unparse(tree)
+
+
+def _program(path: Path) -> str:
+    return _code(ast.parse(path.read_text())) if path.is_file() else ""
+
+
+def _what_runs(func: ast.FunctionDef, module: dict[str, ast.FunctionDef], seen: set[str]) -> str:
+    """The code of a test, of the module's functions it calls (transitively) and of the programs
+    under tests/ it names (tests/gpu/x.py, -m tests.mpi_progs.x) and those import from tests/."""
+    text = _code(func)
+    for node in ast.walk(func):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in module \
+                and node.func.id not in seen:
+            seen.add(node.func.id)
+            text += _what_runs(module[node.func.id], module, seen)
+    for prog in re.findall(r"tests/[\w/]+\.py", text):
+        text += _program(REPO / prog)
+    for mod in re.findall(r"tests\.[\w.]+", text):
+        text += _program(REPO / (mod.replace(".", "/") + ".py"))
+    return text
+
+
+def gpu_tests_starting_mpi_without_the_mark(paths: list[Path]) -> list[str]:
+    offenders = []
+    for path in paths:
+        source = path.read_text()
+        tree = ast.parse(source)
+        module_marks: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets):
+                value = node.value
+                module_marks |= _mark_names(value.elts if isinstance(value, (ast.List, ast.Tuple)) else [value])
+        module = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for name, func in module.items():
+            marks = module_marks | _mark_names(func.decorator_list)
+            if name.startswith("test") and "gpu" in marks and "mpi" not in marks:
+                found = [s for s in MPI_SIGNS if s in _what_runs(func, module, {name})]
+                if found:
+                    where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+                    offenders.append(f"{where}::{name} ({', '.join(found)})")
+    return offenders
+
+
+def test_gpu_tests_that_start_mpi_carry_the_mpi_mark(tmp_path):
+    """A gpu test that starts MPI must be deselected by `-m "gpu and not mpi"` on a machine without
+    mpirun: it must carry the mpi mark. (The check itself: a gpu test calling init_distributed
+    through a helper, unmarked, is found; marked, it is not.)"""
+    assert gpu_tests_starting_mpi_without_the_mark(sorted(REPO.glob("tests/**/test_*.py"))) == []
+    probe = tmp_path / "test_probe.py"
+    body = ("import pytest\n\ndef _start():\n    from slurm_align.parallel.bootstrap import init_distributed\n"
+            "    return init_distributed()\n\n@pytest.mark.gpu\n{mark}def test_x():\n    _start()\n")
+    probe.write_text(body.format(mark=""))
+    assert gpu_tests_starting_mpi_without_the_mark([probe]) == [f"{probe}::test_x (init_distributed()"]
+    probe.write_text(body.format(mark="@pytest.mark.mpi\n"))
+    assert gpu_tests_starting_mpi_without_the_mark([probe]) == []
 
 
 def _wheel_requires(path: Path) -> list[Requirement]:
