@@ -123,6 +123,8 @@ def check_megatron_local(pctx, device: torch.device) -> None:
                       vocab_size=200, max_seq_len=32, position_embedding="rope", normalization="RMSNorm",
                       activation="swiglu", add_bias_linear=False)
     tokens = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
+    if device.type == "cuda":   # IEEE float32 matmuls (TF32, where a library turned it on, is 1e-3 relative)
+        torch.backends.cuda.matmul.allow_tf32 = False
     chunks = megatron_model(cfg, pctx, device)   # built where it runs: megatron on CUDA stays on CUDA
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():  # weights of unit scale (not init's 0.02): logits of order 1, so that errors show
