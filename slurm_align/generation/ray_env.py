@@ -9,10 +9,19 @@ them (the replica's requester rank), so it is set here, for the duration of the 
   would otherwise try to join the job's PMIx/MPI world, "pmix mismatch"), nor our rendezvous
   (MASTER_ADDR/PORT: TensorRT-LLM's workers set their own);
 - TensorRT-LLM's switches for a restricted cpuset and colocated refits (TRTLLM_ENV).
-ray.init gets num_cpus from this task's cpuset (os.sched_getaffinity: placement bundles ask for
-CPUs, and a count the cpuset does not hold hangs them), a temp dir of its own (never the node's
-shared /tmp/ray), and log_to_driver on: the workers' output lands in this rank's log, which the
-launcher writes into the run's logs.
+ray.init gets num_cpus: this task's cpuset (os.sched_getaffinity; Ray starts a worker per CPU it
+is given, so not the node's count), but at least what TensorRT-LLM's Ray executor asks for
+(trtllm_ray_cpus: a placement group of TP CPUs and its two response-queue actors; Ray's CPUs are
+a scheduling count, and a request above the instance's count waits forever: start-up hangs). It
+gets a temp dir of its own (never the node's shared /tmp/ray) and log_to_driver on: the workers'
+output lands in this rank's log, which the launcher writes into the run's logs.
+
+Several private instances on one node (one per generation replica): every port ray.init chooses
+is a free one, except the dashboard agent's HTTP port (52365 in every Ray 2.x; ray.init cannot
+set it): the second instance's agent runs without its HTTP server, which nothing here uses
+(measured with Ray 2.60: two instances on one node, both run tasks; the second reports port -1).
+Ray variables of the job's environment that would pin a port or join another instance
+(RAY_PINS) are kept out of the instance's environment, or two instances would collide.
 """
 
 from __future__ import annotations
@@ -28,6 +37,12 @@ from slurm_align.generation.params import GenerationError
 # HYDRA, MPICH, PMI_), Slurm's own (SLURM_, SLURMD_, SRUN_, SBATCH_), torch's rendezvous.
 LAUNCHER_PREFIXES = ("PMI_", "PMIX_", "PRTE_", "OMPI_", "ORTE_", "OPAL_", "MPI_", "I_MPI_", "HYDRA_", "MPICH_",
                      "SLURM_", "SLURMD_", "SRUN_", "SBATCH_", "MASTER_ADDR", "MASTER_PORT")
+# Ray variables that make a new head take a fixed GCS port, or a driver join another instance.
+RAY_PINS = ("RAY_ADDRESS", "RAY_GCS_SERVER_PORT")
+# TensorRT-LLM 1.2's Ray executor (tensorrt_llm/executor/ray_executor.py, result.py): its default
+# placement group has a bundle of min(TP, GPUs of the node) GPUs and as many CPUs, and its
+# response queues are actors of num_cpus=2 each (RayAsyncQueue, RaySyncQueue).
+TRTLLM_QUEUE_CPUS = 2 + 2
 TRTLLM_ENV = {
     # its NUMA-aware worker affinity fails under a restricted cpuset ("CPU number 0 is not eligible")
     "TLLM_NUMA_AWARE_WORKER_AFFINITY": "0",
@@ -72,16 +87,24 @@ def task_cpus() -> int:
     return len(os.sched_getaffinity(0))
 
 
+def trtllm_ray_cpus(tp_size: int) -> int:
+    """The CPUs TensorRT-LLM's Ray executor reserves for one LLM of tensor parallel `tp_size`
+    (one replica, on one node): its placement group's and its queue actors'."""
+    return tp_size + TRTLLM_QUEUE_CPUS
+
+
 def ray_init_kwargs(num_gpus: int, temp_dir: str | None = None) -> dict:
-    """ray.init's arguments for a private instance in this task (see the module docstring)."""
+    """ray.init's arguments for a private instance in this task, for one LLM on `num_gpus` GPUs
+    (one per TP rank; see the module docstring)."""
     tmp = temp_dir or tempfile.mkdtemp(prefix="sa-ray-")   # short: Ray's socket paths must fit 107 bytes
-    return {"address": "local", "num_cpus": task_cpus(), "num_gpus": num_gpus, "include_dashboard": False,
-            "log_to_driver": True, "_temp_dir": tmp}
+    return {"address": "local", "num_cpus": max(task_cpus(), trtllm_ray_cpus(num_gpus)), "num_gpus": num_gpus,
+            "include_dashboard": False, "log_to_driver": True, "_temp_dir": tmp}
 
 
 def worker_env(environ: dict[str, str], gpus: list[str]) -> dict[str, str]:
-    """The environment Ray's workers get: launcher variables out, the replica's GPUs, TRTLLM_ENV."""
-    out = {k: v for k, v in environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+    """The environment Ray's workers get: launcher variables and Ray's port pins out, the
+    replica's GPUs, TRTLLM_ENV."""
+    out = {k: v for k, v in environ.items() if not k.startswith(LAUNCHER_PREFIXES) and k not in RAY_PINS}
     out.update(TRTLLM_ENV)
     out["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
     return out

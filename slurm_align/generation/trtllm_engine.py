@@ -24,9 +24,10 @@ load_format="dummy" (nothing read from disk); step 3 then puts the real weights 
 
 Memory around training (enable_sleep=True, TensorRT-LLM's virtual-memory tags): sleep() releases
 every tag (weights, KV cache, sampler and executor buffers) before the train phase
-(memory.generation_phase calls it); the next refit wakes the weights (WEIGHT_TAGS) first, updates
-them, and only then wakes the KV cache and the rest (CACHE_TAGS), so the KV cache never coexists
-with the refit's staging bucket and the training state. The KV cache is sized when the LLM is
+(memory.generation_phase calls it); the next refit wakes everything but the KV cache first
+(WEIGHT_TAGS, EXTRA_TAGS: the finalizing update needs the model's and executor's buffers), updates
+the weights, finalizes, and only then wakes the KV cache (CACHE_TAGS), so the KV cache never
+coexists with the refit's staging bucket and the training state. The KV cache is sized when the LLM is
 created, inside the generation phase: the optimizer state and gradients are on the host then
 (TrainingStateOffload, which empties torch's cache so TensorRT-LLM's worker processes see the
 memory), and kv_cache_fraction is a share of the memory free at that moment. The training
@@ -79,11 +80,15 @@ SAMPLER = "TRTLLMSampler"      # honours SamplingParams.seed per request ("auto"
 LOAD_FORMAT = "dummy"          # create from config.json alone; the refit brings the weights
 ORCHESTRATOR = "ray"           # the only orchestrator serving _collective_rpc (update_weights, sleep)
 ALLREDUCE = "NCCL"             # TensorRT-LLM's own all-reduce hurt convergence with several rollout instances
-# TensorRT-LLM 1.2's memory tags (ExecutorMemoryType): the weights, then what generation needs.
+# TensorRT-LLM 1.2's releasable memory tags (ExecutorMemoryType): the weights, the model's and the
+# executor's other buffers, and the KV cache. A refit wakes all but the KV cache before its first
+# update_weights (the finalizing update_weights(None) runs the model's post-load processing and
+# resets the executor's caches: their buffers must be there, as in veRL's order), and the KV
+# cache last, once the staging buckets are gone.
 WEIGHT_TAGS = ("model", "draft_model")
-CACHE_TAGS = ("kv_cache", "sampler", "drafter", "guided_decoder", "spec_resource_manager", "model_extra",
-              "executor_extra")
-ALL_TAGS = WEIGHT_TAGS + CACHE_TAGS
+EXTRA_TAGS = ("sampler", "drafter", "guided_decoder", "spec_resource_manager", "model_extra", "executor_extra")
+CACHE_TAGS = ("kv_cache",)
+ALL_TAGS = WEIGHT_TAGS + EXTRA_TAGS + CACHE_TAGS
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _LAYER_PREFIX_PARTS = 3  # "model.layers.N." groups a layer's tensors into one bucket
 
@@ -242,7 +247,8 @@ class TrtllmEngine:
     # -- refit -------------------------------------------------------------------------------
     def refit(self, full_state_dict: dict[str, torch.Tensor]) -> float:
         """Collective over the replica: new weights into the LLM in place (created the first time).
-        Order: wake the weights, update them bucket by bucket, finalize, wake the KV cache."""
+        Order: wake everything but the KV cache, update the weights bucket by bucket, finalize,
+        wake the KV cache."""
         t0 = time.perf_counter()
         import_tensorrt_llm()
         # Deferred: tensorrt_llm is an optional GPU-only package (see import_tensorrt_llm).
@@ -264,7 +270,7 @@ class TrtllmEngine:
             if self.is_requester:
                 self._llm = self._create_llm(gpus)
             self.asleep.clear()
-        self._wake(WEIGHT_TAGS)
+        self._wake(WEIGHT_TAGS + EXTRA_TAGS)   # everything but the KV cache (see ALL_TAGS)
         budget = self.options.bucket_mib << 20
         nbytes = {k: full_state_dict[k].numel() * self.torch_dtype.itemsize for k in names}
         for bucket in layer_buckets(names, nbytes, budget):

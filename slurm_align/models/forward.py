@@ -23,7 +23,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from slurm_align.models.gpt import model_device
+from slurm_align.models.gpt import TE_DTYPES, model_device
 from slurm_align.models.packing import Batching, PackedLayout, micro_batch_inputs, rope_at_positions
 
 
@@ -58,8 +58,18 @@ def next_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature:
 
 def uses_thd(model: torch.nn.Module) -> bool:
     """Whether the model's attention is Transformer Engine's (packed rows then go as THD);
-    megatron's local attention takes an explicit mask instead."""
-    return any(type(m).__name__ == "TEDotProductAttention" for m in model.modules())
+    megatron's local attention takes an explicit mask instead. TE runs THD in fp16/bf16 only
+    (gpt.TE_DTYPES; gpt.layer_spec builds fp32 models with the local spec): a TE model of
+    another precision is refused here, where TE itself would fail with "no attention backend"."""
+    if not any(type(m).__name__ == "TEDotProductAttention" for m in model.modules()):
+        return False
+    dtype = next(model.parameters()).dtype
+    if dtype not in TE_DTYPES:
+        raise ValueError(f"packed micro-batches through Transformer Engine's attention need parameters in "
+                         f"{' or '.join(str(d) for d in TE_DTYPES)}, got {dtype} (TE has no {dtype} backend for "
+                         "the packed THD layout): build the model with slurm_align.models.gpt.layer_spec, which "
+                         "takes megatron's local spec in fp32, or turn packing off")
+    return True
 
 
 def packed_inputs(layout: PackedLayout, rows: torch.Tensor, thd: bool) -> dict:

@@ -3,8 +3,9 @@
 The architecture comes from ModelConfig (/work/coord/MODEL_FIELDS.md): slurm-align's own GPT by
 default (learned positions, LayerNorm, GELU, biases, untied output), or Llama / Qwen2 / Mistral /
 GPT-2 (RoPE with Llama-3 scaling, RMSNorm, SwiGLU, grouped-query attention, QKV bias, tied
-embeddings). No dropout. Transformer Engine layer spec when CUDA and TE are present, the local
-spec otherwise. `build_gpt` returns a list of model chunks (one: this rank's pipeline stage).
+embeddings). No dropout. Transformer Engine layer spec when CUDA and TE are present and the
+model computes in fp16/bf16, the local spec otherwise (`layer_spec`). `build_gpt` returns a
+list of model chunks (one: this rank's pipeline stage).
 
 Tied embeddings under pipeline parallelism: megatron keeps a copy of the embedding on the last
 stage and syncs it with `weight.data.cuda()` (fails on CPU), so with PP > 1 the model is built
@@ -138,21 +139,43 @@ def apply_llama3_rope_scaling(model: GPTModel, model_cfg: ModelConfig) -> None:
         high_freq_factor=sc.high_freq_factor, original_max_position_embeddings=sc.original_max_position_embeddings)
 
 
-def layer_spec(model_cfg: ModelConfig):
-    """Transformer Engine spec when CUDA and TE are importable, megatron's local spec otherwise.
-    LoRA always takes the local spec: TE fuses the layer norm into qkv/fc1, whose adapters need
-    the normed input."""
-    if cuda_present() and model_cfg.lora is None:
-        try:
-            # deferred: transformer_engine needs CUDA (GPU extra); megatron's local spec otherwise
-            import transformer_engine  # noqa: F401
-            return get_gpt_layer_with_transformer_engine_spec(num_experts=model_cfg.num_experts,
-                                                              qk_layernorm=model_cfg.qk_layernorm)
-        except ImportError:
-            pass
-    # normalization: the q/k norms follow it (the block's own norms read config.normalization).
+# Precisions Transformer Engine's packed (THD) attention has a backend for: its flash and fused
+# attention take fp16/bf16 only, and its unfused fallback (the one fp32 gets) takes no THD.
+TE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def local_layer_spec(model_cfg: ModelConfig):
+    """megatron's local layer spec (any device); normalization: the q/k norms follow it (the
+    block's own norms read config.normalization)."""
     return get_gpt_layer_local_spec(num_experts=model_cfg.num_experts, moe_grouped_gemm=False,
                                     qk_layernorm=model_cfg.qk_layernorm, normalization=model_cfg.normalization)
+
+
+def te_layer_spec(model_cfg: ModelConfig):
+    """megatron's Transformer Engine layer spec (CUDA and TE needed to build it)."""
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=model_cfg.num_experts, moe_grouped_gemm=False,
+                                                      qk_layernorm=model_cfg.qk_layernorm)
+
+
+def te_importable() -> bool:
+    try:
+        # deferred: transformer_engine needs CUDA (GPU extra)
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def layer_spec(model_cfg: ModelConfig, params_dtype: torch.dtype = torch.float32):
+    """Transformer Engine spec when CUDA and TE are there and the model computes in fp16/bf16;
+    megatron's local spec otherwise. fp32 takes the local spec: packed micro-batches (the
+    default) go to TE's attention in the THD layout, which has no fp32 backend (TE_DTYPES), while
+    the local spec attends packed rows through an explicit mask in any precision. LoRA always
+    takes the local spec: TE fuses the layer norm into qkv/fc1, whose adapters need the normed
+    input."""
+    if model_cfg.lora is None and params_dtype in TE_DTYPES and cuda_present() and te_importable():
+        return te_layer_spec(model_cfg)
+    return local_layer_spec(model_cfg)
 
 
 class ValueGPTModel(GPTModel):
@@ -203,7 +226,7 @@ def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, se
     cls = ValueGPTModel if value_head else GPTModel
     model = cls(
         config=config,
-        transformer_layer_spec=layer_spec(model_cfg),
+        transformer_layer_spec=layer_spec(model_cfg, config.params_dtype),
         vocab_size=model_cfg.padded_vocab_size,
         max_sequence_length=model_cfg.max_seq_len,
         pre_process=bool(pctx.is_first_stage),

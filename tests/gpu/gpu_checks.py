@@ -8,16 +8,19 @@ prints `CHECK <name> OK|FAIL|SKIP <detail>`; the figures go to --out (JSON) and 
     torch_gpu_tok_s=... refit_s=... grpo_step_s=...
 Checks:
 - nccl: torch.distributed with NCCL on this GPU, an all-reduce (gloo on --device cpu);
-- megatron_local: megatron-core's GPTModel (local layer spec) forward on the device, equal to
-  the same model's forward on CPU;
+- megatron_local: megatron-core's GPTModel (local layer spec) built and run on the device, its
+  logits equal to transformers' float32 forward of the same weights on the CPU (megatron itself
+  cannot run on the CPU in a CUDA process: its CPU compatibility layer is off there);
 - megatron_te: the same with the Transformer Engine spec (tests/gpu/te_spec_worker.py), when TE
   is importable;
 - kv_engine_bf16: a tiny Hugging Face Llama, imported into megatron (model.hf_path), refitted
   into the torch KV-cache engine in bf16 on the device; each of its greedy tokens is the argmax
   of transformers' bf16 forward on the same device over the same sequence (teacher-forced), or
   within bf16 rounding of it (a near-tie), and at least 90% are exactly the argmax;
-- refit: the engine refitted again from the (changed) training weights, timed; the engine then
-  generates what the training model's argmax says;
+- refit: the training weights changed (noise on every matrix), the engine refitted from them
+  (timed); its greedy tokens and log-probs then equal those of a fresh engine given only the new
+  weights, and differ from its own before the refit (a refit that does nothing fails); its first
+  token is the training model's argmax (or a bf16 near-tie);
 - grpo_step: a GRPO step on the device: seeded samples from the engine, a rule reward, group
   advantages (algorithms.advantages.grpo), the policy-gradient loss, backward, AdamW; checks that
   the update raised the log-probability of the better-than-group samples relative to the worse;
@@ -95,21 +98,51 @@ def megatron_model(cfg: ModelConfig, pctx, device: torch.device, seed: int = 5) 
     return [c.to(device) for c in chunks]
 
 
+def hf_reference(cfg: ModelConfig, full: dict[str, torch.Tensor]):
+    """transformers' model of the same architecture holding `full` (a megatron full state dict),
+    float32 on the CPU: the independent numerical reference (a CPU forward of transformers is
+    valid in a CUDA process; megatron's is not, its CPU compatibility layer being off there)."""
+    import transformers
+
+    from slurm_align.generation.trtllm_mapping import hf_config, hf_weights
+
+    conf = {k: v for k, v in hf_config(cfg).items() if k != "architectures"}
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**conf))
+    missing, unexpected = model.load_state_dict(hf_weights({k: t.cpu() for k, t in full.items()}, cfg), strict=False)
+    if unexpected or not all("lm_head" in k for k in missing):
+        raise RuntimeError(f"HF reference: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    return model.float().eval()
+
+
 def check_megatron_local(pctx, device: torch.device) -> None:
     from slurm_align.models.forward import forward_logits
+    from slurm_align.models.weights import full_state_dict
 
     cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=96,
                       vocab_size=200, max_seq_len=32, position_embedding="rope", normalization="RMSNorm",
                       activation="swiglu", add_bias_linear=False)
     tokens = torch.randint(0, 200, (2, 24), generator=torch.Generator().manual_seed(0))
-    cpu = megatron_model(cfg, pctx, torch.device("cpu"))
-    want = forward_logits(cpu, pctx, tokens, cfg.vocab_size)
-    chunks = [c.to(device) for c in cpu]
-    got = forward_logits(chunks, pctx, tokens.to(device), cfg.vocab_size)
+    if device.type == "cuda":   # IEEE float32 matmuls (TF32, where a library turned it on, is 1e-3 relative)
+        torch.backends.cuda.matmul.allow_tf32 = False
+    chunks = megatron_model(cfg, pctx, device)   # built where it runs: megatron on CUDA stays on CUDA
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # weights of unit scale (not init's 0.02): logits of order 1, so that errors show
+        for c in chunks:
+            for p in c.parameters():
+                if p.dim() == 2:
+                    p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+    got = forward_logits(chunks, pctx, tokens.to(device), cfg.vocab_size).float().cpu()
+    with torch.no_grad():
+        want = hf_reference(cfg, full_state_dict(chunks, pctx))(tokens).logits.float()
     where = {p.device.type for c in chunks for p in c.parameters()}
-    err = float((got.float().cpu() - want).abs().max())
-    ok = where == {device.type} and bool(torch.isfinite(got).all()) and err < 2e-3
-    report("megatron_local", "OK" if ok else "FAIL", f"params on {sorted(where)}, max |logits - CPU's| = {err:.2e}")
+    err = float((got - want).abs().max())
+    scale = float(want.abs().max())
+    # float32 both; 1e-4 of the logits' scale covers two libraries' reduction orders (measured on
+    # CPU: about 1e-7), while a wrong RoPE base or norm epsilon moves logits by 1e-2 and more
+    ok = where == {device.type} and bool(torch.isfinite(got).all()) and err <= 1e-4 * scale
+    report("megatron_local", "OK" if ok else "FAIL", f"params on {sorted(where)}, max |logits - transformers' "
+           f"float32 CPU forward of the same weights| = {err:.2e} (logits up to {scale:.2f})")
 
 
 def check_megatron_te(device: torch.device) -> None:
@@ -178,30 +211,56 @@ def check_kv_engine_bf16(pctx, device: torch.device, workdir: Path) -> tuple[lis
     return chunks, cfg
 
 
+def greedy(engine: KVCacheEngine, prompts: list[torch.Tensor], new: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy tokens and their log-probs (temperature 1's: the logits' own) for `prompts`."""
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=new, temperature=0.0, return_logprobs=True))
+    return out.response_tokens.cpu(), out.logprobs.float().cpu()
+
+
 def check_refit(chunks, pctx, cfg: ModelConfig, device: torch.device) -> None:
+    """An engine refitted from changed training weights generates exactly what a fresh engine
+    given only the new weights generates (same tokens, same log-probs), and not what it
+    generated before: a refit that keeps any old tensor, or does nothing, fails."""
     from slurm_align.models.forward import forward_logits
     from slurm_align.models.weights import local_tensors
 
     shape = GptShape.from_model_config(cfg)
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (7, 4, 11)]
+    new = 12
     engine = bf16_engine(shape, device)
     engine.refit({n: t.detach() for n, t in local_tensors(chunks, pctx)})
-    with torch.no_grad():  # "training" changed the weights
+    old_tokens, old_lp = greedy(engine, prompts, new)
+    with torch.no_grad():  # "training" changed every weight matrix (norm weights, all ones, keep their value)
         for c in chunks:
             for p in c.parameters():
-                p.mul_(1.5)
+                p.add_(torch.randn(p.shape, generator=g).to(p.device, p.dtype) * 0.5 * float(p.std()))
     sync(device)
     t0 = time.perf_counter()
     engine.refit({n: t.detach() for n, t in local_tensors(chunks, pctx)})
     sync(device)
     FIGURES["refit_s"] = time.perf_counter() - t0
-    prompt = torch.randint(0, cfg.vocab_size, (7,), generator=torch.Generator().manual_seed(9))
-    first = engine.generate([prompt], SamplingParams(max_new_tokens=1, temperature=0.0)).response_tokens[0, 0]
-    logits = forward_logits(chunks, pctx, prompt.unsqueeze(0).to(device), cfg.vocab_size)[0, -1].float()
+    tokens, lp = greedy(engine, prompts, new)
+    fresh = bf16_engine(shape, device)
+    fresh.refit({n: t.detach() for n, t in local_tensors(chunks, pctx)})
+    want_tokens, want_lp = greedy(fresh, prompts, new)
+    # tokens exactly; log-probs to 1e-3 (two engines, same kernels: equal unless a GPU library
+    # picks another reduction order; a stale tensor moves them by far more)
+    same_as_fresh = torch.equal(tokens, want_tokens) and float((lp - want_lp).abs().max()) <= 1e-3
+    changed = int((tokens != old_tokens).sum())
+    lp_moved = float((lp - old_lp).abs().max())
+    # and the engine's first token is the training model's argmax (or a bf16 near-tie of it)
+    logits = forward_logits(chunks, pctx, prompts[0].unsqueeze(0).to(device), cfg.vocab_size)[0, -1].float()
     top2 = logits.topk(2)
     tie = near_tie(top2.values)
-    ok = tie or int(first) == int(top2.indices[0])
-    report("refit", "OK" if ok else "FAIL", f"refit {FIGURES['refit_s'] * 1e3:.1f} ms; first greedy token {int(first)} "
-           f"vs training argmax {int(top2.indices[0])}" + (" (a bf16 tie)" if tie else ""))
+    agrees = tie or int(tokens[0, 0]) == int(top2.indices[0])
+    ok = same_as_fresh and changed > 0 and lp_moved > 0.1 and agrees
+    report("refit", "OK" if ok else "FAIL",
+           f"refit {FIGURES['refit_s'] * 1e3:.1f} ms; after it the engine's greedy tokens and log-probs "
+           f"{'equal' if same_as_fresh else 'DIFFER FROM'} a fresh engine's on the new weights; {changed} of "
+           f"{tokens.numel()} tokens changed by the refit (must be > 0), log-probs moved by up to {lp_moved:.3f} "
+           f"(must be > 0.1); first token {int(tokens[0, 0])} vs training argmax {int(top2.indices[0])}"
+           + (" (a bf16 tie)" if tie else ""))
 
 
 def check_grpo_step(chunks, pctx, cfg: ModelConfig, device: torch.device) -> None:

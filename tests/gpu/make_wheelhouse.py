@@ -1,18 +1,24 @@
 """The wheels an offline GPU machine needs to run slurm-align's GPU checks, and nothing more.
 
     python tests/gpu/make_wheelhouse.py DIR [--have tests/gpu/gpu_machine_packages.txt]
-        [--python-version 3.12] [--platform manylinux_2_28_x86_64] [--extras test] [--max-mib 60]
+        [--python-version 3.12] [--platform manylinux_2_28_x86_64] [--test-deps LIST]
+        [--extras EXTRAS] [--max-mib 40]
 
 Run where the package registry is reachable (tests/gpu/make_wheelhouse.sh is the entry point).
-1. Our requirements (setup.cfg: install_requires + --extras), less what the target has (--have,
-   one name or name==version a line) and less what cannot travel (SKIP: TensorRT-LLM,
-   Transformer Engine, PyTriton: too large, or CUDA builds; their checks skip on the target).
+1. What the GPU checks need: setup.cfg's install_requires (gpu_checks.py and the gpu tests import
+   the package), the test extra's entries named in --test-deps (default GPU_CHECK_TEST_DEPS: the
+   test runner, its plugins setup.cfg's addopts and markers use, transformers as the numerical
+   reference) and any whole extras given with --extras (none by default: the rest of the test
+   extra, wandb, mlflow, shellcheck, ..., serves no GPU check). Less what the target has (--have,
+   one name or name==version a line: the target's full package list) and less what cannot travel
+   (SKIP: TensorRT-LLM, Transformer Engine, PyTriton: too large, or CUDA builds; their checks skip
+   on the target).
 2. Their dependency closure, level by level with `pip download --no-deps` of binary wheels for
    the target's interpreter and platform, each wheel's own Requires-Dist giving the next level;
    not descending into a package the target has (its dependencies are there) or a skipped one,
    so torch and its CUDA wheels are never resolved. CI's pins (.ci/constraints.txt) choose the
    versions where they apply: exactly these wheels are downloaded.
-4. Over --max-mib in all: refused, the folder left without them, the largest named.
+3. Over --max-mib in all: refused, the folder left without them, the largest named.
 DIR gets the wheels and MANIFEST.txt (name, version, size, who needs it; what was skipped, why).
 """
 
@@ -41,6 +47,10 @@ SKIP = {
     "transformer-engine": "CUDA build (hundreds of MiB); the TE-spec checks skip",
     "nvidia-pytriton": "ships tritonserver (~100 MiB+) and needs numpy<2; the critic's checks skip",
 }
+# Of setup.cfg's test extra, what the GPU checks use: pytest and the plugins setup.cfg's addopts
+# (-n, --dist: xdist) and the tests' hang guards (timeout marks) need; transformers, the
+# numerical reference of gpu_checks.py and the gpu tests.
+GPU_CHECK_TEST_DEPS = ("pytest", "pytest-xdist", "pytest-timeout", "transformers")
 MANYLINUX = ("manylinux2014", "manylinux_2_17", "manylinux_2_24", "manylinux_2_26", "manylinux_2_27", "manylinux_2_28")
 
 
@@ -77,20 +87,30 @@ def pip_flags(python_version: str, platform: str) -> list[str]:
     return flags
 
 
-def wanted(extras: list[str], have: dict, env: dict) -> tuple[list[Requirement], dict[str, str]]:
+def wanted(extras: list[str], have: dict, env: dict,
+           test_deps: tuple[str, ...] = GPU_CHECK_TEST_DEPS) -> tuple[list[Requirement], dict[str, str]]:
+    """setup.cfg's requirements the GPU checks need (install_requires, the test extra's entries
+    named in `test_deps`, whole `extras`) less what the target has: (to bring, {skipped: why})."""
     groups = setup_requirements()
-    reqs, skipped = [], {}
-    for group in ["install_requires", *extras]:
+    picked = {canonicalize_name(n) for n in test_deps}
+    in_test = {canonicalize_name(r.name): r for r in groups.get("test", [])}
+    unknown = sorted(picked - set(in_test))
+    if unknown:
+        raise SystemExit(f"--test-deps {unknown}: setup.cfg's test extra has {sorted(in_test)}")
+    chosen = [*groups["install_requires"], *(in_test[n] for n in sorted(picked))]
+    for group in extras:
         if group not in groups:
             raise SystemExit(f"--extras {group}: setup.cfg has {sorted(groups)}")
-        for r in groups[group]:
-            name = canonicalize_name(r.name)
-            if r.marker is not None and not r.marker.evaluate({"extra": "", **env}):
-                continue
-            if name in SKIP:
-                skipped[name] = SKIP[name]
-            elif name not in have:
-                reqs.append(r)
+        chosen += groups[group]
+    reqs, skipped = [], {}
+    for r in chosen:
+        name = canonicalize_name(r.name)
+        if r.marker is not None and not r.marker.evaluate({"extra": "", **env}):
+            continue
+        if name in SKIP:
+            skipped[name] = SKIP[name]
+        elif name not in have:
+            reqs.append(r)
     return reqs, skipped
 
 
@@ -181,13 +201,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--have", type=Path, default=HAVE, help="what the target has (name or name==version a line)")
     ap.add_argument("--python-version", default="3.12")
     ap.add_argument("--platform", default="manylinux_2_28_x86_64")
-    ap.add_argument("--extras", default="test", help="comma-separated extras of setup.cfg besides install_requires")
-    ap.add_argument("--max-mib", type=float, default=60.0)
+    ap.add_argument("--test-deps", default=",".join(GPU_CHECK_TEST_DEPS),
+                    help="comma-separated entries of setup.cfg's test extra the checks need")
+    ap.add_argument("--extras", default="", help="comma-separated whole extras of setup.cfg to bring too")
+    ap.add_argument("--max-mib", type=float, default=40.0,
+                    help="refuse above this (the checkout and the wheels travel within 64 MiB)")
     args = ap.parse_args(argv)
     env = target_env(args.python_version, args.platform)
     have = read_have(args.have)
     extras = [e for e in args.extras.split(",") if e]
-    reqs, skipped = wanted(extras, have, env)
+    reqs, skipped = wanted(extras, have, env, tuple(n for n in args.test_deps.split(",") if n))
     flags = pip_flags(args.python_version, args.platform)
     with tempfile.TemporaryDirectory() as tmp:
         dl = Path(tmp)

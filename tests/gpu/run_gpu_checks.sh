@@ -9,8 +9,9 @@
 # 2. --wheelhouse DIR (made where the registry is reachable: tests/gpu/make_wheelhouse.sh): its
 #    wheels are installed with `pip install --no-index --find-links DIR --no-deps --target
 #    .gpu-deps`, a folder of this checkout put on PYTHONPATH: the machine's environment is never
-#    changed, its torch never replaced (a torch wheel in DIR is refused; torch's version is
-#    checked before and after). Without --wheelhouse nothing is installed.
+#    changed, its torch never replaced (torch-stack wheels in DIR, and wheels of anything the
+#    machine already has, are left out: tests/gpu/wheel_select.py; torch's version is checked
+#    before and after). Without --wheelhouse nothing is installed.
 # 3. What cannot be there (TensorRT-LLM, Transformer Engine, PyTriton: too large to bring) is
 #    reported as skipped with the reason, and its checks skip.
 # 4. The API fixture against the installed GPU packages (tests/gpu/extract_api.py --check), the
@@ -79,14 +80,8 @@ say "python $("$PY" -c 'import sys; print(sys.version.split()[0])') ($PY), torch
 DEPS=$REPO/.gpu-deps
 if [[ -n $WHEELHOUSE ]]; then
     [[ -d $WHEELHOUSE ]] || { say "--wheelhouse $WHEELHOUSE: not a folder"; echo "$NA_LINE"; exit 2; }
-    wheels=()
-    for w in "$WHEELHOUSE"/*.whl; do
-        [[ -e $w ]] || continue
-        case $(basename "$w") in
-            torch-* | nvidia_* | triton-*) say "refused $(basename "$w"): the machine's torch stack is never replaced" ;;
-            *) wheels+=("$w") ;;
-        esac
-    done
+    # the machine's torch stack and whatever it already has are left out (tests/gpu/wheel_select.py)
+    mapfile -t wheels < <("$PY" tests/gpu/wheel_select.py "$WHEELHOUSE" 2> >(tee -a "$LOG" >&2))
     say "pip install --no-index --find-links $WHEELHOUSE --no-deps --target .gpu-deps (${#wheels[@]} wheels)"
     rm -rf "$DEPS"
     if ((${#wheels[@]})); then

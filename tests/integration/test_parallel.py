@@ -57,6 +57,7 @@ def test_layout_validation_names_fields() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.mpi  # init_distributed calls MPI_Init: deselected where there is no MPI launcher
 def test_bootstrap_picks_nccl_on_gpu() -> None:
     """On a GPU machine the default backend is NCCL and collectives run on the rank's device."""
     code = (

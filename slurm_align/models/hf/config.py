@@ -236,12 +236,18 @@ def hf_config_dict(cfg, model_type: str, base: dict[str, Any] | None = None,
                     "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu"}[cfg.activation]})
         return out
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rotary_base}
+    # Both keys: transformers >= 5 reads rope_parameters (rope_theta inside); transformers 4.x
+    # (TensorRT-LLM 1.2.1 pins 4.57.3, and other readers of an exported folder) reads only
+    # rope_scaling (null: plain RoPE) and rope_theta: without it Llama-3 scaling is silently lost.
+    scaling = None
     if cfg.rope_scaling is not None:
-        rope.update(rope_type="llama3", **cfg.rope_scaling.model_dump())
+        scaling = {"rope_type": "llama3", **cfg.rope_scaling.model_dump()}
+        rope.update(scaling)
     out.update({"num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
                 "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.query_groups,
                 "head_dim": cfg.head_dim, "intermediate_size": cfg.ffn, "hidden_act": "silu",
-                "rms_norm_eps": cfg.norm_epsilon, "rope_parameters": rope, "rope_theta": cfg.rotary_base,
+                "rms_norm_eps": cfg.norm_epsilon, "rope_parameters": rope, "rope_scaling": scaling,
+                "rope_theta": cfg.rotary_base,
                 "max_position_embeddings": out.get("max_position_embeddings", cfg.max_seq_len)})
     if model_type in ("llama", "mistral"):
         out.update(attention_bias=cfg.add_bias_linear, mlp_bias=cfg.add_bias_linear)

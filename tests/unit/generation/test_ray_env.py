@@ -5,6 +5,8 @@ refuses, and TP larger than a node's GPUs refused at submit."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -12,8 +14,8 @@ from slurm_align import REPO_ROOT
 from slurm_align.config import ConfigError, load_profile, load_run_config
 from slurm_align.config.loading import check_runnable, trtllm_tp_fits_a_node
 from slurm_align.generation import GenerationError
-from slurm_align.generation.ray_env import (LAUNCHER_PREFIXES, TRTLLM_ENV, check_replica_gpus, parse_visible_devices,
-                                            ray_init_kwargs, task_cpus)
+from slurm_align.generation.ray_env import (LAUNCHER_PREFIXES, RAY_PINS, TRTLLM_ENV, check_replica_gpus,
+                                            parse_visible_devices, ray_init_kwargs, task_cpus, trtllm_ray_cpus)
 from slurm_align.generation.trtllm_engine import TrtllmEngine, physical_gpu
 from tests.integration.test_generation_trtllm import QWEN, megatron_full
 # the fixture fake_trtllm: tensorrt_llm and ray recorded
@@ -24,6 +26,7 @@ JOB_ENV = {  # what a rank of `srun --mpi=pmix` / mpirun / Intel MPI sees, besid
     "PMIX_RANK": "3", "PMIX_NAMESPACE": "slurm.pmix.42.0", "PMI_FD": "7", "PRTE_MCA_x": "1", "OMPI_COMM_WORLD_RANK": "3",
     "OPAL_PREFIX": "/opt/ompi", "I_MPI_PMI_LIBRARY": "/usr/lib/libpmi.so", "HYDRA_LAUNCHER": "slurm",
     "MPICH_INTERFACE_HOSTNAME": "n1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "CUDA_VISIBLE_DEVICES": "4,6",
+    "RAY_ADDRESS": "10.0.0.1:6379", "RAY_GCS_SERVER_PORT": "6379",   # another Ray's, or a fixed port: kept out
 }
 
 
@@ -45,9 +48,43 @@ def test_ray_workers_get_the_replicas_gpus_no_launcher_variables_and_trtllm_swit
     assert env["KEEP_ME"] == "1" and all(env[k] == v for k, v in TRTLLM_ENV.items())
     assert env["TLLM_NUMA_AWARE_WORKER_AFFINITY"] == "0"
     assert made["env"] == env                              # the LLM's workers are made in the same environment
-    assert init["num_cpus"] == 3 and init["num_gpus"] == 1 and init["address"] == "local"
+    assert not set(RAY_PINS) & set(env)
+    # 3 CPUs in the cpuset, but TensorRT-LLM's executor reserves TP + 4: Ray is given that many
+    assert init["num_cpus"] == trtllm_ray_cpus(1) == 5 and init["num_gpus"] == 1 and init["address"] == "local"
     assert init["_temp_dir"] == str(tmp_path / "ray") and init["log_to_driver"] is True
     assert os.environ["PMIX_RANK"] == "3" and os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"   # restored
+
+
+@pytest.mark.parametrize("cpuset, tp, want", [(1, 1, 5), (1, 4, 8), (3, 2, 6), (16, 2, 16)])
+def test_ray_gets_the_cpuset_but_at_least_what_tensorrt_llm_reserves(monkeypatch, cpuset, tp, want):
+    """TensorRT-LLM 1.2's Ray executor: a placement group of TP CPUs and two queue actors of 2
+    CPUs each; fewer CPUs in the instance and they are never scheduled (start-up hangs)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpuset)))
+    assert ray_init_kwargs(tp)["num_cpus"] == want
+
+
+def test_two_private_ray_instances_on_one_node_each_schedule_what_tensorrt_llm_asks():
+    """Real Ray (where installed: the trtllm extra): two replicas' private instances at once on
+    this node, each from a one-CPU task, each schedules TensorRT-LLM's placement group and queue
+    actors; each has a GCS of its own (no fixed port shared)."""
+    pytest.importorskip("ray")
+    cmd = [sys.executable, "-W", "ignore", "-m", "tests.programs.ray_private_prog", "1"]
+    env = {**os.environ, "RAY_GCS_SERVER_PORT": "6379"}   # a pin in the job's environment is not obeyed
+    # the first replica's instance is up and held while the second starts (each task on its own CPU)
+    first = subprocess.Popen([*cmd, "300", "0"], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        up = first.stdout.readline()   # the program prints it once all is scheduled, or ends
+        assert up.startswith("RAY_PRIVATE_OK"), first.communicate(timeout=60)[1][-3000:]
+        second = subprocess.run([*cmd, "0", "1"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=False,
+                                timeout=300)
+        other = next((x for x in second.stdout.splitlines() if x.startswith("RAY_PRIVATE_OK")), "")
+        assert second.returncode == 0 and other, second.stdout[-2000:] + second.stderr[-3000:]
+    finally:
+        first.terminate()
+        first.communicate(timeout=60)
+    assert up.split()[1] != other.split()[1], (up, other)   # a GCS each
+    assert "cpus=5" in up and "cpus=5" in other, (up, other)
 
 
 def test_ray_temp_dir_is_never_the_nodes_shared_one():

@@ -285,7 +285,7 @@ def literal_problems(source: str) -> list[str]:
         if arg not in kwargs:
             problems.append(f"LLM(...) must pass {arg} (default {TRT['defaults'].get('TorchLlmArgs.' + arg)})")
     tags = TRT["memory_tags"]
-    for const in ("WEIGHT_TAGS", "CACHE_TAGS"):
+    for const in ("WEIGHT_TAGS", "EXTRA_TAGS", "CACHE_TAGS"):
         bad = [t for t in consts.get(const, ()) if t not in tags["values"] or t.startswith("_no_capture")]
         if bad:
             problems.append(f"{const}: {bad} are not releasable memory tags ({tags['values']})")
@@ -379,10 +379,10 @@ def fake_trtllm(monkeypatch):
 
 
 def test_refit_generate_sleep_call_order_with_a_fake_llm(fake_trtllm, tmp_path):
-    """wake weights -> update buckets (one storage each) -> final None -> wake KV cache ->
-    generate -> sleep; the buckets hold every HF tensor, equal to the mapping's."""
+    """wake all but the KV cache -> update buckets (one storage each) -> final None -> wake KV
+    cache -> generate -> sleep; the buckets hold every HF tensor, equal to the mapping's."""
     from slurm_align.generation.params import SamplingParams
-    from slurm_align.generation.trtllm_engine import ALL_TAGS, CACHE_TAGS, WEIGHT_TAGS, TrtllmEngine
+    from slurm_align.generation.trtllm_engine import ALL_TAGS, CACHE_TAGS, EXTRA_TAGS, WEIGHT_TAGS, TrtllmEngine
     from slurm_align.generation.trtllm_mapping import hf_weights
 
     log, made = fake_trtllm
@@ -401,8 +401,15 @@ def test_refit_generate_sleep_call_order_with_a_fake_llm(fake_trtllm, tmp_path):
     engine.generate(prompts, SamplingParams(max_new_tokens=2), seeds=[7])
     engine.sleep()
     n_buckets = QWEN.num_layers + 1   # a bucket per layer (budget 0), and the rest
-    assert log == [f"wakeup:{','.join(WEIGHT_TAGS)}", *["update_weights:bucket:1-storage"] * n_buckets,
+    assert log == [f"wakeup:{','.join(WEIGHT_TAGS + EXTRA_TAGS)}", *["update_weights:bucket:1-storage"] * n_buckets,
                    "update_weights:None", f"wakeup:{','.join(CACHE_TAGS)}", "generate", f"sleep:{','.join(ALL_TAGS)}"]
+    # spelled out, against TensorRT-LLM's own list: sleep releases every releasable tag; before the
+    # first update_weights every one of them but the KV cache is awake (the finalizing call runs
+    # the model's post-load processing and resets executor caches), the KV cache after it
+    releasable = {t for t in TRT["memory_tags"]["values"] if not t.startswith("_no_capture")}
+    assert set(ALL_TAGS) == releasable
+    woken_first, woken_last = log[0].split(":")[1].split(","), log[n_buckets + 2].split(":")[1].split(",")
+    assert set(woken_first) == releasable - {"kv_cache"} and woken_last == ["kv_cache"]
     want = hf_weights(full, QWEN, torch.bfloat16)
     got = {n: t for b in llm.buckets for n, t in b.items()}
     assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -22,9 +23,19 @@ print(f"applied={s2.applied} patched={len(n1)} again={len(s2.patched)} untouched
 """
 
 
+def probe_env() -> dict[str, str]:
+    """A clean environment for the probe, keeping PYTHONPATH: where packages were installed beside
+    the interpreter's own (run_gpu_checks.sh's .gpu-deps, megatron-core included) it is the only
+    way the probe finds them."""
+    env = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"}
+    if os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return env
+
+
 def probe(mode: str) -> dict:
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", PROBE, mode], capture_output=True,
-                         text=True, timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+                         text=True, timeout=120, env=probe_env())
     assert out.returncode == 0, out.stderr[-3000:]
     return dict(kv.split("=") for kv in out.stdout.strip().splitlines()[-1].split())
 
@@ -49,6 +60,16 @@ def test_cpu_compat_is_a_no_op_when_cuda_is_reported():
 def test_cpu_compat_inert_on_real_gpu():
     r = probe("real")
     assert r["applied"] == "False" and r["untouched"] == r["total"]
+
+
+def test_the_probe_finds_packages_installed_on_pythonpath(tmp_path, monkeypatch):
+    """The GPU machine's megatron-core lives in a folder on PYTHONPATH (.gpu-deps): a module that
+    only PYTHONPATH reaches must import in the probe's environment."""
+    (tmp_path / "only_on_pythonpath.py").write_text("WHERE = 'pythonpath'\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]).rstrip(":"))
+    out = subprocess.run([sys.executable, "-c", "import only_on_pythonpath; print(only_on_pythonpath.WHERE)"],
+                         capture_output=True, text=True, timeout=60, env=probe_env(), cwd=tmp_path.parent)
+    assert out.returncode == 0 and out.stdout.strip() == "pythonpath", out.stderr[-2000:]
 
 
 def test_cpu_proxy_redirects_cuda_device_only():

@@ -112,3 +112,84 @@ def test_te_spec_model_equals_local_spec_model_on_gpu():
     proc = subprocess.run([sys.executable, "-W", "ignore", "tests/gpu/te_spec_worker.py"], cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.count("TE_SPEC_OK") == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+# --- which layer spec, with which arguments (recording stand-ins for megatron's spec builders) ---
+DENSE = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 200, "max_seq_len": 32}
+
+
+@pytest.fixture
+def specs(monkeypatch):
+    """megatron's two spec builders replaced by recorders; CUDA and TE reported present."""
+    from slurm_align.models import gpt
+
+    calls = []
+    for name, kind in (("get_gpt_layer_local_spec", "local"), ("get_gpt_layer_with_transformer_engine_spec", "te")):
+        monkeypatch.setattr(gpt, name, lambda *args, _kind=kind, **kwargs: calls.append((_kind, args, kwargs)) or _kind)
+    monkeypatch.setattr(gpt, "cuda_present", lambda: True)
+    monkeypatch.setattr(gpt, "te_importable", lambda: True)
+    return gpt, calls
+
+
+@pytest.mark.parametrize("moe", [None, 4], ids=["dense", "moe"])
+def test_each_spec_gets_the_models_experts_and_qk_norm_by_name(specs, moe):
+    from slurm_align.config.run import ModelConfig
+
+    gpt, calls = specs
+    cfg = ModelConfig(**DENSE, num_experts=moe, qk_layernorm=True, position_embedding="rope",
+                      normalization="RMSNorm", activation="swiglu", add_bias_linear=False)
+    assert gpt.te_layer_spec(cfg) == "te" and gpt.local_layer_spec(cfg) == "local"
+    assert calls == [("te", (), {"num_experts": moe, "moe_grouped_gemm": False, "qk_layernorm": True}),
+                     ("local", (), {"num_experts": moe, "moe_grouped_gemm": False, "qk_layernorm": True,
+                                    "normalization": "RMSNorm"})]
+
+
+def test_te_spec_worker_builds_each_spec_as_build_gpt_asks_for_it(specs):
+    """te_spec_worker puts a spec in gpt.layer_spec's place; build_gpt calls that with the
+    ModelConfig and the dtype: megatron's builders must still get num_experts=None (a dense
+    model), not the ModelConfig (which would build an MoE layer and fail on None % ep_size)."""
+    import torch
+
+    from slurm_align.config.run import ModelConfig
+    from tests.gpu.te_spec_worker import spec_of
+
+    gpt, calls = specs
+    cfg = ModelConfig(**DENSE)
+    for choose, kind in ((gpt.te_layer_spec, "te"), (gpt.local_layer_spec, "local")):
+        with spec_of(choose):
+            assert gpt.layer_spec(cfg, torch.float32) == kind   # the call build_gpt makes
+    assert [(k, a, w["num_experts"]) for k, a, w in calls] == [("te", (), None), ("local", (), None)]
+    assert gpt.layer_spec(cfg) == "local"                       # restored: fp32's default again
+
+
+def test_transformer_engine_only_for_half_precision_and_without_lora(specs, monkeypatch):
+    """fp32: the local spec (TE's packed THD attention has no fp32 backend, and packing is on by
+    default); fp16/bf16: TE's; LoRA: always local; no CUDA or no TE: local."""
+    import torch
+
+    from slurm_align.config.run import ModelConfig
+
+    gpt, _ = specs
+    cfg = ModelConfig(**DENSE)
+    lora = ModelConfig(**DENSE, lora={"rank": 4})
+    got = [gpt.layer_spec(cfg, torch.float32), gpt.layer_spec(cfg, torch.bfloat16), gpt.layer_spec(cfg, torch.float16),
+           gpt.layer_spec(lora, torch.bfloat16)]
+    assert got == ["local", "te", "te", "local"]
+    monkeypatch.setattr(gpt, "te_importable", lambda: False)
+    assert gpt.layer_spec(cfg, torch.bfloat16) == "local"
+
+
+def test_packed_input_to_te_attention_in_fp32_is_refused_clearly():
+    """A TE-attention model (a stand-in module of that class name) in fp32 is refused before TE
+    fails without a backend; in bf16 it takes the THD layout; megatron's local attention never."""
+    import torch
+
+    from slurm_align.models.forward import uses_thd
+
+    TEDotProductAttention = type("TEDotProductAttention", (torch.nn.Linear,), {})
+    model = torch.nn.Sequential(TEDotProductAttention(4, 4))
+    with pytest.raises(ValueError, match=r"Transformer Engine's attention need parameters in torch.float16 or "
+                                         r"torch.bfloat16, got torch.float32.*turn packing off"):
+        uses_thd(model)
+    assert uses_thd(model.to(torch.bfloat16)) is True
+    assert uses_thd(torch.nn.Sequential(torch.nn.Linear(4, 4))) is False
