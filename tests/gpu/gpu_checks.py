@@ -187,27 +187,37 @@ def check_kv_engine_bf16(pctx, device: torch.device, workdir: Path) -> tuple[lis
     prompts = [torch.randint(0, LLAMA["vocab_size"], (n,), generator=g) for n in (5, 9, 3, 12)]
     new = 16
     ours = engine.generate(prompts, SamplingParams(max_new_tokens=new, temperature=0.0)).response_tokens
+    # The exact reference: the same weights in float32. bf16 is an approximation on both sides, so a
+    # token where our bf16 choice differs from transformers' bf16 choice is a near-tie when the two
+    # tokens' float32 logits differ by less than transformers' own bf16 error at that position
+    # (seen on an H200: gaps of 0.25-0.31 between two bf16 implementations of the same model).
+    exact = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
     hf = hf.to(device, torch.bfloat16).eval()
     # Teacher-forced: transformers scores our greedy responses in one forward; at every response
-    # position our token must be its argmax, or within bf16's rounding of its maximum (a tie the
-    # two implementations may break differently; a greedy run would diverge after it).
+    # position our token must be its argmax, or a near-tie (above) that the two implementations may
+    # break differently; a greedy run would diverge after it, teacher forcing does not.
     equal, ties, mismatch = 0, 0, []
     for i, p in enumerate(prompts):
         seq = torch.cat([p, ours[i]]).unsqueeze(0).to(device)
+        window = slice(p.numel() - 1, p.numel() - 1 + new)
         with torch.no_grad():
-            logits = hf(seq).logits[0, p.numel() - 1: p.numel() - 1 + new].float().cpu()
+            logits = hf(seq).logits[0, window].float().cpu()
+            ref = exact(seq).logits[0, window].float().cpu()
         for t in range(new):
-            top, mine = logits[t].max(), logits[t, int(ours[i, t])]
-            if int(logits[t].argmax()) == int(ours[i, t]):
+            mine, its = int(ours[i, t]), int(logits[t].argmax())
+            bf16_error = float((logits[t] - ref[t]).abs().max())
+            exact_gap = float(ref[t, its] - ref[t, mine])
+            if mine == its:
                 equal += 1
-            elif float(top - mine) <= 2 ** -5 * max(1.0, float(top.abs())):
+            elif exact_gap <= 2 * bf16_error:
                 ties += 1
             else:
-                mismatch.append((i, t, int(ours[i, t]), int(logits[t].argmax()), round(float(top - mine), 3)))
+                mismatch.append((i, t, mine, its, round(exact_gap, 3), round(bf16_error, 3)))
     ok = not mismatch and equal >= 0.9 * len(prompts) * new
     report("kv_engine_bf16", "OK" if ok else "FAIL",
            f"{equal} of {len(prompts) * new} greedy tokens are transformers {transformers.__version__}'s argmax in "
-           f"bf16 on {device}, {ties} within bf16 rounding of it; mismatches (prompt, step, ours, its, gap) {mismatch}")
+           f"bf16 on {device}, {ties} near-ties (float32 gap <= 2x its bf16 error); "
+           f"mismatches (prompt, step, ours, its, float32 gap, bf16 error) {mismatch}")
     return chunks, cfg
 
 
