@@ -10,6 +10,10 @@ model's turns and the tool's, in the plain format the multi-turn loop writes
 output (segments), so SFT trains the model's turns only. The SFT policy thus calls the tool only
 sometimes (its greedy answer mostly not), which leaves GRPO its lesson: the answers that call
 the tool are the ones that score.
+
+The held-out problems (prompts_val.jsonl, and sft_val.jsonl in SFT form) are drawn first, with
+distinct prompts; no training row (sft_train, prompts) has one of their prompts
+(slurm_align/data/heldout.py).
 """
 
 from __future__ import annotations
@@ -19,13 +23,17 @@ import json
 import random
 from pathlib import Path
 
-SIZES = {"sft_train": 4000, "sft_val": 200, "prompts": 1000, "prompts_val": 200}
+from slurm_align.data.heldout import Problem, distinct, outside
+
+HELD_OUT = 200
+"""Held-out problems, distinct: prompts_val.jsonl, and sft_val.jsonl in SFT form."""
+SIZES = {"sft_train": 4000, "sft_val": HELD_OUT, "prompts": 1000, "prompts_val": HELD_OUT}
 TOOL_SHARE = 0.3
 """Share of SFT answers that call the calculator; the others answer at once (and are wrong when
 the model writes them: it cannot multiply in its head)."""
 
 
-def problem(rng: random.Random) -> tuple[str, str]:
+def problem(rng: random.Random) -> Problem:
     a, b = rng.randrange(100, 1000), rng.randrange(100, 1000)
     return f"{a}*{b}=", str(a * b)
 
@@ -44,16 +52,12 @@ def direct_answer(answer: str) -> list[dict]:
     return [{"role": "assistant", "content": answer}]
 
 
-def rows(kind: str, rng: random.Random, n: int, tool_share: float) -> list[dict]:
-    out = []
-    for _ in range(n):
-        prompt, answer = problem(rng)
-        if kind == "sft":
-            calls = rng.random() < tool_share
-            out.append({"input": prompt, "output": tool_answer(prompt, answer) if calls else direct_answer(answer)})
-        else:
-            out.append({"prompt": prompt, "answer": answer})
-    return out
+def row(kind: str, prompt: str, answer: str, rng: random.Random, tool_share: float) -> dict:
+    """A prompt row, or an SFT row whose answer calls the tool with probability tool_share."""
+    if kind == "sft":
+        calls = rng.random() < tool_share
+        return {"input": prompt, "output": tool_answer(prompt, answer) if calls else direct_answer(answer)}
+    return {"prompt": prompt, "answer": answer}
 
 
 def main() -> None:
@@ -65,12 +69,21 @@ def main() -> None:
     args = ap.parse_args()
     if not 0.0 <= args.tool_share <= 1.0:
         ap.error(f"--tool-share must be in [0, 1], got {args.tool_share}")
-    for i, (name, n) in enumerate(SIZES.items()):
-        rng = random.Random(args.seed * 1000 + i)   # one stream per file: files are independent
+    streams = {name: random.Random(args.seed * 1000 + i) for i, name in enumerate(SIZES)}   # one per file
+    held = distinct(lambda: problem(streams["prompts_val"]), HELD_OUT)
+    held_prompts = {p for p, _ in held}
+    for name, n in SIZES.items():
+        rng, kind = streams[name], "sft" if name.startswith("sft") else "prompt"
+
+        def draw(rng: random.Random = rng) -> Problem:
+            return problem(rng)
+
         path = args.out / f"{name}.jsonl"
         with open(path, "w") as f:
-            for row in rows("sft" if name.startswith("sft") else "prompt", rng, n, args.tool_share):
-                f.write(json.dumps(row) + "\n")
+            for i in range(n):
+                # a training row draws its problem, then (SFT) whether it calls the tool
+                prompt, answer = held[i] if name.endswith("_val") else outside(draw, held_prompts)
+                f.write(json.dumps(row(kind, prompt, answer, rng, args.tool_share)) + "\n")
         print(f"wrote {n} rows to {path}")
 
 

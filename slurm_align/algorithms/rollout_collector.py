@@ -85,7 +85,7 @@ class RolloutCollector:
         self.version = 0
         self.env = None   # multi-turn (run.multi_turn): the environment, built once per generating rank
         if run.multi_turn:
-            self.env = load_environment(EnvironmentContext(run.environment, reward_rule=run.reward.rule))
+            self.env = load_environment(EnvironmentContext.for_run(run))
             self.renderer = TurnRenderer(tokenizer, self.env.tools())
 
     def set_version(self, version: int) -> None:

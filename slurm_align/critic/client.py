@@ -15,6 +15,10 @@
   Nothing says it comes back within `restart_notice_s`: the request fails as before. A
   timeout is never retried (a hung critic), nor is critic_shutdown; critic_train carries a
   request_id, so a retried step is not applied twice.
+- Every request carries a request_id that its reply echoes (protocol.py): a reply with another
+  id (the late answer of a request that timed out, delivered in place of this one's) or without
+  the outputs asked for (a broken stub's) is never returned; the connection is dropped and the
+  request sent again, as one the server dropped (without outputs: after a restart).
 - Only the model-parallel source rank of the actor should call the critic; `share_from_source`
   hands its result to the other ranks of the model-parallel group.
 """
@@ -234,6 +238,10 @@ class CriticClient:
         """One request to a Triton model, sent again (RETRIES times at most, with `retry`) when
         the server dropped it and came back; a critic_control command (P.COMMANDS) is sent to
         that model with its `command` input, and errors name the command."""
+        if P.REQUEST_ID not in inputs:   # one id per request, kept on its retries
+            rid = secrets.randbits(63)
+            rows = inputs["lengths"].shape[0] if endpoint == P.INFER else 1
+            inputs = {**inputs, P.REQUEST_ID: np.full((rows, 1) if endpoint == P.INFER else (1,), rid, np.int64)}
         for attempt in range(RETRIES + 1):
             sent_at = time.monotonic()
             try:
@@ -263,7 +271,7 @@ class CriticClient:
             # a copy per request: tritonclient writes the request's own Inference-Header-Content-
             # Length into the dict it is given, and concurrent requests would send each other's
             res = self._http().infer(endpoint, reqs, headers=dict(self._headers), outputs=[
-                th.InferRequestedOutput(n, binary_data=True) for n in outputs])
+                th.InferRequestedOutput(n, binary_data=True) for n in (*outputs, P.REQUEST_ID)])
         except InferenceServerException as e:   # the stub missed its health deadline (server.py)
             kind = _ServerBroken if "is not healthy" in str(e) else CriticError
             raise kind(f"{self._where(label)}: {_server_reason(e.message() or str(e))}") from None
@@ -273,7 +281,19 @@ class CriticClient:
             kind = _ServerLost if _server_lost(e) else CriticError
             raise kind(f"{self._where(label)}: request failed after {took:.1f} s "
                        f"(request_timeout_s={self.request_timeout_s:g}): {type(e).__name__}: {e}") from None
-        return {n: res.as_numpy(n) for n in outputs}
+        got = {n: res.as_numpy(n) for n in (*outputs, P.REQUEST_ID)}
+        sent_id = int(inputs[P.REQUEST_ID].reshape(-1)[0])
+        missing = [n for n, a in got.items() if a is None]
+        echoed = None if got[P.REQUEST_ID] is None else set(got[P.REQUEST_ID].reshape(-1).tolist())
+        if missing or echoed != {sent_id}:
+            self._local.client = None   # whatever it holds after this reply is not this request's
+            # no outputs: a broken stub's answer (server.py), which a new tritonserver ends;
+            # another request's reply: a late one, so this request is simply sent again
+            kind = _ServerBroken if missing else _ServerLost
+            why = f"without {', '.join(missing)}" if missing else f"for request_id {sorted(echoed)}"
+            raise kind(f"{self._where(label)}: a reply {why} came to request_id {sent_id}; "
+                       "discarded, not taken as this request's answer")
+        return {n: got[n] for n in outputs}
 
     # -- requests --------------------------------------------------------------------------
     def infer_async(self, tokens: np.ndarray, lengths: np.ndarray, *, timing: bool = False,
@@ -303,7 +323,7 @@ class CriticClient:
                   "returns": f32(returns), "prev_values": f32(prev_values), "mask": f32(mask)}
         if step is not None:
             inputs["step"] = np.array([step], dtype=np.int64)
-        inputs["request_id"] = np.array([secrets.randbits(63)], dtype=np.int64)   # one per step, kept on retries
+        inputs[P.REQUEST_ID] = np.array([secrets.randbits(63)], dtype=np.int64)   # one per step, kept on retries
         return self._pool.submit(lambda: float(self._call(P.TRAIN, inputs, ["loss"])["loss"][0]))
 
     def infer(self, tokens, lengths, *, timing: bool = False, step: int | None = None):

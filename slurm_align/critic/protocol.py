@@ -16,6 +16,12 @@ Two Triton models (each one costs its own Python backend process, ~2 s at start 
       critic_shutdown -> ack int64 [1]; the critic stops after answering
     critic_infer and critic_train also take an optional `step` int64 (the actor's PPO step; [B,1]
     resp. [1]) that labels the critic's trace spans.
+    Every request may carry `request_id` int64 ([B,1] for critic_infer, [1] for critic_control),
+    and every reply echoes it as the output `request_id` (-1 when the request had none), beside
+    the answer it labels: the client takes only a reply that carries its own request's id. (A
+    reply of a request the client gave up on, delivered late, must not become the next request's
+    answer, whichever layer mixed them up.) critic_train's request_id also keeps a retried
+    optimizer step from being applied twice.
 
 Every request carries two headers (see server.py for why two):
     triton-access-token   gate_token(secret): Triton itself refuses requests without it
@@ -40,6 +46,8 @@ COMMANDS = {TRAIN: ("tokens", "lengths", "returns", "prev_values", "mask"), SAVE
 """Each command of critic_control with the inputs it needs."""
 
 TRAIN_FLOAT_INPUTS = ("returns", "prev_values", "mask")
+REQUEST_ID = "request_id"
+"""The input every request carries and the output every reply echoes."""
 
 GATE_HEADER = "triton-access-token"   # PyTriton's name for Triton's restricted-API header
 SECRET_HEADER = "x-slurm-align-secret"

@@ -67,6 +67,12 @@ def _step(requests) -> int | None:
     return max(steps) if steps else None
 
 
+def _echo(request, rows: int) -> np.ndarray:
+    """The request's own id for its reply, one per row ([rows, 1]; -1: it sent none)."""
+    rid = int(np.asarray(request[P.REQUEST_ID]).reshape(-1)[0]) if P.REQUEST_ID in request.keys() else -1
+    return np.full((rows, 1), rid, dtype=np.int64)
+
+
 @dataclass
 class PendingCommand:
     command: Command
@@ -345,10 +351,12 @@ class CriticServer:
         triton.bind(P.INFER, self._infer,
                     inputs=[Tensor(name="tokens", dtype=i64, shape=(-1,)),
                             Tensor(name="lengths", dtype=i64, shape=(1,)),
-                            Tensor(name="step", dtype=i64, shape=(1,), optional=True)],
+                            Tensor(name="step", dtype=i64, shape=(1,), optional=True),
+                            Tensor(name=P.REQUEST_ID, dtype=i64, shape=(1,), optional=True)],
                     outputs=[Tensor(name="values", dtype=f32, shape=(-1,)),
                              Tensor(name="rewards", dtype=f32, shape=(1,)),
-                             Tensor(name="compute_ms", dtype=f32, shape=(1,))],
+                             Tensor(name="compute_ms", dtype=f32, shape=(1,)),
+                             Tensor(name=P.REQUEST_ID, dtype=i64, shape=(1,))],
                     config=ModelConfig(max_batch_size=lim.max_batch_size, batcher=DynamicBatcher(
                         max_queue_delay_microseconds=lim.max_queue_delay_us)),
                     strict=True)
@@ -360,11 +368,12 @@ class CriticServer:
                             Tensor(name="lengths", dtype=i64, shape=(-1,), optional=True),
                             *[Tensor(name=n, dtype=f32, shape=(-1, -1), optional=True) for n in P.TRAIN_FLOAT_INPUTS],
                             Tensor(name="step", dtype=i64, shape=(1,), optional=True),
-                            Tensor(name="request_id", dtype=i64, shape=(1,), optional=True),
+                            Tensor(name=P.REQUEST_ID, dtype=i64, shape=(1,), optional=True),
                             Tensor(name="name", dtype=np.bytes_, shape=(1,), optional=True)],
                     outputs=[Tensor(name="loss", dtype=f32, shape=(1,)),
                              Tensor(name="path", dtype=np.bytes_, shape=(1,)),
-                             Tensor(name="ack", dtype=i64, shape=(1,))],
+                             Tensor(name="ack", dtype=i64, shape=(1,)),
+                             Tensor(name=P.REQUEST_ID, dtype=i64, shape=(1,))],
                     config=ModelConfig(batching=False), strict=True)
 
     def _infer(self, requests) -> list[dict]:
@@ -394,11 +403,12 @@ class CriticServer:
             b, s = r["tokens"].shape[:2]
             if not ok:
                 nan = np.full((b, 1), np.nan, np.float32)
-                out.append({"values": np.full((b, s), np.nan, np.float32), "rewards": nan, "compute_ms": nan})
+                out.append({"values": np.full((b, s), np.nan, np.float32), "rewards": nan, "compute_ms": nan,
+                            P.REQUEST_ID: np.full((b, 1), -1, np.int64)})   # nothing of it is read
                 continue
             out.append({"values": np.ascontiguousarray(values[row:row + b, :s], dtype=np.float32),
                         "rewards": rewards[row:row + b].astype(np.float32).reshape(b, 1),
-                        "compute_ms": np.repeat(ms, b, axis=0)})
+                        "compute_ms": np.repeat(ms, b, axis=0), P.REQUEST_ID: _echo(r, b)})
             row += b
         return out
 
@@ -406,7 +416,8 @@ class CriticServer:
         # The secret first: nothing of a stranger's request is read before it is checked.
         self._authorize(P.CONTROL, requests)
         handlers = {P.TRAIN: self._train, P.SAVE: self._save, P.SHUTDOWN: self._shutdown}
-        return [handlers[P.validate_command(r["command"], set(r.keys()))](r) for r in requests]
+        return [{**handlers[P.validate_command(r["command"], set(r.keys()))](r), P.REQUEST_ID: _echo(r, 1)[0]}
+                for r in requests]
 
     def _train(self, r) -> dict:   # one request is one optimizer step
         lim = self.limits
@@ -414,9 +425,9 @@ class CriticServer:
         lengths = P.validate_train(r["tokens"], r["lengths"], floats,
                                    max_seq_len=lim.max_seq_len, vocab_size=lim.vocab_size)
         data = {"tokens": r["tokens"], "lengths": lengths, **floats, "step": _step([r])}
-        if "request_id" not in r.keys():
+        if P.REQUEST_ID not in r.keys():
             return {"loss": np.array([self._submit("train", data)], dtype=np.float32)}
-        rid = int(np.asarray(r["request_id"]).reshape(-1)[0])
+        rid = int(np.asarray(r[P.REQUEST_ID]).reshape(-1)[0])
         with self._trains_lock:   # a retry of a step already taken gets that step's loss
             step = self._trains.get(rid)
             if step is None:

@@ -23,9 +23,11 @@ import math
 import numbers
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
 
 if TYPE_CHECKING:   # types only: config.py imports the registry, which imports this module
+    from slurm_align.config.run import RunConfig
     from slurm_align.environments.config import EnvironmentConfig
 
 Message = dict[str, Any]
@@ -65,6 +67,14 @@ class EnvironmentContext:
     """The run's rule reward 'module:function' (reward.rule), scoring final answers."""
     prompt_key: str = "prompt"
     """The data row's field that holds the prompt text."""
+    run_dir: Path | None = None
+    """The run's directory (its secret, checkpoints, logs): model-written code must not see it,
+    so the python tool hides it from its sandbox. None: no run (a test, an offline evaluation)."""
+
+    @classmethod
+    def for_run(cls, run: "RunConfig") -> "EnvironmentContext":
+        """The context a run's ranks build their environment with."""
+        return cls(run.environment, reward_rule=run.reward.rule, run_dir=run.run_dir)
 
 
 class Environment(ABC):

@@ -22,12 +22,13 @@ no preexec_fn, which is unsafe in a threaded process such as the tool pool):
   kernel allows neither, the program has the node's network: result.network_isolated is False
   and `require_network_isolation` refuses to run it instead.
 - files: the program can read what its uid may read (e.g. /etc/passwd; as `nobody`, nothing
-  that is mode 0600, such as a run's run.secret). `hidden_paths` (the run directory, say) are
-  covered by an empty read-only tmpfs (a file: by /dev/null) in a mount namespace of the
-  sandbox's own (root makes it directly, a normal user inside its user namespace; where neither
-  can, the run is refused with exit code 125 rather than run unhidden). This matters most when
-  the caller is a normal user, whose own files the sandbox's uid can otherwise read. The environment is replaced by a minimal one (no secrets from the
-  caller's environment variables).
+  that is mode 0600, such as a run's run.secret). `hidden_paths` (the python tool passes the
+  run directory: tools.PythonTool.for_run) are covered by an empty read-only tmpfs (a file: by
+  /dev/null) in a mount namespace of the sandbox's own (root makes it directly, a normal user
+  inside its user namespace; where neither can, the run is refused with exit code 125 rather
+  than run unhidden). This matters most when the caller is a normal user, whose own files the
+  sandbox's uid can otherwise read. The environment is replaced by a minimal one (no secrets
+  from the caller's environment variables).
 - what is NOT confined: a program that calls setsid() leaves the process group and outlives
   the wall-clock kill (it stays under the CPU-time, process and file limits); programs of
   sandboxes running at once as the same uid can signal each other's processes; files written

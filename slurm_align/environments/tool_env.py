@@ -124,7 +124,7 @@ class ToolEnvironment(RuleEnvironment):
 
     def __init__(self, ctx: EnvironmentContext, tools: dict[str, Tool] | None = None):
         super().__init__(ctx)
-        self.tool_map = load_tools(ctx.settings) if tools is None else tools
+        self.tool_map = load_tools(ctx.settings, ctx.run_dir) if tools is None else tools
         self.runner = ToolRunner(ctx.settings.tool_workers, ctx.settings.tool_timeout_s)
 
     def tools(self) -> list[dict[str, Any]]:

@@ -11,6 +11,8 @@ maximum). Built-in: `calculator` (calculator.py) and `python` (sandbox.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from slurm_align.config.errors import ConfigError
@@ -79,6 +81,13 @@ class Tool(ABC):
         """The tool for a run's environment settings (override to read them)."""
         return cls()
 
+    @classmethod
+    def for_run(cls, settings: "EnvironmentConfig", run_dir: Path | None) -> "Tool":
+        """The tool for a run: its environment settings and its directory, which a tool that runs
+        model-written code must keep from that code (override where it does; the default reads the
+        settings only, through from_settings)."""
+        return cls.from_settings(settings)
+
     @abstractmethod
     def run(self, **arguments: Any) -> str:
         """The tool's answer as the model will read it; raise to report an error."""
@@ -119,6 +128,19 @@ class PythonTool(Tool):
         # model reads "timed out" with the output so far rather than a bare timeout
         return cls(SandboxLimits(timeout_s=settings.tool_timeout_s * 0.9))
 
+    @classmethod
+    def for_run(cls, settings: "EnvironmentConfig", run_dir: Path | None) -> "PythonTool":
+        # The run directory holds run.secret (the key to the run's critic and generator), its
+        # checkpoints and logs. As root the sandbox runs the code as `nobody`, which cannot read
+        # the 0600 secret; but run as a normal user (the usual case on a cluster) the code runs as
+        # the user who owns every run file. So the directory is hidden in the sandbox's own mount
+        # namespace; where none can be made, the sandbox refuses to run the code (exit code 125,
+        # which the model reads) rather than run it with the run's files in reach.
+        tool = cls.from_settings(settings)
+        if run_dir is not None:
+            tool.limits = replace(tool.limits, hidden_paths=(*tool.limits.hidden_paths, str(Path(run_dir).resolve())))
+        return tool
+
     def run(self, code: str) -> str:
         r = run_code(code, self.limits)
         parts = [r.stdout]
@@ -140,18 +162,18 @@ def _is_tool(obj: Any) -> bool:
     return isinstance(obj, Tool) or (isinstance(obj, type) and issubclass(obj, Tool))
 
 
-def load_tools(settings: "EnvironmentConfig") -> dict[str, Tool]:
+def load_tools(settings: "EnvironmentConfig", run_dir: Path | None = None) -> dict[str, Tool]:
     """The tools settings.tools names, by their names; a user tool is 'module:name' of a Tool
-    instance or subclass."""
+    instance (used as it is) or subclass (made by its for_run with the settings and `run_dir`)."""
     tools: dict[str, Tool] = {}
     for i, spec in enumerate(settings.tools):
         if spec in BUILTIN_TOOLS:
-            tool = BUILTIN_TOOLS[spec].from_settings(settings)
+            tool = BUILTIN_TOOLS[spec].for_run(settings, run_dir)
         else:
             def error(msg, i=i):
                 return ConfigError([f"field 'environment.tools[{i}]': {msg}"])
             obj = resolve_spec(spec, "tool", "my_pkg.tools:search", kind="Tool", accept=_is_tool, error=error)
-            tool = obj.from_settings(settings) if isinstance(obj, type) else obj
+            tool = obj.for_run(settings, run_dir) if isinstance(obj, type) else obj
         if not tool.name or tool.name in tools:
             raise ConfigError([f"field 'environment.tools[{i}]': tool {spec!r} has name {tool.name!r}, "
                                f"empty or already taken (tools: {', '.join(tools)})"])

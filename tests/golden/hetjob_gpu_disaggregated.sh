@@ -203,14 +203,21 @@ while (( n_ended < 3 )); do
     if [[ -z "${ended[$i]:-}" ]] && { [[ "${pids[$i]}" == "$done_pid" ]] || { [[ -z "$done_pid" ]] && ! kill -0 "${pids[$i]}" 2>/dev/null; }; }; then
       ended[$i]=1
       n_ended=$((n_ended + 1))
-      if [[ "$terminating" -eq 1 ]]; then
-        break
+      if [[ "$terminating" -eq 1 || "$stopping" -eq 1 ]]; then
+        break   # stopping: the stop is recorded; how an ended component went does not change it
       fi
       echo "$code" >"$SLURM_ALIGN_RUN_DIR/logs/${names[$i]}/exit_code"
       if [[ "${names[$i]}" == actor && "$code" -eq 0 && -e "$SLURM_ALIGN_RUN_DIR/stopped_step" ]]; then
         # The actor stopped for preemption after every role saved: the others need not wind
-        # down (the critic's server takes seconds to stop); end them and requeue sooner.
+        # down (the critic's server takes seconds to stop); end them and requeue sooner. The
+        # stop is recorded first: a component ended by this kill exits non-zero (read as
+        # FAILED), and the time limit's kill may end the job before the others are reaped
+        # (CI: a job that stopped and saved read FAILED).
         stopping=1
+        for name in "${names[@]}"; do
+          echo 75 >"$SLURM_ALIGN_RUN_DIR/logs/$name/exit_code"   # read as STOPPED, not COMPLETED
+        done
+        echo "slurm-align: the actor stopped at step $(cat "$SLURM_ALIGN_RUN_DIR/stopped_step") and every role saved; ending the other components" >&2
         kill "${pids[@]}" 2>/dev/null || true
       elif [[ "$code" -ne 0 && "$failed" -eq 0 && "$stopping" -eq 0 ]]; then
         echo "slurm-align: component ${names[$i]} failed with exit code $code; stopping the others" >&2

@@ -13,7 +13,8 @@ import pytest
 
 from slurm_align.critic import protocol as P
 from slurm_align.critic.client import CriticClient, CriticError
-from tests.support.critic_support import CriticProcess, random_batch, write_run_dir
+from slurm_align.rundir import RunDir, read_run_secret
+from tests.support.critic_support import CriticProcess, LateReplyProxy, random_batch, write_run_dir
 
 REQUEST_TIMEOUT_S = 4.0
 # Slack over the request timeout, sized for a loaded 2-core machine (other tests' ranks can stall
@@ -134,3 +135,29 @@ def test_a_retried_train_step_is_applied_once(critic):
     np.testing.assert_array_equal(client.infer(tokens, lengths)[0], values)
     client._call(P.TRAIN, {**step, "request_id": np.array([12346], dtype=np.int64)}, ["loss"])
     assert not np.allclose(client.infer(tokens, lengths)[0], values)
+
+
+def test_a_late_reply_is_not_taken_as_the_next_requests_answer(critic):
+    """The reply to a request the client gave up on (timed out) comes back on the next request:
+    the client sees another request's id in it, discards it and sends its request again, so
+    each request gets its own answer. Deterministic: the proxy holds the first reply until the
+    next request, whatever the machine's speed (the timeout only ends a wait that nothing ends)."""
+    direct = critic["client"]
+    rng = np.random.default_rng(24)
+    first, second = random_batch(rng, 2, 8), random_batch(rng, 3, 5)
+    reference = direct.infer(*second)
+    proxy = LateReplyProxy((direct.host, direct.port))
+    client = CriticClient("127.0.0.1", proxy.port, secret=read_run_secret(RunDir(critic["run_dir"])),
+                          connect_timeout_s=30, request_timeout_s=2)
+    try:
+        with pytest.raises(CriticError, match=r"endpoint critic_infer: request failed after"):
+            client.infer(*first)
+        assert proxy.stage == "deliver"      # the first reply is held, for the next request
+        values, rewards = client.infer(*second)
+        assert proxy.stage == "pass"         # it was delivered, and refused
+        assert values.shape == (3, 5) and rewards.shape == (3,)
+        np.testing.assert_allclose(values, reference[0], atol=1e-5)
+        np.testing.assert_allclose(rewards, reference[1], atol=1e-5)
+    finally:
+        client.close()
+        proxy.close()

@@ -80,7 +80,8 @@ def well_formed(endpoint: str, save_name: str = "stranger.pt") -> dict:
         inputs = []
     if endpoint in P.COMMANDS:
         inputs.append({"name": "command", "shape": [1], "datatype": "BYTES", "data": [endpoint]})
-    return {"inputs": inputs}
+    rid = np.full((2, 1) if endpoint == P.INFER else (1,), 7, np.int64)   # as the actor's client sends it
+    return {"inputs": [*inputs, _tensor(P.REQUEST_ID, rid, "INT64")]}
 
 
 def raw(addr, path: str, body: bytes | None = None, headers: dict | None = None,
@@ -186,7 +187,9 @@ def test_refused_requests_merged_with_the_actors_cannot_fail_them(critic):
     merged = [body for status, body in answers if status == 200]
     assert merged, "no stranger's request was merged with the actor's"
     for body in merged:
-        assert all(np.isnan(np.asarray(o["data"], dtype=float)).all() for o in body["outputs"]), body
+        outputs = {o["name"]: np.asarray(o["data"], dtype=float) for o in body["outputs"]}
+        assert (outputs.pop(P.REQUEST_ID) == -1).all(), body     # its own id is not read either
+        assert all(np.isnan(a).all() for a in outputs.values()), body
     assert all("refused" in body["error"] for status, body in answers if status != 200), answers
 
 

@@ -5,7 +5,8 @@ The task's answer rides in each prompt row (`{"prompt": "7-3=", "answer": "4"}`)
 and in evaluation (eval.scorer), and val/score is the held-out exact-answer accuracy of greedy
 answers. The data comes from the example's own generator at one-digit operands
 (`--max-operand 9`): the two-digit default is beyond this tiny model on CPU (measured: 150 SFT
-steps reach 4% held-out).
+steps reach 4% held-out). The one-digit task has 155 distinct prompts: 51 are held out
+(prompts_val, sft_val), and SFT and GRPO train on the other 104 only.
 
 Measured (held-out every 20 steps): from the 120-step SFT policy's 0.115, GRPO at lr 2e-3
 reaches 0.19, 0.195, 0.19; at 1e-3 0.18, 0.165, 0.18; at GRPO's 5e-4 of the sort task it stays
@@ -14,6 +15,7 @@ at 0.115. From a 40-step SFT policy (also 0.115) it does not rise at any of thes
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -30,10 +32,32 @@ RULE = "slurm_align.rewards.arithmetic:exact_answer"
 SFT_STEPS = 120
 
 
-def generate(folder: Path) -> Path:
-    subprocess.run([sys.executable, str(EXAMPLE / "generate.py"), "--seed", "0", "--max-operand", "9",
-                    "--out", str(folder)], check=True, capture_output=True)
+def generate(folder: Path, example: Path = EXAMPLE, *args: str) -> Path:
+    subprocess.run([sys.executable, str(example / "generate.py"), "--seed", "0", *args, "--out", str(folder)],
+                   check=True, capture_output=True)
     return folder
+
+
+def assert_held_out(folder: Path) -> int:
+    """The held-out files' prompts are distinct and none is in a training file; returns how many."""
+    prompts = {name: [r.get("prompt", r.get("input")) for r in map(json.loads, (folder / f"{name}.jsonl").open())]
+               for name in ("sft_train", "sft_val", "prompts", "prompts_val")}
+    for held in ("sft_val", "prompts_val"):
+        repeated = len(prompts[held]) - len(set(prompts[held]))
+        assert repeated == 0, f"{folder / held}.jsonl repeats {repeated} of its {len(prompts[held])} prompts"
+        for train in ("sft_train", "prompts"):
+            both = set(prompts[held]) & set(prompts[train])
+            assert not both, f"{len(both)} prompts of {folder / held}.jsonl are in {train}.jsonl: {sorted(both)[:5]}"
+    return len(prompts["prompts_val"])
+
+
+def test_generator_writes_the_shipped_data_whose_held_out_prompts_are_held_out(tmp_path):
+    assert assert_held_out(generate(tmp_path)) == 200
+    assert assert_held_out(EXAMPLE) == 200
+    for name in ("sft_train", "sft_val", "prompts", "prompts_val"):
+        assert (tmp_path / f"{name}.jsonl").read_bytes() == (EXAMPLE / f"{name}.jsonl").read_bytes(), name
+    # the one-digit variant the learning test trains: a third of its 155 prompts held out
+    assert assert_held_out(generate(tmp_path / "one_digit", EXAMPLE, "--max-operand", "9")) == 51
 
 
 def grpo_config(data: Path, sft: Path, *overrides: str):
@@ -49,7 +73,8 @@ def grpo_config(data: Path, sft: Path, *overrides: str):
 @pytest.mark.slow
 @pytest.mark.timeout(1500)   # three end-to-end runs: a hang guard sized for a loaded 2-core machine
 def test_arithmetic_example_learns_with_its_rule_reward_and_its_broken_twin_does_not(tmp_path):
-    data = generate(tmp_path / "data")
+    data = generate(tmp_path / "data", EXAMPLE, "--max-operand", "9")
+    assert_held_out(data)
     sft = load_run_config(REPO_ROOT / "examples" / "sft_tiny.yaml", [
         f"data.train_path={data / 'sft_train.jsonl'}", f"data.val_path={data / 'sft_val.jsonl'}",
         "trainer.save_interval=0", f"trainer.num_steps={SFT_STEPS}"])

@@ -14,14 +14,13 @@ throughout. The test runs 5 GRPO steps of each.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from slurm_align import REPO_ROOT
 from slurm_align.config import load_run_config
+from tests.integration.test_example_arithmetic import assert_held_out, generate
 from tests.integration.test_grpo import launch, metrics, val_score
 
 EXAMPLE = REPO_ROOT / "examples" / "tool_arithmetic"
@@ -35,9 +34,9 @@ NO_TOOL = ["environment.environment=rule", "environment.tools=[]", "environment.
 """run.sh's control: one turn, no tool to answer a call."""
 
 
-def test_generator_writes_the_shipped_data(tmp_path):
-    subprocess.run([sys.executable, str(EXAMPLE / "generate.py"), "--seed", "0", "--out", str(tmp_path)],
-                   check=True, capture_output=True)
+def test_generator_writes_the_shipped_data_whose_held_out_prompts_are_held_out(tmp_path):
+    assert assert_held_out(generate(tmp_path, EXAMPLE)) == 200
+    assert assert_held_out(EXAMPLE) == 200
     for name in ("sft_train", "sft_val", "prompts", "prompts_val"):
         assert (tmp_path / f"{name}.jsonl").read_bytes() == (EXAMPLE / f"{name}.jsonl").read_bytes(), name
     rows = [json.loads(x) for x in (EXAMPLE / "sft_train.jsonl").read_text().splitlines()]

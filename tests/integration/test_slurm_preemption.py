@@ -16,20 +16,23 @@ import sys
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
 from slurm_align import REPO_ROOT
-from slurm_align.slurm.preemption import GRACE_ENV, read_events
 from slurm_align.config import load_profile
 from slurm_align.critic.client import CriticUnavailableError
 from slurm_align.rundir import START_ENV, RunDir, publish_critic_address, read_run_secret
 from slurm_align.slurm.launch import launch_run
+from slurm_align.slurm.preemption import GRACE_ENV, read_events
 from slurm_align.slurm.render import Entry
 from tests.support.critic_support import client_for, write_run_dir
 from tests.support.preempt_support import (
     DETERMINISTIC, assert_same_final_state, assert_unchanged, cli, events, logs_text, snapshot, wait_for,
 )
 from tests.integration.test_ppo import tiny_run
+
+STOP_THEN_LINGER = REPO_ROOT / "tests" / "programs" / "stop_then_linger.py"
 
 
 class StrangerListener:
@@ -230,3 +233,35 @@ def test_partition_preemption_finishes_the_step_in_flight_stops_then_requeues_an
     assert "resuming from step 1 " not in text and text.count("resuming from step 2 ") == 1
     assert_unchanged(before, snapshot(run_dir, 1))   # the step finished after the TERM was not redone
     assert_same_final_state(run_dir, ppo_reference(), tmp_path)
+
+
+def test_a_job_killed_while_its_components_end_after_the_actors_stop_reads_stopped(tmp_path):
+    """Once the actor stopped at a checkpoint, the job script ends the other components and
+    waits for them (the critic's server takes seconds, up to Triton's 30 s exit timeout); the
+    time limit's kill may end the whole job meanwhile (Slurm's KillWait: seconds). The stop is
+    recorded before that wait, so the job reads STOPPED, not FAILED (CI: the preemption chain's
+    job read FAILED while its actor had stopped and saved). Deterministic: the critic's launcher
+    is frozen, so the script waits for it until the test kills the job as the time limit does."""
+    run_dir = tmp_path / "run"
+    job = launch_run(tiny_run(), load_profile("local"), run_dir,
+                     entry=Entry(scripts={"actor": STOP_THEN_LINGER, "critic": STOP_THEN_LINGER}))
+    script = psutil.Process(job.record.pid)
+    try:
+        wait_for(lambda: (run_dir / "test_critic_up").exists(), "the critic", job=job)
+        [launcher] = [p for p in script.children() if p.environ().get("SLURM_ALIGN_COMPONENT") == "critic"]
+        launcher.suspend()          # its TERM from the script waits, and the script waits for it
+        (run_dir / "test_go").write_text("")
+        out = run_dir / "logs" / "job-local.out"
+        wait_for(lambda: "ending the other components" in out.read_text(), "the actor's stop", job=job)
+    finally:
+        for p in [script, *script.children(recursive=True)]:   # the time limit's kill, of all at once
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        job.wait(timeout_s=60)
+    codes = {c: p.read_text().strip() if (p := run_dir / "logs" / c / "exit_code").exists() else None
+             for c in job.record.components}
+    assert job.state() == "STOPPED", codes
+    status = json.loads(cli("status", str(run_dir), "--json", timeout=60).stdout)
+    assert (status["state"], status["stopped_at_step"]) == ("STOPPED", 3), status

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import numpy as np
 import psutil
 import yaml
 
+from slurm_align.critic import protocol as P
 from slurm_align.critic.client import CriticClient
 from slurm_align.rundir import RunDir, create_run_secret, read_critic_address, read_run_secret
 
@@ -135,6 +138,68 @@ class CriticProcess:
         if not self.log.closed:
             self.log.flush()
         return Path(self.log.name).read_text(errors="replace")[-4000:]
+
+
+def _read_http_message(f) -> bytes | None:
+    """One HTTP/1.1 request or response from a socket's binary file: its head and its
+    Content-Length body (tritonclient and tritonserver send no chunked bodies); None at EOF."""
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        line = f.readline()
+        if not line:
+            return None
+        head += line
+    fields = dict(line.split(b":", 1) for line in head.split(b"\r\n")[1:] if b":" in line)
+    fields = {k.strip().lower(): v.strip() for k, v in fields.items()}
+    assert fields.get(b"transfer-encoding", b"").lower() != b"chunked", head
+    return head + f.read(int(fields.get(b"content-length", b"0")))
+
+
+class LateReplyProxy:
+    """A proxy in front of the critic that answers an inference request with the reply of the
+    one before it: it withholds the first critic_infer reply (its client times out waiting), and
+    hands it, late, to the next critic_infer request in place of that one's own reply. After
+    that it passes everything through. The mix-up a client must not fall for, made on demand."""
+
+    def __init__(self, upstream: tuple[str, int]):
+        self.upstream = upstream
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.held: bytes | None = None
+        self.stage = "withhold"        # -> "deliver" -> "pass"
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, client: socket.socket) -> None:
+        with client, socket.create_connection(self.upstream) as up, client.makefile("rb") as cf, \
+                up.makefile("rb") as uf:
+            while (request := _read_http_message(cf)) is not None:
+                up.sendall(request)
+                reply = _read_http_message(uf)
+                if reply is None:
+                    return
+                if f"/models/{P.INFER}/infer".encode() in request.split(b"\r\n", 1)[0]:
+                    with self.lock:
+                        stage = self.stage
+                        if stage == "withhold":
+                            self.held, self.stage = reply, "deliver"
+                        elif stage == "deliver":
+                            reply, self.stage = self.held, "pass"
+                    if stage == "withhold":
+                        cf.read()      # no answer: until the client gives up and closes
+                        return
+                client.sendall(reply)
+
+    def close(self) -> None:
+        self.listener.close()
 
 
 def run_child(*args: str, timeout: float = 120, mpi_ranks: int = 0) -> str:

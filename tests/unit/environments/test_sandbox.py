@@ -206,19 +206,31 @@ def test_cli_prints_json():
                     reason="needs root to start the CLI as another, normal user")
 def test_unprivileged_caller(open_dir: Path):
     # a normal user (nobody, started so) runs the CLI: no privileges to drop, the namespaces
-    # are made unprivileged; its own world-readable file is hidden by --hide
-    shared = open_dir
-    if True:
-        hidden = shared / "rundir"
-        hidden.mkdir(mode=0o755)
-        (hidden / "run.secret").write_text("top secret")
-        os.chmod(hidden / "run.secret", 0o644)
-        prog = shared / "prog.py"
+    # are made unprivileged; its own world-readable file is hidden by --hide, and a listener on
+    # the node's loopback, which the program would reach with the node's network, is out of reach
+    hidden = open_dir / "rundir"
+    hidden.mkdir(mode=0o755)
+    (hidden / "run.secret").write_text("top secret")
+    os.chmod(hidden / "run.secret", 0o644)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        port = listener.getsockname()[1]
+        prog = open_dir / "prog.py"
         prog.write_text("import os, socket\nprint(os.getuid())\n"
                         f"print(os.path.exists({str(hidden / 'run.secret')!r}))\n"
-                        "try:\n    socket.create_connection(('127.0.0.1', 9), timeout=5)\n"
+                        f"try:\n    socket.create_connection(('127.0.0.1', {port}), timeout=5)\n"
+                        "    print('connected')\n"
                         "except OSError as e:\n    print('refused', e.errno)\n")
         os.chmod(prog, 0o644)
+        # the same connect outside the sandbox, as the same user, reaches the listener: the
+        # refusal below is the sandbox's doing, not the port's
+        reach = subprocess.run(["/usr/bin/python3", "-c", f"import socket; socket.create_connection(('127.0.0.1', "
+                                f"{port}), timeout=5); print('connected')"], user=65534, group=65534,
+                               extra_groups=[], capture_output=True, text=True, timeout=60)
+        assert reach.stdout == "connected\n", reach.stderr
+        listener.settimeout(10)
+        listener.accept()[0].close()
         out = subprocess.run(["/usr/bin/python3", "-m", "slurm_align.environments.sandbox", "--timeout-s", "20",
                               "--hide", str(hidden), str(prog)], cwd=REPO_ROOT, user=65534, group=65534,
                              extra_groups=[], capture_output=True, text=True, timeout=60)
@@ -227,5 +239,8 @@ def test_unprivileged_caller(open_dir: Path):
         if result["process_limit_scope"] != "namespace":
             pytest.skip(f"no unprivileged user namespace here: {result['stderr']}")
         lines = result["stdout"].splitlines()
-        assert lines[0] == "65534" and lines[1] == "False" and lines[2].startswith("refused")
+        assert lines[0] == "65534" and lines[1] == "False" and lines[2].startswith("refused"), result
         assert result["network_isolated"] and result["hidden_paths"] == [str(hidden)]
+        listener.setblocking(False)
+        with pytest.raises(BlockingIOError):             # nothing from the sandbox reached the listener
+            listener.accept()

@@ -4,19 +4,27 @@ unit/environments/test_sandbox.py)."""
 
 from __future__ import annotations
 
+import os
+import pwd
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
 import pytest
 
+from slurm_align import REPO_ROOT
 from slurm_align.config.errors import ConfigError
+from slurm_align.config.loading import load_run_config
 from slurm_align.environments import calculator
 from slurm_align.environments.base import EnvironmentContext, EnvironmentStepError, checked_reset, step_all
 from slurm_align.environments.config import EnvironmentConfig, parse_environment_config
 from slurm_align.environments.registry import load_environment
+from slurm_align.environments.sandbox import SandboxLimits
 from slurm_align.environments.tool_calls import BadCall, ToolCall, assistant_message, parse_tool_calls
 from slurm_align.environments.tool_env import ToolEnvironment, ToolRunner
 from slurm_align.environments.tools import CalculatorTool, Tool, check_arguments, load_tools
+from slurm_align.rundir import RunDir, create_run_secret
 
 HERE = "tests.unit.environments.test_tools"   # this module, named as user code names its tools
 RULE = "slurm_align.rewards.arithmetic:exact_answer"
@@ -303,3 +311,46 @@ def test_python_tool_runs_code_in_the_sandbox():
         assert r.messages[0]["content"] == "45 True\n\n[exit code 3]"
     finally:
         env.close()
+
+
+def test_python_tool_hides_the_run_directory_from_the_code_it_runs():
+    # The code's uid owns the run's files, as it does when a normal user runs the job (the usual
+    # case on a cluster): here, as root, the files go to the sandbox's user, `nobody`. Uid alone
+    # then keeps nothing from the code; only the hidden run directory does.
+    base = Path(tempfile.mkdtemp(prefix="python-tool-test-"))   # traversable by `nobody` (tmp_path is 0700)
+    try:
+        os.chmod(base, 0o755)
+        rd = RunDir(base / "run")
+        rd.root.mkdir()
+        create_run_secret(rd)
+        secret = rd.secret.read_text()
+        if os.getuid() == 0:
+            user = pwd.getpwnam(SandboxLimits().user)
+            for p in (rd.root, rd.secret):
+                os.chown(p, user.pw_uid, user.pw_gid)
+        code = ("import os\n"
+                f"print(sorted(os.listdir({str(rd.root)!r})))\n"
+                f"try:\n    print(repr(open({str(rd.secret)!r}).read()))\n"
+                "except OSError as e:\n    print(type(e).__name__)\n")
+        run = load_run_config(REPO_ROOT / "examples" / "grpo_tiny.yaml", [
+            f"run_dir={rd.root}", f"reward.rule={RULE}", "environment.environment=tools",
+            "environment.tools=[python]", "environment.max_turns=2", "environment.tool_timeout_s=30"])
+
+        def tool_output(ctx: EnvironmentContext) -> str:
+            env = load_environment(ctx)
+            try:
+                [r] = step_all(env, [(turn(call("python", code=code), env=env), ROW)])
+            finally:
+                env.close()
+            return r.messages[0]["content"]
+
+        # without the run (no directory to hide) the same code reads the secret: the files are in reach
+        unhidden = tool_output(EnvironmentContext(run.environment, reward_rule=RULE))
+        assert secret in unhidden and "run.secret" in unhidden
+        # the run's context (as the rollout collector builds it): the directory is an empty mount
+        hidden = tool_output(EnvironmentContext.for_run(run))
+        assert secret not in hidden and "run.secret" not in hidden
+        refused = "[exit code 125]" in hidden and "cannot hide" in hidden     # no mount namespace on this kernel
+        assert refused or hidden.splitlines() == ["[]", "FileNotFoundError"], hidden
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

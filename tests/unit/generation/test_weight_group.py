@@ -18,6 +18,10 @@ from slurm_align.generation.weight_stream import WeightAssembler
 from tests.integration.test_disaggregated import _pair
 
 SECRET = "s" * 32
+HOST = "127.0.0.2"
+"""The members' service address: a loopback address that neither this node's hostname nor an
+unbound (every interface) socket gives, so a group that ignores the address it is given shows."""
+HOST_HEX = socket.inet_aton(HOST)[::-1].hex().upper()   # as /proc/net/tcp writes it: "0200007F"
 
 
 def listening(pid: str = "self") -> dict[int, str]:
@@ -51,9 +55,9 @@ def groups():
     server.close()
     before = set(listening())
     made = {}
-    th = threading.Thread(target=lambda: made.setdefault("gen", open_group(gen_stream, 1, "127.0.0.1", 30)))
+    th = threading.Thread(target=lambda: made.setdefault("gen", open_group(gen_stream, 1, HOST, 30)))
     th.start()
-    trainer = open_group(trainer_stream, 0, "127.0.0.1", 30)
+    trainer = open_group(trainer_stream, 0, HOST, 30)
     th.join(30)
     gloo_ports = {p: a for p, a in listening().items() if p not in before}
     yield trainer_stream, trainer, gen_stream, made["gen"], gloo_ports
@@ -109,12 +113,12 @@ def test_a_bucket_that_is_not_what_the_trainer_announced_is_refused(groups):
 
 def test_an_outsider_on_the_gloo_sockets_changes_nothing(groups):
     """Someone else on the node connects to every socket the group listens on and sends junk;
-    the next version still arrives exactly, and the sockets bind 127.0.0.1 only."""
+    the next version still arrives exactly, and the sockets bind the members' address only."""
     trainer_stream, trainer, gen_stream, gen, gloo_ports = groups
     assert gloo_ports, "the group opened no listening socket to attack"
-    assert set(gloo_ports.values()) == {"0100007F"}   # 127.0.0.1, never every interface
+    assert set(gloo_ports.values()) == {HOST_HEX}, gloo_ports   # never every interface, nor the hostname's
     for port in gloo_ports:
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        with socket.create_connection((HOST, port), timeout=5) as s:
             s.sendall(os.urandom(4096))
     sender = GroupSender(trainer_stream, trainer)
     sd = state_dict(7)
