@@ -22,7 +22,7 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import warnings  # noqa: E402
+import warnings
 
 warnings.filterwarnings("ignore")
 
@@ -47,9 +47,9 @@ def timed(fn, repeat: int = 1) -> float:
 
 def build_training_model(arch: dict | None = None):
     from slurm_align.config.run import ModelConfig
+    from slurm_align.models.gpt import build_gpt
     from slurm_align.parallel.bootstrap import init_distributed
     from slurm_align.parallel.layout import initialize_model_parallel
-    from slurm_align.models.gpt import build_gpt
 
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                       vocab_size=VOCAB, max_seq_len=256, **(arch or {}))

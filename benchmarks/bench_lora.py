@@ -34,11 +34,11 @@ def measure(mode: str, steps: int, batch: int, seq: int, micro: int) -> dict:
     """One mode in this process: the numbers, as a dict."""
     import torch
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    from slurm_align.models.optimizer import optimizer_step
     from slurm_align.config.run import ModelConfig
     from slurm_align.models.forward import forward_logprobs, run_schedule, sequence_token_logprobs
     from slurm_align.models.gpt import build_gpt
     from slurm_align.models.lora import attach_configured, reference_policy, trainable_parameters
+    from slurm_align.models.optimizer import optimizer_step
     from slurm_align.models.packing import Batching
     from slurm_align.parallel.bootstrap import init_distributed
     from slurm_align.parallel.layout import initialize_model_parallel

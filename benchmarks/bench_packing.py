@@ -26,7 +26,7 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import warnings  # noqa: E402
+import warnings
 
 warnings.filterwarnings("ignore")
 

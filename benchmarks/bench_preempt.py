@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 from slurm_align import REPO_ROOT
-from slurm_align.slurm.preemption import read_events
 from slurm_align.config import load_profile, load_run_config
 from slurm_align.rundir import RunDir
 from slurm_align.slurm.launch import launch_run
+from slurm_align.slurm.preemption import read_events
 from slurm_align.store.traces import read_traces
 
 EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"

@@ -21,7 +21,8 @@ import importlib.abc
 import importlib.util
 import inspect
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 TARGET = "megatron.core"
 OPTIONAL_UNUSED = ("wandb",)   # imported by megatron.core when installed, used only by its own logging

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,7 +60,7 @@ class Conversation:
 
     @classmethod
     def start(cls, env: Environment, renderer: TurnRenderer, row: dict[str, Any], prompt: Sequence[int],
-              seed: int) -> "Conversation":
+              seed: int) -> Conversation:
         """The environment's first messages; a chat row's prompt re-rendered from them (with the
         tools' schemas), a plain row's kept as the dataset encoded it."""
         messages = checked_reset(env, row)

@@ -31,7 +31,7 @@ class EvalSet:
     scorer: RuleReward
 
     @classmethod
-    def from_run(cls, run: RunConfig, tokenizer) -> "EvalSet | None":
+    def from_run(cls, run: RunConfig, tokenizer) -> EvalSet | None:
         """None when evaluation is off. Prompts are encoded as the rollout prompts are."""
         ev = run.eval
         if not ev.interval:

@@ -50,11 +50,11 @@ from slurm_align.algorithms.rollout_collector import VERSION, RolloutCollector
 from slurm_align.config import RunConfig, load_run_config
 from slurm_align.data.datasets import PromptDataset
 from slurm_align.generation import engine_from_config
+from slurm_align.generation.params import GptShape
 from slurm_align.generation.stream import STOP, Stream, StreamClosed, StreamServer, connect
 from slurm_align.generation.weight_group import META, GroupReceiver, GroupSender, open_group
 from slurm_align.generation.weight_stream import WeightAssembler, send_weights
 from slurm_align.generation.weights import expected_shapes
-from slurm_align.generation.params import GptShape
 from slurm_align.models.lora import merged
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.models.weights import full_state_dict

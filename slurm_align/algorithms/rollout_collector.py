@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import torch

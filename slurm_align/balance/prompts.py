@@ -17,12 +17,12 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import numpy as np
 
 from slurm_align.profiling.phases import PROMPT_WAIT
-
 
 _REQ, _REPLY = 71, 72
 
@@ -291,7 +291,7 @@ class PromptServer:
         if self._error is not None:
             raise RuntimeError(f"prompt server thread failed: {self._error!r}") from self._error
 
-    def __enter__(self) -> "PromptServer":
+    def __enter__(self) -> PromptServer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -17,7 +17,8 @@ batch) and nowhere else. The same route can move further columns later (the crit
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -105,7 +106,7 @@ class Route:
 
     @classmethod
     def plan(cls, comm: Any, dp_rank: int, dp_size: int, *, index: np.ndarray, groups: np.ndarray,
-             lengths: np.ndarray, equal_counts: bool = True, expected: int | None = None) -> "Route":
+             lengths: np.ndarray, equal_counts: bool = True, expected: int | None = None) -> Route:
         """Collective over `comm`. Every rank passes its local samples' index (unique in the step),
         group id and token count (empty on ranks that hold none); only these travel to plan.
         `expected`: the step's sample count, checked (a lost or duplicated sample is an error)."""

@@ -6,7 +6,8 @@ batch to the other ranks of its replica, which must run the same batches in lock
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 

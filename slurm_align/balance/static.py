@@ -6,7 +6,7 @@ differ by at most one, and together the slices are the whole set exactly once.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -53,7 +53,7 @@ class StaticPrompts:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "StaticPrompts":
+    def __enter__(self) -> StaticPrompts:
         return self
 
     def __exit__(self, *exc: object) -> None:

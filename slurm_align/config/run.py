@@ -6,10 +6,9 @@ One YAML file per run (see examples/). Sizes of the allocation live in the clust
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Literal
-
-import importlib
 
 from pydantic import Field, field_validator, model_validator
 

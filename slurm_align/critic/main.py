@@ -7,7 +7,6 @@ ranks follow. All ranks exit when the actor sends critic_shutdown (or the job en
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import traceback
@@ -21,9 +20,9 @@ from slurm_align.critic.channel import Command, CommandChannel
 from slurm_align.critic.server import CriticServer, ServerLimits
 from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
 from slurm_align.critic.worker import CriticWorker
-from slurm_align.models.packing import run_batching
 from slurm_align.models.checkpoint import find_latest, load_weights, verify_checkpoint
 from slurm_align.models.gpt import build_gpt
+from slurm_align.models.packing import run_batching
 from slurm_align.models.weights import full_state_dict, load_full_state_dict
 from slurm_align.parallel.bootstrap import init_distributed
 from slurm_align.parallel.layout import initialize_model_parallel

@@ -185,18 +185,18 @@ class CriticServer:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.run_dir = run_dir
         self.refusals = RefusalLog(lambda: self.port)
-        self.commands: "queue.Queue[PendingCommand]" = queue.Queue()
+        self.commands: queue.Queue[PendingCommand] = queue.Queue()
         self._triton = None
         self.restarts = 0
         self.failure: BaseException | None = None   # set by the watchdog when it gives up
         self._lifecycle = threading.Lock()   # start, stop and restart, one at a time
         self._stopping = threading.Event()
         # critic_train's request_id -> the Future of its optimizer step (a retry waits on it)
-        self._trains: "OrderedDict[int, Future]" = OrderedDict()
+        self._trains: OrderedDict[int, Future] = OrderedDict()
         self._trains_lock = threading.Lock()
 
     @classmethod
-    def for_run(cls, rd: RunDir, host: str, port: int, limits: ServerLimits) -> "CriticServer":
+    def for_run(cls, rd: RunDir, host: str, port: int, limits: ServerLimits) -> CriticServer:
         """The run's critic: its secret, its checkpoint folder; publishes its address at start."""
         return cls(host, port, limits, secret=read_run_secret(rd), checkpoint_dir=rd.checkpoints("critic"),
                    run_dir=rd)

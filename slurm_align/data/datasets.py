@@ -18,9 +18,9 @@ import jinja2
 import numpy as np
 import torch
 
-from slurm_align.data.positions import position_mask
 from slurm_align.config.errors import ConfigError
 from slurm_align.data.jsonl import ASSISTANT, Row, read_rows
+from slurm_align.data.positions import position_mask
 
 
 class TemplatePrefixError(ValueError):

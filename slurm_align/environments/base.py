@@ -22,8 +22,9 @@ from __future__ import annotations
 import math
 import numbers
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:   # types only: config.py imports the registry, which imports this module
     from slurm_align.environments.config import EnvironmentConfig
@@ -59,7 +60,7 @@ class StepResult:
 class EnvironmentContext:
     """What an environment is built with: its settings and the run's pieces it may use."""
 
-    settings: "EnvironmentConfig"
+    settings: EnvironmentConfig
     """The run's `environment` settings (max turns, budgets, stop sequences, tools, options)."""
     reward_rule: str | None = None
     """The run's rule reward 'module:function' (reward.rule), scoring final answers."""

@@ -14,8 +14,8 @@ predicts it is at position prompt_length + t - 1 (position_loss_mask).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

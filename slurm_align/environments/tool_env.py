@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from slurm_align.environments.base import EnvironmentContext, Messages, Row, StepResult, attributed
 from slurm_align.environments.rule_env import RuleEnvironment, last_model_text

@@ -75,7 +75,7 @@ class Tool(ABC):
     parameters: dict[str, Any] = {"type": "object", "properties": {}}
 
     @classmethod
-    def from_settings(cls, settings: "EnvironmentConfig") -> "Tool":
+    def from_settings(cls, settings: EnvironmentConfig) -> Tool:
         """The tool for a run's environment settings (override to read them)."""
         return cls()
 
@@ -114,7 +114,7 @@ class PythonTool(Tool):
         self.limits = limits
 
     @classmethod
-    def from_settings(cls, settings: "EnvironmentConfig") -> "PythonTool":
+    def from_settings(cls, settings: EnvironmentConfig) -> PythonTool:
         # the sandbox ends the program a little before the pool would abandon the call, so the
         # model reads "timed out" with the output so far rather than a bare timeout
         return cls(SandboxLimits(timeout_s=settings.tool_timeout_s * 0.9))
@@ -140,7 +140,7 @@ def _is_tool(obj: Any) -> bool:
     return isinstance(obj, Tool) or (isinstance(obj, type) and issubclass(obj, Tool))
 
 
-def load_tools(settings: "EnvironmentConfig") -> dict[str, Tool]:
+def load_tools(settings: EnvironmentConfig) -> dict[str, Tool]:
     """The tools settings.tools names, by their names; a user tool is 'module:name' of a Tool
     instance or subclass."""
     tools: dict[str, Tool] = {}

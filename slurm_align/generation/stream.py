@@ -167,7 +167,7 @@ class StreamServer:
             self.sock.settimeout(left)
             try:
                 conn, addr = self.sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             try:
                 conn.settimeout(30)

@@ -58,9 +58,10 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
@@ -232,7 +233,7 @@ class TrtllmEngine:
 
     @classmethod
     def for_layout(cls, shape: GptShape | ModelConfig, layout: Any, device: torch.device | str = "cuda",
-                   **options: Any) -> "TrtllmEngine":
+                   **options: Any) -> TrtllmEngine:
         """This rank's engine in a GenerationLayout: TP = the layout's, one LLM per replica."""
         if layout.pp_size != 1:
             raise GenerationError("generation engine 'trtllm': generate with switches.refold on "

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.optimizer import (
-    get_param_id_to_sharded_param_map, optim_state_to_sharding_state,
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
 )
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from slurm_align.models.checkpoint_names import MANIFEST, find_latest, iter_dir  # noqa: F401  (their home is torch-free)
 from slurm_align.models.cpu_compat import apply_cpu_compat

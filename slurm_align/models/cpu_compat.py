@@ -60,7 +60,7 @@ class _NoStream:
     def synchronize(self) -> None:
         return None
 
-    def record_event(self) -> "_NoStream":
+    def record_event(self) -> _NoStream:
         return self  # an event whose synchronize() has nothing to wait for
 
 
@@ -85,7 +85,7 @@ class _CpuCuda:
     _stream = _NoStream()
 
     @staticmethod
-    def Stream(*args, **kwargs):  # noqa: N802 (torch.cuda's name)
+    def Stream(*args, **kwargs):  # capitalised: torch.cuda's name
         return _CpuCuda._stream
 
     @staticmethod

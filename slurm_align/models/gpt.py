@@ -18,10 +18,14 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.tensor_parallel.layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule

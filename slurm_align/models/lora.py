@@ -26,14 +26,16 @@ tensors back afterwards (bit-identical).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
 )
 from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 

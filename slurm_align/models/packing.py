@@ -26,8 +26,8 @@ mapping of rollout_batch, the losses) is the same for packed and padded micro-ba
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
 
 import numpy as np
 import torch
@@ -102,7 +102,7 @@ class PackedLayout:
 
     @classmethod
     def plan(cls, lengths: Sequence[int] | np.ndarray | torch.Tensor, width: int | None = None,
-             rows: int | None = None) -> "PackedLayout":
+             rows: int | None = None) -> PackedLayout:
         """First fit, longest first, into rows of `width` columns (default: the longest
         sequence); at least `rows` rows (empty ones fill up to a fixed shape)."""
         lengths = torch.as_tensor(np.asarray(lengths, dtype=np.int64).reshape(-1))

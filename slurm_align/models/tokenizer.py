@@ -133,8 +133,8 @@ class HFTokenizer:
             if text is not None and ids[name] is None:
                 raise ConfigError.at(f"{name}", text, f"is not a token of {self.source}", source)
         if ids["eos_token"] is None:
-            raise ConfigError([f"no eos_token: a run needs an end-of-sequence token (SFT data ends with it, "
-                               f"generation stops at it); set eos_token to one of the tokenizer's tokens"], source)
+            raise ConfigError(["no eos_token: a run needs an end-of-sequence token (SFT data ends with it, "
+                               "generation stops at it); set eos_token to one of the tokenizer's tokens"], source)
         self.eos_id = ids["eos_token"]
         self.bos_id = ids["bos_token"] if self._post_processor_adds(ids["bos_token"]) else None
         self.pad_id = self.eos_id if ids["pad_token"] is None else ids["pad_token"]

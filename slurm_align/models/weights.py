@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 import zlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist

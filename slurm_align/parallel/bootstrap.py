@@ -109,7 +109,7 @@ job script beside NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME."""
 
 def interface_address(name: str) -> str:
     """The IPv4 address of network interface `name` on this host (e.g. 'ib0', 'hsn0')."""
-    import psutil   # deferred: only jobs that name an interface need it
+    import psutil  # deferred: only jobs that name an interface need it
 
     addrs = psutil.net_if_addrs()
     ipv4 = [a.address for a in addrs.get(name, []) if a.family == socket.AF_INET]

@@ -12,8 +12,9 @@ in slurm_align reads the layout from the ParallelContext object that is passed a
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch.distributed as dist
 from megatron.core import parallel_state

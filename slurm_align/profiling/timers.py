@@ -23,9 +23,9 @@ _NULL = contextlib.nullcontext()
 
 
 class _Span:
-    __slots__ = ("tracer", "phase", "step", "start")
+    __slots__ = ("phase", "start", "step", "tracer")
 
-    def __init__(self, tracer: "Tracer", phase: str, step: int):
+    def __init__(self, tracer: Tracer, phase: str, step: int):
         self.tracer, self.phase, self.step = tracer, phase, step
 
     def __enter__(self):

@@ -17,7 +17,11 @@ from pathlib import Path
 
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.loading import (
-    DEFAULT_PROFILE, available_profiles, find_profile, load_profile, read_yaml,
+    DEFAULT_PROFILE,
+    available_profiles,
+    find_profile,
+    load_profile,
+    read_yaml,
 )
 from slurm_align.config.profile import ClusterProfile
 

@@ -30,8 +30,8 @@ from slurm_align.config.run import RunConfig
 from slurm_align.rundir import RunDir, create_run_secret, write_atomic
 from slurm_align.slurm import state as job_state
 from slurm_align.slurm.capacity import check_fits_cluster
-from slurm_align.slurm.executor import HetjobExecutor
 from slurm_align.slurm.choose import check_shared_paths
+from slurm_align.slurm.executor import HetjobExecutor
 from slurm_align.slurm.preemption import STOPPED_EXIT_CODE
 from slurm_align.slurm.render import CONTAINER_SETUP, Entry, container_setup_text, job_python, render_script
 
@@ -55,7 +55,7 @@ class JobRecord:
         write_atomic(RunDir(Path(self.run_dir)).job_record, json.dumps(asdict(self), indent=1))
 
     @classmethod
-    def load(cls, run_dir: Path) -> "JobRecord":
+    def load(cls, run_dir: Path) -> JobRecord:
         path = RunDir(run_dir).job_record
         try:
             return cls(**json.loads(path.read_text()))

@@ -57,7 +57,7 @@ def _walk(prefix: str, value: object):
         yield prefix, str(value)
 
 
-def check_rendered_values(profile: ClusterProfile, run_dir: Path, entry: "Entry") -> None:
+def check_rendered_values(profile: ClusterProfile, run_dir: Path, entry: Entry) -> None:
     """Every value that reaches the script, checked before anything is written or submitted."""
     refuse_control_characters("--run-dir", run_dir)
     for field, text in _walk("", profile.model_dump(mode="json")):

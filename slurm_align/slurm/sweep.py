@@ -170,7 +170,7 @@ class Manifest:
         write_atomic(self.sweep_dir / MANIFEST, json.dumps(data, indent=1))
 
     @classmethod
-    def load(cls, sweep_dir: Path) -> "Manifest":
+    def load(cls, sweep_dir: Path) -> Manifest:
         path = Path(sweep_dir) / MANIFEST
         if not path.is_file():
             raise ConfigError([f"not a sweep directory: {MANIFEST} is missing (make one with "

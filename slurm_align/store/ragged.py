@@ -7,7 +7,7 @@ How much of an array is valid is recorded by the store's commit (an attribute wr
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numcodecs
 import numpy as np

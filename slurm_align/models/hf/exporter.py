@@ -36,8 +36,14 @@ from safetensors.torch import save_file
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.loading import read_yaml
 from slurm_align.config.run import ModelConfig
-from slurm_align.models.checkpoint import MANIFEST, find_latest, iter_dir, load_weights, save_checkpoint, \
-    verify_checkpoint
+from slurm_align.models.checkpoint import (
+    MANIFEST,
+    find_latest,
+    iter_dir,
+    load_weights,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.hf.config import SUPPORTED, export_model_type, hf_config_dict, read_hf_config
 from slurm_align.models.hf.loader import INDEX, check_hf_folder
