@@ -69,7 +69,7 @@ def measure(mode: str, steps: int, batch: int, seq: int, micro: int) -> dict:
 
         def loss_fn(output, mb):
             logp = sequence_token_logprobs(output, mb, cfg.vocab_size)[:, prompt - 1:]
-            loss = -(mb["adv"][:, None] * logp).sum() / (batch * logp.shape[1]) * len(mbs)
+            loss = -(mb["adv"][:, None] * logp).sum() / (batch * logp.shape[1]) * len(mbs)  # noqa: B023  (called in this iteration)
             return loss, {"loss": loss.detach()}
 
         optimizer.zero_grad(set_to_none=True)
@@ -113,7 +113,8 @@ def main() -> None:
         res[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
         r = res[mode]
         print(f"{mode}: {r['parameters'] / 1e6:.1f}M parameters, {r['trainable'] / 1e6:.2f}M trainable, "
-              f"optimizer state {r['optimizer_bytes'] / 2**20:.1f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, "
+              f"optimizer state {r['optimizer_bytes'] / 2**20:.1f} MiB, "
+              f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, "
               f"step {r['step_s']:.2f} s", flush=True)
     full, lora = res["full"], res["lora"]
     print(f"lora_over_full_optimizer_bytes={lora['optimizer_bytes'] / full['optimizer_bytes']:.4f} "

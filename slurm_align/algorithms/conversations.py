@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -174,8 +175,8 @@ def to_batch(convs: list[Conversation], pad_id: int, *, index: Sequence[int], gr
     turn_col, role_col = torch.zeros(len(convs), T), torch.zeros(len(convs), T)
     for i, (c, t) in enumerate(zip(convs, trajs)):
         lp[i, :t.response_length] = torch.tensor(c.logprobs, dtype=torch.float32)
-        bounds = t.turn_starts + [t.response_length]
-        for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        bounds = [*t.turn_starts, t.response_length]
+        for k, (a, b) in enumerate(itertools.pairwise(bounds)):
             turn_col[i, a:b] = k
             role_col[i, a:b] = ROLE_CODES.get(t.turn_roles[k], ROLE_CODES["user"])
     mb.set_tokens("rollout_logprobs", lp)

@@ -200,7 +200,8 @@ class Generator:
             self.version = version
             self.collector.set_version(version)
         if self.rank == 0 and self.run.rollout.record_weight_digests:   # what the engine now holds
-            record_digests(self.rd, "generator", version, {k: self.engine.weights[k] for k in expected_shapes(self.shape)})
+            record_digests(self.rd, "generator", version,
+                           {k: self.engine.weights[k] for k in expected_shapes(self.shape)})
 
     def send(self, kind: str, meta: dict, tensors: dict | None = None) -> None:
         """Rank 0: to the actor; after the actor's stop (preemption: it saved and ends) the
@@ -324,7 +325,8 @@ class RemoteRollouts:
                     raise RuntimeError(f"the generator finished step {msg.meta['step']}, expected {step}")
                 return out
             if msg.kind != "samples" or int(msg.meta["step"]) != step:
-                raise RuntimeError(f"unexpected {msg.kind!r} message for step {msg.meta.get('step')} during step {step}")
+                raise RuntimeError(
+                    f"unexpected {msg.kind!r} message for step {msg.meta.get('step')} during step {step}")
             out.append(RolloutBatch.unpack([{k: v.numpy() for k, v in msg.tensors.items()}], self.pad_id))
 
     def close(self) -> None:

@@ -87,8 +87,8 @@ class PPOActor:
     def __init__(self, run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext, *, tokenizer,
                  prompts: list[np.ndarray], policy: list, optimizer: torch.optim.Optimizer, reference,
                  offload: TrainingStateOffload | None, engine: Engine, critic: CriticClient | None, tracer: Tracer,
-                 store: RolloutStore | None, metrics: MetricsLogger, start_step: int, rewards: Rewards, evalset: EvalSet | None,
-                 remote: RemoteRollouts | None = None):
+                 store: RolloutStore | None, metrics: MetricsLogger, start_step: int, rewards: Rewards,
+                 evalset: EvalSet | None, remote: RemoteRollouts | None = None):
         self.run, self.rd, self.env, self.pctx = run, rd, env, pctx
         self.rank = env.rank
         self.tokenizer, self.prompts = tokenizer, prompts
@@ -277,7 +277,8 @@ class PPOActor:
         if self.rank == 0 and self.run.critic_trains:
             self.critic.save(str(self.rd.checkpoints("critic") / f"iter_{step:07d}.pt"))
         save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer,
-                        {"algorithm": self.run.algorithm, **lora_base(self.run.model, self.run.seed, self.init_checkpoint)})
+                        {"algorithm": self.run.algorithm,
+                         **lora_base(self.run.model, self.run.seed, self.init_checkpoint)})
 
     def run_loop(self, stop: StopPoint | None = None) -> bool:
         """Run the remaining steps; True when `stop` ended the run early (after saving)."""
@@ -319,7 +320,8 @@ class PPOActor:
             console.print(f"step {metrics['step']}:{val}", highlight=False)
             return
         console.print(
-            f"step {metrics['step']}:{val}  reward {m('train_rollouts/rewards'):+.3f}  kl {m('train_rollouts/kl'):.4f}  "
+            f"step {metrics['step']}:{val}  reward {m('train_rollouts/rewards'):+.3f}  "
+            f"kl {m('train_rollouts/kl'):.4f}  "
             f"len {m('train_rollouts/response_lengths'):.1f}  "
             f"ended {m('train_rollouts/fraction_of_samples_properly_ended'):.2f}  "
             f"loss {m('train_optim/loss'):+.4f}  critic {m('train_optim/critic_loss'):.4f}  "

@@ -11,7 +11,8 @@ A RolloutBatch of B samples holds
                       the engine gave none) travels from generation to the store with the rest
 
 It owns the padding (one place), the mapping between sequence positions and response tokens
-(data/positions.py), micro-batches (by sample count or token budget, padded or packed: models/packing.py), and moving samples over the DP ranks (through a balance.Route).
+(data/positions.py), micro-batches (by sample count or token budget, padded or packed:
+models/packing.py), and moving samples over the DP ranks (through a balance.Route).
 """
 
 from __future__ import annotations

@@ -67,7 +67,8 @@ def make_microbatches(ds, indices: list[int], batching: Batching | int, *, fixed
     for mb in mbs:
         extra = length - mb["tokens"].shape[1]
         if extra:
-            mb["tokens"] = torch.cat([mb["tokens"], mb["tokens"].new_full((mb["tokens"].shape[0], extra), ds.pad_id)], 1)
+            pad = mb["tokens"].new_full((mb["tokens"].shape[0], extra), ds.pad_id)
+            mb["tokens"] = torch.cat([mb["tokens"], pad], 1)
             mb["mask"] = torch.cat([mb["mask"], mb["mask"].new_zeros((mb["mask"].shape[0], extra))], 1)
     return mbs
 

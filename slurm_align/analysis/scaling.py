@@ -3,7 +3,8 @@
 Efficiency is relative to the smallest point (N = nodes / smallest nodes, T1 its step time):
 weak scaling (batch grows with nodes) T1 / TN; strong scaling (fixed batch) T1 / (N * TN).
 Samples and tokens per step come from the run's rollout store when it has one (tokens are the
-model's generated response tokens, a multi-turn environment's excluded), else the samples from the sweep manifest and no token rate.
+model's generated response tokens, a multi-turn environment's excluded), else the samples from
+the sweep manifest and no token rate.
 """
 
 from __future__ import annotations

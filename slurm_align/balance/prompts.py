@@ -41,7 +41,8 @@ class PromptSource(Protocol):
 
 def _check_batch_size(batch_size: int) -> None:
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"prompt batch size must be an integer >= 1, got {batch_size!r} (generation.prompt_batch_size)")
+        raise ValueError(
+            f"prompt batch size must be an integer >= 1, got {batch_size!r} (generation.prompt_batch_size)")
 
 
 class _Timed:

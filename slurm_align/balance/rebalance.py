@@ -86,7 +86,8 @@ def plan_rebalance(counts: Sequence[int], lengths: Sequence[Sequence[int]] | Non
             plan[s][i] = d
         return plan
     if [len(x) for x in lengths] != list(counts):
-        raise RebalanceError(f"token lengths per rank {[len(x) for x in lengths]} do not match sample counts {list(counts)}")
+        raise RebalanceError(
+            f"token lengths per rank {[len(x) for x in lengths]} do not match sample counts {list(counts)}")
     units = [(s, i) for s, ls in enumerate(lengths) for i in range(len(ls))]
     dest = _lpt([lengths[s][i] for s, i in units], [1] * len(units), size, target, home=[s for s, _ in units])
     for (s, i), d in zip(units, dest):

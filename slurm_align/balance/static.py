@@ -48,7 +48,7 @@ class StaticPrompts:
     def batches(self, batch_size: int) -> Iterator[np.ndarray]:
         _check_batch_size(batch_size)
         for start in range(0, len(self.shard), batch_size):
-            yield self._timed.call(lambda: self.shard[start : start + batch_size])
+            yield self._timed.call(lambda s: self.shard[s : s + batch_size], start)
 
     def close(self) -> None:
         pass

@@ -83,7 +83,7 @@ def load_run_config(path: str | Path, overrides: list[str] | None = None) -> Run
 
 def profile_search_dirs() -> list[Path]:
     dirs = [Path(p) for p in os.environ.get(PROFILE_PATH_ENV, "").split(":") if p]
-    return dirs + [resources.folder(resources.PROFILES)]
+    return [*dirs, resources.folder(resources.PROFILES)]
 
 
 def available_profiles() -> list[str]:

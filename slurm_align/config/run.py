@@ -549,7 +549,7 @@ class WandbConfig(StrictModel):
     """W&B run id; default: from the run directory's name, so a resumed job continues its run."""
     group: str | None = None
     """W&B group (e.g. one sweep)."""
-    tags: list[str] = []
+    tags: list[str] = Field(default_factory=list)
     """W&B tags."""
 
 
@@ -579,7 +579,7 @@ class LoggingConfig(StrictModel):
 class RunConfig(StrictModel):
     """One run: algorithm, models, parallelism per component, hyper-parameters, switches."""
 
-    plugins: list[str] = []
+    plugins: list[str] = Field(default_factory=list)
     """Python modules imported before the rest of the config is checked, on the login node and
     in every rank: they register algorithms (config.algorithms.register) and their estimators
     (advantages.register_estimator). Code you trust, as reward.rule is."""

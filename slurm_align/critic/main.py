@@ -11,6 +11,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -70,7 +71,7 @@ class TracedWorker:
 
     The span's step is the actor's PPO step when the request carried one, else the last seen."""
 
-    PHASES = {"infer": phases.CRITIC_INFER, "train": phases.CRITIC_TRAIN}
+    PHASES: ClassVar[dict[str, str]] = {"infer": phases.CRITIC_INFER, "train": phases.CRITIC_TRAIN}
 
     def __init__(self, worker: CriticWorker, tracer: Tracer):
         self.worker, self.tracer, self.step = worker, tracer, 0

@@ -63,7 +63,7 @@ def put_libpython_first() -> None:
 
 def _step(requests) -> int | None:
     """The actor's PPO step carried by the requests (optional input), for the critic's traces."""
-    steps = [int(np.max(r["step"])) for r in requests if "step" in r.keys()]
+    steps = [int(np.max(r["step"])) for r in requests if "step" in r]
     return max(steps) if steps else None
 
 
@@ -414,7 +414,7 @@ class CriticServer:
         lengths = P.validate_train(r["tokens"], r["lengths"], floats,
                                    max_seq_len=lim.max_seq_len, vocab_size=lim.vocab_size)
         data = {"tokens": r["tokens"], "lengths": lengths, **floats, "step": _step([r])}
-        if "request_id" not in r.keys():
+        if "request_id" not in r:
             return {"loss": np.array([self._submit("train", data)], dtype=np.float32)}
         rid = int(np.asarray(r["request_id"]).reshape(-1)[0])
         with self._trains_lock:   # a retry of a step already taken gets that step's loss

@@ -19,6 +19,7 @@ EnvironmentStepError naming the environment and the data row (as rule-reward err
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from abc import ABC, abstractmethod
@@ -93,13 +94,13 @@ class Environment(ABC):
     def step_batch(self, items: Sequence[tuple[Messages, Row]]) -> list[StepResult]:
         """step() for several conversations; environments whose steps wait (tools) override it
         to overlap them (and attribute their errors to a row with `attributed`)."""
-        return [attributed(self, row, "step", lambda: self.step(messages, row)) for messages, row in items]
+        return [attributed(self, row, "step", functools.partial(self.step, messages, row)) for messages, row in items]
 
     def tools(self) -> list[dict[str, Any]] | None:
         """The tools' schemas as chat templates take them (`tools=`), or None without tools."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (a no-op by default: most environments hold nothing)
         """Release what the environment holds (worker pools, sandboxes)."""
 
     @property

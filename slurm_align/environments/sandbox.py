@@ -26,8 +26,8 @@ no preexec_fn, which is unsafe in a threaded process such as the tool pool):
   covered by an empty read-only tmpfs (a file: by /dev/null) in a mount namespace of the
   sandbox's own (root makes it directly, a normal user inside its user namespace; where neither
   can, the run is refused with exit code 125 rather than run unhidden). This matters most when
-  the caller is a normal user, whose own files the sandbox's uid can otherwise read. The environment is replaced by a minimal one (no secrets from the
-  caller's environment variables).
+  the caller is a normal user, whose own files the sandbox's uid can otherwise read. The
+  environment is replaced by a minimal one (no secrets from the caller's environment variables).
 - what is NOT confined: a program that calls setsid() leaves the process group and outlives
   the wall-clock kill (it stays under the CPU-time, process and file limits); programs of
   sandboxes running at once as the same uid can signal each other's processes; files written
@@ -39,6 +39,7 @@ no preexec_fn, which is unsafe in a threaded process such as the tool pool):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pwd
@@ -194,10 +195,8 @@ def _rlimits(limits: SandboxLimits) -> dict[str, tuple[int, int]]:
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_file(path: str | Path, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
@@ -222,8 +221,9 @@ def _run(code: str, workdir: Path, limits: SandboxLimits) -> SandboxResult:
         for p in (workdir, main):
             os.chown(p, uid, gid)
     status_r, status_w = os.pipe()
-    cfg = {"uid": uid, "gid": gid, "pythons": [limits.python, *FALLBACK_PYTHONS], "file": str(main), "status_fd": status_w,
-           "rlimits": _rlimits(limits), "hidden_paths": [os.path.abspath(p) for p in limits.hidden_paths],
+    cfg = {"uid": uid, "gid": gid, "pythons": [limits.python, *FALLBACK_PYTHONS], "file": str(main),
+           "status_fd": status_w, "rlimits": _rlimits(limits),
+           "hidden_paths": [os.path.abspath(p) for p in limits.hidden_paths],
            "require_network_isolation": limits.require_network_isolation,
            "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
                    "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
@@ -276,7 +276,8 @@ def _run(code: str, workdir: Path, limits: SandboxLimits) -> SandboxResult:
     return SandboxResult(
         stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"), exit_code=exit_code,
         timed_out=timed_out, output_truncated=truncated, network_isolated=bool(status.get("network_isolated")),
-        process_limit_scope="namespace" if status.get("user_namespace") else "uid", uid=status.get("uid"), python=status.get("python"),
+        process_limit_scope="namespace" if status.get("user_namespace") else "uid", uid=status.get("uid"),
+        python=status.get("python"),
         hidden_paths=status.get("hidden", []), wall_s=round(time.monotonic() - start, 3))
 
 

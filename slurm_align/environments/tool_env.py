@@ -16,6 +16,7 @@ the pool's threads wait on tool subprocesses (python) without holding the GIL.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -149,7 +150,7 @@ class ToolEnvironment(RuleEnvironment):
     def step_batch(self, items: Sequence[tuple[Messages, Row]]) -> list[StepResult]:
         plans: list[tuple[str, list]] = []
         for messages, row in items:
-            text = attributed(self, row, "step", lambda: last_model_text(messages))
+            text = attributed(self, row, "step", functools.partial(last_model_text, messages))
             turns = sum(m.get("role") == "assistant" for m in messages)
             _, calls = parse_tool_calls(text)
             plans.append((text, calls if calls and turns < self.settings.max_turns else []))
@@ -158,10 +159,10 @@ class ToolEnvironment(RuleEnvironment):
         runnable = [key for key, job in jobs.items() if callable(job)]
         outcomes = dict(zip(runnable, self.runner.run_all([jobs[key] for key in runnable])))
         results = []
-        for ci, ((messages, row), (text, calls)) in enumerate(zip(items, plans)):
+        for ci, ((_messages, row), (text, calls)) in enumerate(zip(items, plans)):
             if not calls:
                 _, parsed = parse_tool_calls(text)
-                reward = attributed(self, row, "the rule reward", lambda: self.score(text, row))
+                reward = attributed(self, row, "the rule reward", functools.partial(self.score, text, row))
                 results.append(StepResult([], reward=reward, done=True,
                                           metrics={"truncated": float(bool(parsed))}))
                 continue

@@ -11,7 +11,7 @@ maximum). Built-in: `calculator` (calculator.py) and `python` (sandbox.py).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from slurm_align.config.errors import ConfigError
 from slurm_align.environments import calculator
@@ -72,7 +72,7 @@ class Tool(ABC):
 
     name: str = ""
     description: str = ""
-    parameters: dict[str, Any] = {"type": "object", "properties": {}}
+    parameters: ClassVar[dict[str, Any]] = {"type": "object", "properties": {}}
 
     @classmethod
     def from_settings(cls, settings: EnvironmentConfig) -> Tool:
@@ -92,7 +92,7 @@ class Tool(ABC):
 class CalculatorTool(Tool):
     name = "calculator"
     description = "Evaluate an arithmetic expression exactly: numbers, + - * / // % ** and parentheses."
-    parameters = {"type": "object",
+    parameters: ClassVar[dict[str, Any]] = {"type": "object",
                   "properties": {"expression": {"type": "string", "description": "e.g. 123 * 456 + 7"}},
                   "required": ["expression"]}
 
@@ -106,7 +106,7 @@ class PythonTool(Tool):
     name = "python"
     description = ("Run a Python 3 program in a fresh sandbox (no network, limited time and memory) and "
                    "return what it prints.")
-    parameters = {"type": "object",
+    parameters: ClassVar[dict[str, Any]] = {"type": "object",
                   "properties": {"code": {"type": "string", "description": "the program; print the result"}},
                   "required": ["code"]}
 

@@ -158,7 +158,8 @@ def physical_gpu(index: int) -> str:
     so that processes started with another environment find the same GPU; UUID forms refused."""
     visible = parse_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), index + 1)
     if index >= len(visible):
-        raise GenerationError(f"cuda:{index} is not among CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}")
+        raise GenerationError(
+            f"cuda:{index} is not among CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}")
     return visible[index]
 
 
@@ -379,7 +380,7 @@ class TrtllmEngine:
             if ended and (not ids or ids[-1] not in stops):  # stop token left out of the ids
                 last = c.stop_reason if c.stop_reason in stops else params.eos_id
                 if last is not None:
-                    ids = ids[: m - 1] + [last]
+                    ids = [*ids[:m - 1], last]
                 logprobs = None
             tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
             lengths[i], is_end[i] = len(ids), ended

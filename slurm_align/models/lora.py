@@ -56,7 +56,8 @@ class LoraLinear(torch.nn.Module):
         self.column = isinstance(layer, ColumnParallelLinear)
         if not self.column and not isinstance(layer, RowParallelLinear):
             raise TypeError(f"{name}: LoRA needs megatron's local-spec linear layers, got {type(layer).__name__}")
-        tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
         out_local, in_local = layer.weight.shape
         full_in = in_local if self.column else in_local * tp
         device, r = layer.weight.device, cfg.rank

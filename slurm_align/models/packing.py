@@ -152,7 +152,8 @@ class PackedLayout:
         col = torch.arange(self.width).expand(self.rows, self.width)
         start = torch.zeros_like(seg)
         for i in range(self.size):
-            start[int(self.row[i]), int(self.offset[i]):int(self.offset[i]) + int(self.lengths[i])] = int(self.offset[i])
+            offset = int(self.offset[i])
+            start[int(self.row[i]), offset:offset + int(self.lengths[i])] = offset
         ends = self._tail_starts()
         tail = seg < 0
         start[tail] = ends.unsqueeze(1).expand(self.rows, self.width)[tail]

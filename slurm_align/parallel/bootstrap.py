@@ -310,6 +310,6 @@ def shutdown_distributed(env: DistEnv) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    store, listener = env._store or (None, None)
+    _store, listener = env._store or (None, None)
     if listener is not None:
         listener.close()

@@ -119,7 +119,8 @@ class HetEnv:
         try:
             return self.components.index(component)
         except ValueError:
-            raise KeyError(f"no component {component!r} in this job (components: {', '.join(self.components)})") from None
+            raise KeyError(
+                f"no component {component!r} in this job (components: {', '.join(self.components)})") from None
 
     def hosts(self, component: str) -> list[str]:
         i = self.index(component)

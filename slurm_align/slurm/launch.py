@@ -8,6 +8,7 @@ Everything that can be wrong with the input is found before anything is written 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -192,10 +193,8 @@ class Job:
     def cancel(self) -> None:
         if self.record.backend == "local":
             write_atomic(self.run_dir.logs / "cancelled", "cancelled\n")
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.record.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
             return
         subprocess.run(["scancel", self.job_id], check=True, capture_output=True, text=True)
 
@@ -274,10 +273,9 @@ def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow
 
     popen = None
     if profile.kind == "local":
-        out = open(rd.logs / "job-local.out", "ab")
-        popen = subprocess.Popen(["bash", str(rd.script)], stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        out.close()
+        with open(rd.logs / "job-local.out", "ab") as out:   # the job keeps its own copy of the file
+            popen = subprocess.Popen(["bash", str(rd.script)], stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         record = JobRecord("local", f"local-{popen.pid}", str(rd.root), list(run.components), profile.name,
                            pid=popen.pid)
     else:

@@ -9,8 +9,9 @@ profile). Weak scaling grows what the run's algorithm trains on, in proportion t
 nodes, from the config's value at the smallest point: for the rollout algorithms (ppo, grpo,
 rloo, ...) the prompts per step (ppo.num_rollout_samples) and, when set, ppo.global_batch_size
 (so the optimizer steps per step stay the same); for sft/rm/dpo trainer.global_batch_size.
-Strong scaling keeps them. Every point records every component's nodes. A point that fails to launch or to run is recorded and the others
-go on. The manifest (sweep.json) is rewritten atomically after every change of state.
+Strong scaling keeps them. Every point records every component's nodes. A point that fails to
+launch or to run is recorded and the others go on. The manifest (sweep.json) is rewritten
+atomically after every change of state.
 """
 
 from __future__ import annotations
@@ -272,7 +273,7 @@ def start_sweep(run: RunConfig, profile: ClusterProfile, nodes: list[int], mode:
         except ConfigError as e:
             problems += e.problems
     if problems:
-        raise ConfigError(problems + ["drop these node counts from --nodes"], f"profile '{profile.name}'")
+        raise ConfigError([*problems, "drop these node counts from --nodes"], f"profile '{profile.name}'")
     sweep_dir = Path(sweep_dir).resolve()
     if (sweep_dir / MANIFEST).exists():
         raise ConfigError.at("--sweep-dir", str(sweep_dir), "already holds a sweep; choose a new folder")

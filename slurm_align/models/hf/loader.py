@@ -51,7 +51,7 @@ class SafetensorsFolder:
                 raise ConfigError([f"safetensors shard {name} listed in {INDEX} is missing"], path)
             try:
                 with safe_open(path, "pt") as f:
-                    for key in f.keys():
+                    for key in f.keys():  # noqa: SIM118  (safe_open has keys() but is not iterable)
                         self.where[key] = name
                         self.shapes[key] = tuple(f.get_slice(key).get_shape())
             except (SafetensorError, OSError) as e:
