@@ -60,8 +60,8 @@ class Conversation:
     ended: bool = False          # done by the environment after a turn that ended properly
 
     @classmethod
-    def start(cls, env: Environment, renderer: TurnRenderer, row: dict[str, Any], prompt: Sequence[int],
-              seed: int) -> Conversation:
+    def start(cls, env: Environment, renderer: TurnRenderer, row: dict[str, Any],
+              prompt: Sequence[int] | np.ndarray, seed: int) -> Conversation:
         """The environment's first messages; a chat row's prompt re-rendered from them (with the
         tools' schemas), a plain row's kept as the dataset encoded it."""
         messages = checked_reset(env, row)

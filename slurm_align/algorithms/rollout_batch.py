@@ -17,7 +17,7 @@ models/packing.py), and moving samples over the DP ranks (through a balance.Rout
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,7 @@ def collective_device(group: Any) -> torch.device:
         else torch.device("cpu")
 
 
-def all_reduce_sums(values: dict[str, float | torch.Tensor], group: Any) -> dict[str, float]:
+def all_reduce_sums(values: Mapping[str, float | torch.Tensor], group: Any) -> dict[str, float]:
     """Sum named scalars over the ranks of `group` (one float64 all-reduce; None: this rank only)."""
     keys = list(values)
     vec = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)

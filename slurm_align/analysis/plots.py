@@ -162,9 +162,10 @@ def plot_scaling(report: ScalingReport, out: Path) -> Path:
             left.annotate(f"{100 * e:.0f}%", (n, t), textcoords="offset points", xytext=(4, -12), fontsize=8)
         left.set_xscale("log", base=2)
         left.set_xticks(nodes, [str(int(n)) for n in nodes])
-        phases = phase_order({ph for p in pts for ph in p.breakdown.phases})
-        comps = sorted({c for p in pts for c in p.breakdown.component_phase_s})
-        per_comp = {c: np.array([_mean_component(p.breakdown, c, phases) for p in pts]) for c in comps}
+        bds = [p.breakdown for p in pts if p.breakdown is not None]   # every point's (pts)
+        phases = phase_order({ph for b in bds for ph in b.phases})
+        comps = sorted({c for b in bds for c in b.component_phase_s})
+        per_comp = {c: np.array([_mean_component(b, c, phases) for b in bds]) for c in comps}
         _component_bars(right, [f"{p.nodes} node(s)" for p in pts], phases, per_comp,
                         np.array([p.step_s for p in pts]))
     left.set_xlabel("actor nodes")

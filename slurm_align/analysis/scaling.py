@@ -111,6 +111,6 @@ def compute_scaling(sweep_dir: str | Path, *, allow_incomplete: bool = False, sk
             sp.samples_per_step, sp.tokens_per_step = rates
     good = [p for p in report.points if p.breakdown is not None]
     if good:
-        for p, e in zip(good, efficiencies([p.nodes for p in good], [p.step_s for p in good], report.mode)):
-            p.efficiency = e
+        for p, eff in zip(good, efficiencies([p.nodes for p in good], [p.step_s for p in good], report.mode)):
+            p.efficiency = eff
     return report

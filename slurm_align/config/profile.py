@@ -159,6 +159,11 @@ class NetworkConfig(StrictModel):
     (unless `env` sets them)."""
 
 
+def _every_component() -> dict[Literal["actor", "critic", "generator"], ComponentResources]:
+    """ClusterProfile.components' default: default resources for each component."""
+    return {"actor": ComponentResources(), "critic": ComponentResources(), "generator": ComponentResources()}
+
+
 class ClusterProfile(StrictModel):
     """How to run on one cluster (or locally)."""
 
@@ -176,8 +181,8 @@ class ClusterProfile(StrictModel):
     """Default time limit."""
     constraint: str | None = None
     """Node feature constraint (sbatch --constraint)."""
-    components: dict[Literal["actor", "critic", "generator"], ComponentResources] = Field(default_factory=lambda: {
-        "actor": ComponentResources(), "critic": ComponentResources(), "generator": ComponentResources()})
+    components: dict[Literal["actor", "critic", "generator"], ComponentResources] = Field(
+        default_factory=_every_component)
     """Per-component resources; sft/rm/dpo jobs use 'actor'; 'generator' is the rollout
     generator of rollout.mode 'disaggregated' (it may sit on a partition of its own)."""
     modules: list[str] = Field(default_factory=list)

@@ -169,8 +169,10 @@ class PreferenceDataset:
         def encode(row: Row) -> tuple[Sequence, Sequence]:
             d = row.data
             if row.is_chat:
-                return tuple(encode_chat_pair(tok, d["messages"], d[k], max_len) for k in ("chosen", "rejected"))
-            return tuple(encode_pair(tok, d["prompt"], d[k], max_len) for k in ("chosen", "rejected"))
+                return (encode_chat_pair(tok, d["messages"], d["chosen"], max_len),
+                        encode_chat_pair(tok, d["messages"], d["rejected"], max_len))
+            return (encode_pair(tok, d["prompt"], d["chosen"], max_len),
+                    encode_pair(tok, d["prompt"], d["rejected"], max_len))
 
         self.rows, pairs = _encode_rows(path, "preference", tok, encode)
         self.chosen = [c for c, _ in pairs]

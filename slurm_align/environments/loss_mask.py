@@ -54,7 +54,10 @@ def build_trajectory(prompt: Sequence[int], turns: Sequence[Turn]) -> Trajectory
     """The trajectory of a conversation: the prompt's tokens and its turns' tokens, in order."""
     if not prompt:
         raise ValueError("a trajectory needs a prompt of at least one token (the first prediction's context)")
-    tokens, mask, starts, roles = [int(t) for t in prompt], [], [], []
+    tokens: list[int] = [int(t) for t in prompt]
+    mask: list[int] = []
+    starts: list[int] = []
+    roles: list[str] = []
     for turn in turns:
         if not turn.tokens:
             continue            # an empty turn (an environment with nothing to say) takes no place

@@ -221,20 +221,21 @@ def _run(code: str, workdir: Path, limits: SandboxLimits) -> SandboxResult:
         for p in (workdir, main):
             os.chown(p, uid, gid)
     status_r, status_w = os.pipe()
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
+           "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     cfg = {"uid": uid, "gid": gid, "pythons": [limits.python, *FALLBACK_PYTHONS], "file": str(main),
            "status_fd": status_w, "rlimits": _rlimits(limits),
            "hidden_paths": [os.path.abspath(p) for p in limits.hidden_paths],
            "require_network_isolation": limits.require_network_isolation,
-           "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
-                   "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-                   "MKL_NUM_THREADS": "1"}}
+           "env": env}
     start = time.monotonic()
     try:
         proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(cfg)],
-                                cwd=workdir, env=cfg["env"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, pass_fds=(status_w,), start_new_session=True)
     finally:
         os.close(status_w)
+    assert proc.stdout is not None and proc.stderr is not None, "both are PIPEs"
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     streams = {out_fd: bytearray(), err_fd: bytearray(), status_r: bytearray()}
     caps = {out_fd: limits.output_bytes, err_fd: limits.output_bytes, status_r: 1 << 16}

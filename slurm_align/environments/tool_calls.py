@@ -69,8 +69,9 @@ def assistant_message(text: str) -> dict[str, Any]:
     """The turn as a chat message with structured tool_calls (what chat templates take), for
     re-rendering a conversation; a turn with a bad call keeps its raw text as content."""
     head, calls = parse_tool_calls(text)
-    if not calls or any(isinstance(c, BadCall) for c in calls):
+    good = [c for c in calls if isinstance(c, ToolCall)]
+    if not calls or len(good) < len(calls):   # none, or a BadCall among them
         return {"role": "assistant", "content": text}
     return {"role": "assistant", "content": head.strip(),
             "tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                           for c in calls]}
+                           for c in good]}

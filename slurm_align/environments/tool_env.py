@@ -156,8 +156,8 @@ class ToolEnvironment(RuleEnvironment):
             plans.append((text, calls if calls and turns < self.settings.max_turns else []))
         # every conversation's runnable calls go to the pool together
         jobs = {(ci, k): self._job(c) for ci, (_, calls) in enumerate(plans) for k, c in enumerate(calls)}
-        runnable = [key for key, job in jobs.items() if callable(job)]
-        outcomes = dict(zip(runnable, self.runner.run_all([jobs[key] for key in runnable])))
+        runnable = {key: job for key, job in jobs.items() if callable(job)}
+        outcomes = dict(zip(runnable, self.runner.run_all(list(runnable.values()))))
         results = []
         for ci, ((_messages, row), (text, calls)) in enumerate(zip(items, plans)):
             if not calls:

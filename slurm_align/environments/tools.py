@@ -96,7 +96,8 @@ class CalculatorTool(Tool):
                   "properties": {"expression": {"type": "string", "description": "e.g. 123 * 456 + 7"}},
                   "required": ["expression"]}
 
-    def run(self, expression: str) -> str:
+    # a tool's run() takes its own schema's arguments by name; callers pass them as **arguments
+    def run(self, expression: str) -> str:  # type: ignore[override]
         return calculator.format_value(calculator.evaluate(expression))
 
 
@@ -119,7 +120,7 @@ class PythonTool(Tool):
         # model reads "timed out" with the output so far rather than a bare timeout
         return cls(SandboxLimits(timeout_s=settings.tool_timeout_s * 0.9))
 
-    def run(self, code: str) -> str:
+    def run(self, code: str) -> str:  # type: ignore[override]  # its schema's argument, as above
         r = run_code(code, self.limits)
         parts = [r.stdout]
         if r.stderr:
@@ -151,7 +152,7 @@ def load_tools(settings: EnvironmentConfig) -> dict[str, Tool]:
             def error(msg, i=i):
                 return ConfigError([f"field 'environment.tools[{i}]': {msg}"])
             obj = resolve_spec(spec, "tool", "my_pkg.tools:search", kind="Tool", accept=_is_tool, error=error)
-            tool = obj.from_settings(settings) if isinstance(obj, type) else obj
+            tool = obj.from_settings(settings) if isinstance(obj, type) and issubclass(obj, Tool) else obj
         if not tool.name or tool.name in tools:
             raise ConfigError([f"field 'environment.tools[{i}]': tool {spec!r} has name {tool.name!r}, "
                                f"empty or already taken (tools: {', '.join(tools)})"])

@@ -83,7 +83,7 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common
     rank; torch's RNG state of rank 0 is added."""
     apply_cpu_compat()
     _results_queue_in_process()
-    final = iter_dir(root, step)
+    final = iter_dir(Path(root), step)
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
     if rank == 0:

@@ -28,9 +28,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 
 # -- micro-batches -----------------------------------------------------------------------------
@@ -206,7 +210,7 @@ class PackedLayout:
 
 
 # -- model inputs ------------------------------------------------------------------------------
-def rope_angles(rope: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+def rope_angles(rope: RotaryEmbedding, position_ids: torch.Tensor) -> torch.Tensor:
     """megatron's rotary embedding [s, b, 1, dim] for per-row positions [b, s] (its own is
     [s, 1, 1, dim] for positions 0..s-1 in every row); the same angles as
     RotaryEmbedding.get_emb at equal positions (position x inv_freq, halves repeated)."""
@@ -252,7 +256,7 @@ def micro_batch_inputs(tokens: torch.Tensor, lengths: torch.Tensor, groups: list
     `fixed_shape` every micro-batch has the batch's longest width and the most rows of any
     (empty rows fill up)."""
     lengths = torch.as_tensor(lengths, dtype=torch.int64)
-    out = []
+    out: list[dict] = []
     if not pack:
         size = max(len(g) for g in groups) if fixed_shape and groups else None
         for g in groups:

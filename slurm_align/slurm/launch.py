@@ -78,7 +78,7 @@ class Job:
         return self.record.job_id
 
     def _exit_codes(self) -> dict[str, int | None]:
-        codes = {}
+        codes: dict[str, int | None] = {}
         for comp in self.record.components:
             path = self.run_dir.logs / comp / "exit_code"
             try:
@@ -193,6 +193,7 @@ class Job:
     def cancel(self) -> None:
         if self.record.backend == "local":
             write_atomic(self.run_dir.logs / "cancelled", "cancelled\n")
+            assert self.record.pid is not None, "a local job records its script's pid"
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.record.pid, signal.SIGTERM)
             return

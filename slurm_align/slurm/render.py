@@ -18,6 +18,7 @@ import shlex
 import socket
 import sys
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,7 +88,7 @@ class ComponentScript:
     env: list[str]         # already-quoted NAME=value for this component's launcher line
     command: list[str]     # the rank's command, quoted by the template
     python: str = ""       # the interpreter the ranks run
-    preflight: list[str] = ()   # already-quoted srun prefix of the component's pre-flight step
+    preflight: Sequence[str] = ()   # already-quoted srun prefix of the component's pre-flight step
 
 
 @dataclass(frozen=True)
@@ -272,6 +273,7 @@ def _container_flags(profile: ClusterProfile, comp: str, run_dir: Path, inputs: 
     pre-flight and the ranks), the run directory as working directory, the run directory and the
     inputs mounted at their own paths, home not mounted unless asked."""
     c = profile.container
+    assert c is not None, "called for a profile with a container"
     mounts = [f"{run_dir}:{run_dir}"] + [f"{p}:{p}:ro" for p in inputs] + list(c.mounts)
     for m in mounts:
         if "," in m:

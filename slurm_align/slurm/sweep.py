@@ -33,7 +33,7 @@ from slurm_align.config.run import RunConfig
 from slurm_align.rundir import write_atomic
 from slurm_align.slurm import state as job_state
 from slurm_align.slurm.capacity import check_fits_cluster
-from slurm_align.slurm.launch import launch_run
+from slurm_align.slurm.launch import Job, launch_run
 from slurm_align.slurm.render import Entry
 from slurm_align.slurm.status import failing_rank
 
@@ -207,7 +207,7 @@ def run_sweep(points: list[SweepPoint], manifest: Manifest, *, entry=None, max_c
     manifest current. Returns the manifest; failed points carry their error."""
     console = console or Console(stderr=True)
     limit = max_concurrent or len(points)
-    jobs: dict[int, object] = {}
+    jobs: dict[int, Job] = {}
     unknown: dict[int, int] = {}   # consecutive polls in which Slurm did not know the job
     todo = list(range(len(points)))
     with Live(_table(manifest), console=console, refresh_per_second=2) as live:
