@@ -130,7 +130,8 @@ def main() -> None:
     gen_idle = idle_share(spans["disaggregated"], "generator", 0, first, idle_phases=(P.WEIGHT_SYNC,))
     train_idle = idle_share(spans["disaggregated"], "actor", 0, first)
     gen_sync = phase_seconds(spans["disaggregated"], "generator", P.WEIGHT_SYNC, first)
-    console.print(f"weight sync ({args.weight_transport}): {np.mean([m['weight_sync/bytes'] for m in synced]) / 2**20:.2f} "
+    sync_mib = np.mean([m['weight_sync/bytes'] for m in synced]) / 2**20
+    console.print(f"weight sync ({args.weight_transport}): {sync_mib:.2f} "
                   f"MiB per step; the generator's weight_sync phase {gen_sync:.3f} s per step", highlight=False)
     if args.one_rank:
         table = Table("run", "component", "rank", *(f"{p} s/step" for p in PHASES), title=f"steps >= {first}")

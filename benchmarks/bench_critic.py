@@ -29,10 +29,10 @@ os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT", "1")
 os.environ.setdefault("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from tests.support.critic_support import CriticProcess, free_port_triple, write_run_dir  # noqa: E402
+from tests.support.critic_support import CriticProcess, free_port_triple, write_run_dir
 
 MODEL = {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "vocab_size": 512, "max_seq_len": 256}
 B, T = 32, 192
@@ -58,9 +58,9 @@ def main() -> None:
 
     from slurm_align.config.run import ModelConfig
     from slurm_align.critic.client import CriticClient
+    from slurm_align.models.gpt import build_gpt
     from slurm_align.parallel.bootstrap import init_distributed
     from slurm_align.parallel.layout import initialize_model_parallel
-    from slurm_align.models.gpt import build_gpt
 
     port = args.port or free_port_triple()
     run_dir = write_run_dir(Path(tempfile.mkdtemp(prefix="bench-critic-")), port=port, model=MODEL,

@@ -27,7 +27,7 @@ import numpy as np
 from slurm_align import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT))
-from tests.support.critic_support import CriticProcess, client_for, random_batch, write_run_dir  # noqa: E402
+from tests.support.critic_support import CriticProcess, client_for, random_batch, write_run_dir
 
 
 def stall_trials(proc: CriticProcess, client, trials: int, stall_s: float) -> None:

@@ -17,12 +17,13 @@ plain sampling (temperature 1, no top-k/top-p, no EOS), 2 threads.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
-import warnings  # noqa: E402
+import warnings
 
 warnings.filterwarnings("ignore")
 
@@ -47,9 +48,9 @@ def timed(fn, repeat: int = 1) -> float:
 
 def build_training_model(arch: dict | None = None):
     from slurm_align.config.run import ModelConfig
+    from slurm_align.models.gpt import build_gpt
     from slurm_align.parallel.bootstrap import init_distributed
     from slurm_align.parallel.layout import initialize_model_parallel
-    from slurm_align.models.gpt import build_gpt
 
     cfg = ModelConfig(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS,
                       vocab_size=VOCAB, max_seq_len=256, **(arch or {}))
@@ -105,7 +106,7 @@ def naive_estimate_seconds(naive, shape, params_cls) -> tuple[float, list[tuple[
     for n in lengths:
         prm = [torch.randint(0, VOCAB, (n,), generator=g) for _ in range(N_PROMPTS)]
         params = params_cls(max_new_tokens=1, temperature=1.0)
-        points.append((n, timed(lambda: naive.generate(prm, params), repeat=2)))
+        points.append((n, timed(functools.partial(naive.generate, prm, params), repeat=2)))
     xs = torch.tensor([p[0] for p in points], dtype=torch.float64)
     ys = torch.tensor([p[1] for p in points], dtype=torch.float64)
     total = 0.0
@@ -170,7 +171,8 @@ def main() -> None:
     pctx.destroy()
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     print(f"threads={THREADS} engine_tok_s={engine_tps:.0f} hf_tok_s={hf_tps:.0f} naive_tok_s={naive_tps:.0f} "
-          f"naive_extrapolated=1 refit_s={t_refit:.5f} refit_general_s={t_general:.5f} step_s={t_step:.4f} engine_over_hf={e_hf:.3f} "
+          f"naive_extrapolated=1 refit_s={t_refit:.5f} refit_general_s={t_general:.5f} step_s={t_step:.4f} "
+          f"engine_over_hf={e_hf:.3f} "
           f"engine_over_naive={e_naive:.2f} refit_over_step={r_step:.5f}")
 
 
@@ -188,7 +190,8 @@ def engine_main(kind: str, device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: torch sees no CUDA GPU here")
     if device == "cpu" and torch.cuda.is_available():
-        raise SystemExit("--device cpu on a GPU machine: hide the GPUs (CUDA_VISIBLE_DEVICES=) so the model stays on CPU")
+        raise SystemExit("--device cpu on a GPU machine: hide the GPUs (CUDA_VISIBLE_DEVICES=) so the model "
+                         "stays on CPU")
     cfg, pctx, chunks = build_training_model(LLAMA_STYLE if kind == "trtllm" else None)
     shape = GptShape.from_model_config(cfg)
     engines = {kind: make_engine(kind, cfg if kind == "trtllm" else shape, device)}
@@ -202,14 +205,15 @@ def engine_main(kind: str, device: str) -> None:
     for name, engine in engines.items():
         try:
             refit_from_training(engine, chunks, pctx, refold=True)  # first refit: builds
-            refit_s[name] = timed(lambda: refit_from_training(engine, chunks, pctx, refold=True), repeat=3)
+            refit_s[name] = timed(functools.partial(refit_from_training, engine, chunks, pctx, refold=True), repeat=3)
             if name == "naive":
                 t, _ = naive_estimate_seconds(engine, shape, SamplingParams)
             else:
                 engine.generate(prompts, SamplingParams(max_new_tokens=8), seeds)  # warm-up
-                t = timed(lambda: engine.generate(prompts, params, seeds), repeat=ROUNDS)
+                t = timed(functools.partial(engine.generate, prompts, params, seeds), repeat=ROUNDS)
             tok_s[name] = N_PROMPTS * NEW / t
-            print(f"{name} engine on {device}: {tok_s[name]:,.0f} tokens/s, refit {refit_s[name] * 1e3:.1f} ms", flush=True)
+            print(f"{name} engine on {device}: {tok_s[name]:,.0f} tokens/s, refit {refit_s[name] * 1e3:.1f} ms",
+                  flush=True)
         except GenerationError as e:  # e.g. the torch engine without this architecture
             tok_s[name] = None
             print(f"{name} engine on {device}: not measured ({e})", flush=True)

@@ -43,7 +43,8 @@ def main() -> None:
     rollouts = args.prompts * args.samples_per_prompt
     runs = {
         "grpo": ("grpo_tiny.yaml", [f"ppo.num_rollout_samples={args.prompts}",
-                                    f"rl.n_samples_per_prompt={args.samples_per_prompt}", "ppo.global_batch_size=null"]),
+                                    f"rl.n_samples_per_prompt={args.samples_per_prompt}",
+                                    "ppo.global_batch_size=null"]),
         "ppo": ("ppo_tiny.yaml", [*(f"critic_model.{x}" for x in W1_SHAPE), f"ppo.num_rollout_samples={rollouts}"]),
     }
     step_s = {}

@@ -102,7 +102,7 @@ def import_rank(folder: Path, out: Path, tp: int) -> None:
     from slurm_align.parallel.layout import initialize_model_parallel
     pctx = initialize_model_parallel(init_distributed(), tp, 1)
     cfg = ModelConfig(hf_path=folder)
-    before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    before = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     t0 = time.perf_counter()
     chunks = build_gpt(cfg, pctx)
     seconds = time.perf_counter() - t0
@@ -154,32 +154,35 @@ def main() -> None:
     me = [sys.executable, str(Path(__file__).resolve()), "--program"]
     try:
         t0 = time.perf_counter()
-        shape = {**SHAPE, "hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2} if args.small else SHAPE
+        small = {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 2}
+        shape = {**SHAPE, **small} if args.small else SHAPE
         params = make_folder(folder, shape)
         print(f"made {folder}: {params / 1e9:.2f}B parameters in {time.perf_counter() - t0:.1f} s", flush=True)
         # transformers' load and the TP=1 import alternate, twice each, and each keeps its best
         # time: on a shared machine one slow run says more about the neighbours than the code.
         hf_runs, ratios, import_s = [], [], {}
         for round_ in range(2):
-            run(me + ["hf_load", str(folder), str(out / "hf_load.json")], env)
+            run([*me, "hf_load", str(folder), str(out / "hf_load.json")], env)
             hf_runs.append(json.loads((out / "hf_load.json").read_text()))
-            print(f"transformers load: {hf_runs[-1]['seconds']:.1f} s, peak RSS {hf_runs[-1]['peak_rss'] / 2**30:.2f} GiB "
-                  f"(model {hf_runs[-1]['model_bytes'] / 2**30:.2f} GiB)", flush=True)
+            hf = hf_runs[-1]
+            print(f"transformers load: {hf['seconds']:.1f} s, peak RSS {hf['peak_rss'] / 2**30:.2f} GiB "
+                  f"(model {hf['model_bytes'] / 2**30:.2f} GiB)", flush=True)
             for tp in ((1, 2) if round_ == 0 else (1,)):
-                run(["mpirun", "--oversubscribe", "-n", str(tp)] + me + ["import", str(folder), str(out), str(tp)], env)
+                run(["mpirun", "--oversubscribe", "-n", str(tp), *me, "import", str(folder), str(out), str(tp)], env)
                 slowest = 0.0
                 for rank in range(tp):
                     r = json.loads((out / f"import_tp{tp}_rank{rank}.json").read_text())
                     ratios.append(r["peak_rss"] / r["shard_bytes"])
                     slowest = max(slowest, r["seconds"])
                     print(f"import TP={tp} rank {rank}: {r['seconds']:.1f} s, peak RSS {r['peak_rss'] / 2**30:.2f} GiB "
-                          f"(before the import {r['rss_before'] / 2**30:.2f} GiB), shard {r['shard_bytes'] / 2**30:.2f} GiB, "
+                          f"(before the import {r['rss_before'] / 2**30:.2f} GiB), "
+                          f"shard {r['shard_bytes'] / 2**30:.2f} GiB, "
                           f"peak/shard {ratios[-1]:.2f}, (peak - before)/shard "
                           f"{(r['peak_rss'] - r['rss_before']) / r['shard_bytes']:.2f}", flush=True)
                 import_s[tp] = min(import_s.get(tp, slowest), slowest)
         hf_s = min(r["seconds"] for r in hf_runs)
         ckpt = next((out / "ckpt").glob("iter_*"))  # saved by the TP=1 import
-        run(me + ["export", str(ckpt), str(work / "exported"), str(out / "export.json")], env)
+        run([*me, "export", str(ckpt), str(work / "exported"), str(out / "export.json")], env)
         ex = json.loads((out / "export.json").read_text())
         print(f"export: {ex['seconds']:.1f} s, peak RSS {ex['peak_rss'] / 2**30:.2f} GiB", flush=True)
         print(f"import_s={import_s[1]:.2f} import_peak_rss_over_shard={max(ratios):.3f} "

@@ -34,11 +34,11 @@ def measure(mode: str, steps: int, batch: int, seq: int, micro: int) -> dict:
     """One mode in this process: the numbers, as a dict."""
     import torch
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    from slurm_align.models.optimizer import optimizer_step
     from slurm_align.config.run import ModelConfig
     from slurm_align.models.forward import forward_logprobs, run_schedule, sequence_token_logprobs
     from slurm_align.models.gpt import build_gpt
     from slurm_align.models.lora import attach_configured, reference_policy, trainable_parameters
+    from slurm_align.models.optimizer import optimizer_step
     from slurm_align.models.packing import Batching
     from slurm_align.parallel.bootstrap import init_distributed
     from slurm_align.parallel.layout import initialize_model_parallel
@@ -69,7 +69,7 @@ def measure(mode: str, steps: int, batch: int, seq: int, micro: int) -> dict:
 
         def loss_fn(output, mb):
             logp = sequence_token_logprobs(output, mb, cfg.vocab_size)[:, prompt - 1:]
-            loss = -(mb["adv"][:, None] * logp).sum() / (batch * logp.shape[1]) * len(mbs)
+            loss = -(mb["adv"][:, None] * logp).sum() / (batch * logp.shape[1]) * len(mbs)  # noqa: B023  (called in this iteration)
             return loss, {"loss": loss.detach()}
 
         optimizer.zero_grad(set_to_none=True)
@@ -113,7 +113,8 @@ def main() -> None:
         res[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
         r = res[mode]
         print(f"{mode}: {r['parameters'] / 1e6:.1f}M parameters, {r['trainable'] / 1e6:.2f}M trainable, "
-              f"optimizer state {r['optimizer_bytes'] / 2**20:.1f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, "
+              f"optimizer state {r['optimizer_bytes'] / 2**20:.1f} MiB, "
+              f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB, "
               f"step {r['step_s']:.2f} s", flush=True)
     full, lora = res["full"], res["lora"]
     print(f"lora_over_full_optimizer_bytes={lora['optimizer_bytes'] / full['optimizer_bytes']:.4f} "

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import warnings  # noqa: E402
+import warnings
 
 warnings.filterwarnings("ignore")
 
@@ -114,8 +115,8 @@ def main() -> None:
     times = {("logprob", n): float("inf") for n in cfgs} | {("train", n): float("inf") for n in cfgs}
     for _ in range(args.rounds):
         for name in cfgs:
-            times[("logprob", name)] = min(times[("logprob", name)], best(lambda: logprob_pass(name), 1))
-            times[("train", name)] = min(times[("train", name)], best(lambda: train_step(name), 1))
+            times[("logprob", name)] = min(times[("logprob", name)], best(functools.partial(logprob_pass, name), 1))
+            times[("train", name)] = min(times[("train", name)], best(functools.partial(train_step, name), 1))
 
     bt = run_batching(cfgs["packed"], "actor", 4)
     groups = bt.groups(batch.seq_lengths)

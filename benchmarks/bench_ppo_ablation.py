@@ -27,8 +27,8 @@ from slurm_align.slurm.launch import Job, JobRecord, launch_run
 
 SWITCHES = ("kv_cache_engine", "dynamic_prompts", "async_critic", "refold", "offload_optimizer")
 W1_SHAPE = ["num_layers=4", "hidden_size=256", "num_attention_heads=4", "vocab_size=512", "max_seq_len=256"]
-W1 = [*(f"model.{x}" for x in W1_SHAPE), *(f"critic_model.{x}" for x in W1_SHAPE), "generation.max_new_tokens=128", "actor.tensor_parallel=1",
-      "actor.pipeline_parallel=2", "actor.data_parallel=1", "generation.prompt_batch_size=4",
+W1 = [*(f"model.{x}" for x in W1_SHAPE), *(f"critic_model.{x}" for x in W1_SHAPE), "generation.max_new_tokens=128",
+      "actor.tensor_parallel=1", "actor.pipeline_parallel=2", "actor.data_parallel=1", "generation.prompt_batch_size=4",
       "ppo.train_micro_batch_size=4"]
 
 

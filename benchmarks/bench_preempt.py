@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 
 from slurm_align import REPO_ROOT
-from slurm_align.slurm.preemption import read_events
 from slurm_align.config import load_profile, load_run_config
 from slurm_align.rundir import RunDir
 from slurm_align.slurm.launch import launch_run
+from slurm_align.slurm.preemption import read_events
 from slurm_align.store.traces import read_traces
 
 EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"
@@ -101,7 +101,8 @@ def measure(run, mode: str, rd: RunDir, grace: int = 60) -> None:
     if final != "COMPLETED":
         raise SystemExit(f"job {job.job_id} ended {final}; logs in {rd.logs}")
     print(f"[{mode}] run {rd.root}: stopped after step {saved['step']}, resumed at {first_new['step']}")
-    print(f"signal_to_saved_s={saved['time'] - t_signal:.2f} saved_to_requeued_s={requeued['time'] - saved['time']:.2f} "
+    print(f"signal_to_saved_s={saved['time'] - t_signal:.2f} "
+          f"saved_to_requeued_s={requeued['time'] - saved['time']:.2f} "
           f"requeued_to_first_step_s={first_new['time'] - requeued['time']:.2f} lost_steps={len(begun_after)}",
           flush=True)
 

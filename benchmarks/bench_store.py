@@ -148,7 +148,8 @@ def store_over_step(run_dir: Path) -> tuple[float, float, float]:
     store_s = float(per_step.mean())
     p50 = float(np.median(per_step / b.step_s))
     print(f"tiny PPO run {run_dir}: {len(b.steps)} step(s) after the first, step {b.mean_step_s:.3f} s, "
-          f"store {1e3 * store_s:.2f} ms (median {1e3 * np.median(per_step):.2f} ms, max {1e3 * per_step.max():.2f} ms)")
+          f"store {1e3 * store_s:.2f} ms (median {1e3 * np.median(per_step):.2f} ms, "
+          f"max {1e3 * per_step.max():.2f} ms)")
     return store_s, b.mean_step_s, p50
 
 

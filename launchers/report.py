@@ -39,6 +39,7 @@ def main() -> int:
         "ntasks": {c: het.ntasks(c) for c in het.components},
     }
     print(json.dumps(report), flush=True)
+    assert het.run_dir is not None, "the job script exports SLURM_ALIGN_RUN_DIR"
     write_atomic(RunDir(het.run_dir).report(het.component, comm.Get_rank()), json.dumps(report, indent=1))
     comm.Barrier()
     time.sleep(args.hold_s)

@@ -21,7 +21,8 @@ import importlib.abc
 import importlib.util
 import inspect
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 TARGET = "megatron.core"
 OPTIONAL_UNUSED = ("wandb",)   # imported by megatron.core when installed, used only by its own logging
@@ -66,7 +67,8 @@ class _DeferCompileDuringImport(importlib.abc.MetaPathFinder):
             real = torch.compile
             torch.compile = deferring(real)
             hide = [name for name in OPTIONAL_UNUSED if name not in sys.modules]
-            sys.modules.update(dict.fromkeys(hide))   # None in sys.modules: `import` raises ImportError
+            # None in sys.modules: `import` raises ImportError (typeshed types the values as modules)
+            sys.modules.update(dict.fromkeys(hide))  # type: ignore[arg-type]
             try:
                 run_module(module)
             finally:
@@ -74,7 +76,7 @@ class _DeferCompileDuringImport(importlib.abc.MetaPathFinder):
                 for name in hide:
                     if sys.modules.get(name, ...) is None:
                         del sys.modules[name]
-        spec.loader.exec_module = exec_module   # this spec's own loader object
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's own loader object
         return spec
 
 

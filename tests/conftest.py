@@ -144,7 +144,7 @@ def _suffix_group(item: pytest.Item, name: str) -> None:
     (Node.nodeid is str(item._id)): without this every group would be split over the workers."""
     if "@" in item.nodeid or not hasattr(item, "_id"):
         return
-    from _pytest.nodeid import NodeId   # pytest >= 9.2 (where _id exists)
+    from _pytest.nodeid import NodeId  # pytest >= 9.2 (where _id exists)
     item._id = NodeId.parse(f"{item.nodeid}@{name}")
     assert item.nodeid.endswith(f"@{name}"), item.nodeid
 
@@ -294,8 +294,8 @@ def ppo_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path
     workers (the other workers' calls wait for it)."""
     from slurm_align.config import load_profile
     from slurm_align.slurm.launch import launch_run
-    from tests.support.preempt_support import DETERMINISTIC, logs_text
     from tests.integration.test_ppo import tiny_run
+    from tests.support.preempt_support import DETERMINISTIC, logs_text
 
     def build(folder: Path) -> None:
         job = launch_run(tiny_run(*DETERMINISTIC), load_profile("local"), folder / "run")

@@ -64,7 +64,8 @@ def chat_data(out: Path) -> None:
         write_jsonl(out / f"pref_{split}.jsonl", [{"messages": user(r["prompt"]), "chosen": assistant(r["chosen"]),
                                                    "rejected": assistant(r["rejected"])}
                                                   for r in read_jsonl(SYNTHETIC / f"pref_{split}.jsonl")])
-    write_jsonl(out / "prompts.jsonl", [{"messages": user(r["prompt"])} for r in read_jsonl(SYNTHETIC / "prompts.jsonl")])
+    write_jsonl(out / "prompts.jsonl",
+                [{"messages": user(r["prompt"])} for r in read_jsonl(SYNTHETIC / "prompts.jsonl")])
 
 
 def main(out_dir: Path) -> None:

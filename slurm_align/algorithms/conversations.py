@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -58,8 +60,8 @@ class Conversation:
     ended: bool = False          # done by the environment after a turn that ended properly
 
     @classmethod
-    def start(cls, env: Environment, renderer: TurnRenderer, row: dict[str, Any], prompt: Sequence[int],
-              seed: int) -> "Conversation":
+    def start(cls, env: Environment, renderer: TurnRenderer, row: dict[str, Any],
+              prompt: Sequence[int] | np.ndarray, seed: int) -> Conversation:
         """The environment's first messages; a chat row's prompt re-rendered from them (with the
         tools' schemas), a plain row's kept as the dataset encoded it."""
         messages = checked_reset(env, row)
@@ -173,8 +175,8 @@ def to_batch(convs: list[Conversation], pad_id: int, *, index: Sequence[int], gr
     turn_col, role_col = torch.zeros(len(convs), T), torch.zeros(len(convs), T)
     for i, (c, t) in enumerate(zip(convs, trajs)):
         lp[i, :t.response_length] = torch.tensor(c.logprobs, dtype=torch.float32)
-        bounds = t.turn_starts + [t.response_length]
-        for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        bounds = [*t.turn_starts, t.response_length]
+        for k, (a, b) in enumerate(itertools.pairwise(bounds)):
             turn_col[i, a:b] = k
             role_col[i, a:b] = ROLE_CODES.get(t.turn_roles[k], ROLE_CODES["user"])
     mb.set_tokens("rollout_logprobs", lp)

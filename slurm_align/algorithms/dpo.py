@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 from slurm_align.data.datasets import PreferenceDataset
 from slurm_align.models.forward import run_schedule, sequence_token_logprobs
-from slurm_align.models.lora import reference_policy
+from slurm_align.models.lora import AdaptersOff, reference_policy
+from slurm_align.models.weights import HostSwap
 
 
 class DPO:
@@ -23,7 +24,7 @@ class DPO:
     def __init__(self, run):
         self.vocab_size = run.model.vocab_size
         self.beta = run.trainer.dpo_beta
-        self.reference = None   # HostSwap, or AdaptersOff for a LoRA model
+        self.reference: HostSwap | AdaptersOff | None = None   # AdaptersOff for a LoRA model
 
     def dataset(self, path, tok, max_len):
         return PreferenceDataset(path, tok, max_len)
@@ -46,6 +47,7 @@ class DPO:
         weights swapped in."""
         def ref_loss(output, mb):
             return output.new_zeros(()), {"ref": self._sequence_logprobs(output, mb)}
+        assert self.reference is not None, "setup() first"
         self.reference.swap()
         try:
             infos = run_schedule(trainer.chunks, microbatches, ref_loss, forward_only=True)

@@ -31,16 +31,19 @@ class EvalSet:
     scorer: RuleReward
 
     @classmethod
-    def from_run(cls, run: RunConfig, tokenizer) -> "EvalSet | None":
+    def from_run(cls, run: RunConfig, tokenizer) -> EvalSet | None:
         """None when evaluation is off. Prompts are encoded as the rollout prompts are."""
         ev = run.eval
         if not ev.interval:
             return None
+        scorer = ev.scorer or run.reward.rule
+        # RunConfig: eval.interval needs eval.val_path and a scorer
+        assert ev.val_path is not None and scorer is not None, "checked by RunConfig"
         dataset = PromptDataset(ev.val_path, tokenizer, run.model.max_seq_len)
         rows, prompts = dataset.fields(), dataset.token_arrays()
         if ev.num_prompts:
             rows, prompts = rows[: ev.num_prompts], prompts[: ev.num_prompts]
-        return cls(rows, prompts, RuleReward.load(ev.scorer or run.reward.rule))
+        return cls(rows, prompts, RuleReward.load(scorer))
 
     def due(self, run: RunConfig, step: int) -> bool:
         """After step k when k is a multiple of eval.interval, and after the last step (the

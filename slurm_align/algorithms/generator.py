@@ -50,11 +50,12 @@ from slurm_align.algorithms.rollout_collector import VERSION, RolloutCollector
 from slurm_align.config import RunConfig, load_run_config
 from slurm_align.data.datasets import PromptDataset
 from slurm_align.generation import engine_from_config
+from slurm_align.generation.base import TorchEngineBase
+from slurm_align.generation.params import GptShape
 from slurm_align.generation.stream import STOP, Stream, StreamClosed, StreamServer, connect
 from slurm_align.generation.weight_group import META, GroupReceiver, GroupSender, open_group
 from slurm_align.generation.weight_stream import WeightAssembler, send_weights
 from slurm_align.generation.weights import expected_shapes
-from slurm_align.generation.params import GptShape
 from slurm_align.models.lora import merged
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.models.weights import full_state_dict
@@ -124,6 +125,7 @@ class Generator:
         self.rank = env.rank
         torch.manual_seed(run.seed)
         tokenizer = build_tokenizer(run.model)
+        assert run.data.train_path is not None, "checked at submit (slurm.launch)"
         dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len)
         self.shape = GptShape.from_model_config(run.model)
         self.layout = replica_layout(self.comm, run.generator.tensor_parallel)
@@ -162,12 +164,14 @@ class Generator:
         """Rank 0: the newest complete version waiting (waits while none >= need has come); with
         rollout.lag 'fixed', version `need` itself (later ones stay queued in the stream)."""
         fixed = self.run.rollout.lag == "fixed"
+        stream = self.stream
+        assert stream is not None, "rank 0 holds the actor's stream (serve)"
         newest = None
         while True:
             have = newest[0] if newest is not None else self.version
             if have >= need and fixed:
                 return newest
-            msg = self.stream.recv() if have < need else self.stream.poll()
+            msg = stream.recv() if have < need else stream.poll()
             if msg is None:
                 return newest
             if msg.kind == STOP:
@@ -178,9 +182,13 @@ class Generator:
 
     def _feed(self, msg):
         """A weights message (or a collective bucket's announcement: then the bucket itself)."""
-        return self.assembler.feed(self.group.receive(msg) if msg.kind == META else msg)
+        if msg.kind == META:
+            assert self.group is not None, "only rollout.weight_transport 'collective' announces buckets"
+            msg = self.group.receive(msg)
+        return self.assembler.feed(msg)
 
     def apply_weights(self, step: int, need: int) -> None:
+        assert self.tracer is not None, "serve() first"
         with self.tracer.span(P.WEIGHT_SYNC, step):
             got, stopped = None, False
             if self.rank == 0:
@@ -200,17 +208,22 @@ class Generator:
             self.version = version
             self.collector.set_version(version)
         if self.rank == 0 and self.run.rollout.record_weight_digests:   # what the engine now holds
-            record_digests(self.rd, "generator", version, {k: self.engine.weights[k] for k in expected_shapes(self.shape)})
+            engine = self.engine
+            assert isinstance(engine, TorchEngineBase), "RunConfig refuses record_weight_digests with trtllm"
+            record_digests(self.rd, "generator", version,
+                           {k: engine.weights[k] for k in expected_shapes(self.shape)})
 
     def send(self, kind: str, meta: dict, tensors: dict | None = None) -> None:
         """Rank 0: to the actor; after the actor's stop (preemption: it saved and ends) the
         generator stops too, whatever it was doing."""
-        if self.stream.peer_stopped:
+        stream = self.stream
+        assert stream is not None, "rank 0 holds the actor's stream (serve)"
+        if stream.peer_stopped:
             raise _Stopped()
         try:
-            self.stream.send(kind, meta, tensors)
+            stream.send(kind, meta, tensors)
         except StreamClosed:
-            if self.stream.peer_stopped:
+            if stream.peer_stopped:
                 raise _Stopped() from None
             raise
 
@@ -226,6 +239,7 @@ class Generator:
                     self.send("samples", {"step": step}, rest.pack())
         if self.rank == 0:
             self.send("step_done", {"step": step})
+        assert self.tracer is not None, "serve() first"
         self.tracer.step_done(step)
 
     def run_loop(self, start: int) -> None:
@@ -237,6 +251,7 @@ class Generator:
         except _Stopped:
             return   # the actor saved and ends (preemption); so does the generator
         if self.rank == 0:   # the actor's remaining weight versions, then its stop
+            assert self.stream is not None, "rank 0 holds the actor's stream (serve)"
             while (msg := self.stream.recv()).kind != STOP:
                 self._feed(msg)
 
@@ -253,7 +268,7 @@ def main(run_dir: str | Path) -> int:
     rd = RunDir(Path(run_dir))
     run = load_run_config(rd.config)
     env = init_distributed()
-    gen = None
+    gen: Generator | None = None
     try:
         gen = Generator(run, rd, env)
         gen.run_loop(gen.serve())
@@ -261,6 +276,7 @@ def main(run_dir: str | Path) -> int:
         traceback.print_exc()
         sys.stderr.flush()
         env.comm.Abort(1)   # the component ends at once: the job script fails the job
+    assert gen is not None, "Abort ends the process"
     gen.close()
     return 0
 
@@ -306,17 +322,20 @@ class RemoteRollouts:
             sd = full_state_dict(policy, pctx, to_all=False) if pctx.dp_rank == 0 else None
         sent = 0
         if self.rank == 0:
+            assert sd is not None, "global rank 0 is a DP rank 0"
+            assert self.stream is not None, "rank 0 holds the generator's stream (connect)"
             send = self.group.send if self.group is not None else partial(send_weights, self.stream)
             sent = send(sd, version, self.bucket_bytes)
-        if self.rank == 0 and self.run.rollout.record_weight_digests:
-            record_digests(self.rd, "trainer", version, sd)
+            if self.run.rollout.record_weight_digests:
+                record_digests(self.rd, "trainer", version, sd)
         return {"weight_sync_bytes": float(sent), "weight_sync_s": time.perf_counter() - t0}
 
     def receive(self, step: int) -> list[RolloutBatch]:
         """Rank 0: the step's micro-batches, as the generator finished them; [] elsewhere."""
         if self.rank != 0:
             return []
-        out = []
+        assert self.stream is not None, "rank 0 holds the generator's stream (connect)"
+        out: list[RolloutBatch] = []
         while True:
             msg = self.stream.recv()
             if msg.kind == "step_done":
@@ -324,7 +343,8 @@ class RemoteRollouts:
                     raise RuntimeError(f"the generator finished step {msg.meta['step']}, expected {step}")
                 return out
             if msg.kind != "samples" or int(msg.meta["step"]) != step:
-                raise RuntimeError(f"unexpected {msg.kind!r} message for step {msg.meta.get('step')} during step {step}")
+                raise RuntimeError(
+                    f"unexpected {msg.kind!r} message for step {msg.meta.get('step')} during step {step}")
             out.append(RolloutBatch.unpack([{k: v.numpy() for k, v in msg.tensors.items()}], self.pad_id))
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ and the loss normalisers are all-reduced over the DP ranks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -59,12 +59,15 @@ class Rewards:
 def combine_rewards(run: RunConfig, model_score: torch.Tensor | None, rule_score: torch.Tensor | None) -> torch.Tensor:
     """model_weight x reward model score + rule_weight x rule reward (each when in use)."""
     cfg = run.reward
-    parts = []
+    parts: list[torch.Tensor] = []
     if cfg.use_model:
+        assert model_score is not None, "reward.model: the critic scores every sample"
         parts.append(cfg.model_weight * model_score.double())
     if cfg.rule is not None or run.multi_turn:   # multi-turn: the environment's return
+        assert rule_score is not None, "reward.rule (or the environment): every sample has a rule reward"
         parts.append(cfg.rule_weight * rule_score.double())
-    return sum(parts).float()
+    # RunConfig refuses a run that has neither; summed from a float64 zero as sum() adds to 0
+    return sum(parts, torch.zeros((), dtype=torch.float64)).float()
 
 
 # -- advantages ------------------------------------------------------------------------------
@@ -80,6 +83,7 @@ def estimate_advantages(run: RunConfig, batch: RolloutBatch, dp_group) -> dict[s
     if spec.loss == "sft":
         s = all_reduce_sums(keep_best(batch), dp_group)
         return {"kept_rewards": s["kept_reward_sum"] / max(s["kept"], 1.0)}
+    assert spec.estimator is not None, "config.algorithms: a loss 'policy' algorithm has an estimator"
     try:
         estimate = A.estimator(spec.estimator)
     except ValueError as e:
@@ -133,7 +137,8 @@ class PolicyUpdate:
     weight). loss 'policy': the clipped surrogate (+ KL loss term, entropy bonus) of
     policy_loss.py; loss 'sft': negative log-likelihood (rejection sampling)."""
 
-    def __init__(self, run: RunConfig, policy: list, optimizer: torch.optim.Optimizer, pctx, *, loss: str = "policy"):
+    def __init__(self, run: RunConfig, policy: list, optimizer: torch.optim.Optimizer, pctx, *,
+                 loss: Literal["policy", "sft"] = "policy"):
         self.run, self.policy, self.optimizer, self.pctx, self.loss = run, policy, optimizer, pctx, loss
         self.terms = loss_terms(run)
         self.agg = "token-mean" if loss == "sft" else self.terms.agg

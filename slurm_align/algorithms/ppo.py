@@ -87,8 +87,8 @@ class PPOActor:
     def __init__(self, run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext, *, tokenizer,
                  prompts: list[np.ndarray], policy: list, optimizer: torch.optim.Optimizer, reference,
                  offload: TrainingStateOffload | None, engine: Engine, critic: CriticClient | None, tracer: Tracer,
-                 store: RolloutStore | None, metrics: MetricsLogger, start_step: int, rewards: Rewards, evalset: EvalSet | None,
-                 remote: RemoteRollouts | None = None):
+                 store: RolloutStore | None, metrics: MetricsLogger, start_step: int, rewards: Rewards,
+                 evalset: EvalSet | None, remote: RemoteRollouts | None = None):
         self.run, self.rd, self.env, self.pctx = run, rd, env, pctx
         self.rank = env.rank
         self.tokenizer, self.prompts = tokenizer, prompts
@@ -96,8 +96,9 @@ class PPOActor:
         self.engine, self.critic, self.tracer, self.store, self.metrics = engine, critic, tracer, store, metrics
         self.start_step = start_step
         self.rewards, self.evalset = rewards, evalset
-        self.init_checkpoint = None   # the resolved model.init_checkpoint (build_actor sets it)
+        self.init_checkpoint: Path | None = None   # the resolved model.init_checkpoint (build_actor sets it)
         self.remote = remote   # rollout.mode 'disaggregated': the generator component's stream
+        assert run.spec.loss is not None, "config.algorithms: a rollout algorithm has a loss"
         self.update = PolicyUpdate(run, policy, optimizer, pctx,
                                    loss=run.spec.loss)
         self.pad_id = tokenizer.pad_id
@@ -124,6 +125,7 @@ class PPOActor:
         """Disaggregated: the step's samples from the generator (all on rank 0; the rebalance
         spreads them), each micro-batch sent on to the critic as it comes (PPO's values, a
         reward model's score). Waiting for them is the trainer's idle time (no span)."""
+        assert self.remote is not None, "receive() is the disaggregated path"
         mbs = self.remote.receive(step)
         quiet.barrier(self.env.comm)   # the other ranks wait for rank 0's samples without spinning
         return RolloutBatch.cat(mbs, self.pad_id), [(mb, self.collector.to_critic(mb, step)) for mb in mbs]
@@ -149,6 +151,7 @@ class PPOActor:
         def response_logprobs() -> torch.Tensor:
             logp = forward_logprobs(self.policy, self.pctx, shard.tokens, vocab, lengths=shard.seq_lengths,
                                     batching=batching, broadcast=True, temperature=temperature)
+            assert logp is not None, "broadcast=True: every stage gets the last stage's log-probs"
             return shard.from_positions(logp)
 
         with self.tracer.span(P.LOGPROBS, step):
@@ -191,6 +194,7 @@ class PPOActor:
         if step_batch is None or not self.run.critic_trains:
             return None
         b = step_batch
+        assert self.critic is not None, "RunConfig.critic_trains: the run has a critic"
         return self.critic.train_async(b.tokens.numpy(), b.seq_lengths.numpy(), b.to_positions("returns").numpy(),
                                        b.to_positions("values").numpy(), b.position_mask().numpy(), step=step)
 
@@ -212,6 +216,7 @@ class PPOActor:
         span = self.tracer.span(P.EVALUATE, step) if step > 0 else contextlib.nullcontext()
         with span, generation_phase(self.engine, self.offload, free_engine_after=False):
             refit_from_training(self.engine, self.policy, self.pctx, refold=run.switches.refold)
+            assert self.evalset is not None, "EvalSet.due: evaluation is on"
             with self.pctx.generation_layout(run.switches.refold) as layout:
                 return evaluate(self.collector, layout, self.env.comm, self.evalset, run.generation.max_new_tokens,
                                 run.generation.prompt_batch_size * run.rl.n_samples_per_prompt)
@@ -254,6 +259,7 @@ class PPOActor:
             step_batch = self.gather_step(shard)
         with self.tracer.span(P.STORE, step):
             if self.store is not None:
+                assert step_batch is not None, "rank 0 holds both the store and the gathered step"
                 self.store.append_step(step, step_batch.store_columns(TOKEN_FIELDS, STORED_SAMPLE_FIELDS))
         critic_future = self.critic_train(step_batch, step)
         warmup = run.critic_trains and step <= run.ppo.critic_warmup_steps   # only the critic trains
@@ -275,9 +281,11 @@ class PPOActor:
             self.store.flush()   # no checkpoint ahead of the committed rollouts (resume leaves no gap)
         # The critic first: the actor's manifest, written last, commits the step for both roles.
         if self.rank == 0 and self.run.critic_trains:
+            assert self.critic is not None, "RunConfig.critic_trains: the run has a critic"
             self.critic.save(str(self.rd.checkpoints("critic") / f"iter_{step:07d}.pt"))
         save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer,
-                        {"algorithm": self.run.algorithm, **lora_base(self.run.model, self.run.seed, self.init_checkpoint)})
+                        {"algorithm": self.run.algorithm,
+                         **lora_base(self.run.model, self.run.seed, self.init_checkpoint)})
 
     def run_loop(self, stop: StopPoint | None = None) -> bool:
         """Run the remaining steps; True when `stop` ended the run early (after saving)."""
@@ -319,7 +327,8 @@ class PPOActor:
             console.print(f"step {metrics['step']}:{val}", highlight=False)
             return
         console.print(
-            f"step {metrics['step']}:{val}  reward {m('train_rollouts/rewards'):+.3f}  kl {m('train_rollouts/kl'):.4f}  "
+            f"step {metrics['step']}:{val}  reward {m('train_rollouts/rewards'):+.3f}  "
+            f"kl {m('train_rollouts/kl'):.4f}  "
             f"len {m('train_rollouts/response_lengths'):.1f}  "
             f"ended {m('train_rollouts/fraction_of_samples_properly_ended'):.2f}  "
             f"loss {m('train_optim/loss'):+.4f}  critic {m('train_optim/critic_loss'):.4f}  "
@@ -368,6 +377,7 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     torch.manual_seed(run.seed)
     tokenizer = build_tokenizer(run.model)
     # Prompts are encoded as the SFT trainer formats its inputs (plain: [BOS] text; chat: the template).
+    assert run.data.train_path is not None, "checked at submit (slurm.launch)"
     dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len)
     prompts = dataset.token_arrays()
     policy = build_gpt(run.model, pctx, seed=run.seed)

@@ -11,13 +11,15 @@ A RolloutBatch of B samples holds
                       the engine gave none) travels from generation to the store with the rest
 
 It owns the padding (one place), the mapping between sequence positions and response tokens
-(data/positions.py), micro-batches (by sample count or token budget, padded or packed: models/packing.py), and moving samples over the DP ranks (through a balance.Route).
+(data/positions.py), micro-batches (by sample count or token budget, padded or packed:
+models/packing.py), and moving samples over the DP ranks (through a balance.Route).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +49,7 @@ def collective_device(group: Any) -> torch.device:
         else torch.device("cpu")
 
 
-def all_reduce_sums(values: dict[str, float | torch.Tensor], group: Any) -> dict[str, float]:
+def all_reduce_sums(values: Mapping[str, float | torch.Tensor], group: Any) -> dict[str, float]:
     """Sum named scalars over the ranks of `group` (one float64 all-reduce; None: this rank only)."""
     keys = list(values)
     vec = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64)
@@ -70,7 +72,7 @@ class RolloutBatch:
     # construction ---------------------------------------------------------------------------
     @classmethod
     def from_sequences(cls, prompts: Sequence[Any], responses: Sequence[Any], pad_id: int,
-                       **samples: Any) -> "RolloutBatch":
+                       **samples: Any) -> RolloutBatch:
         """Right-pad ragged 1-D prompts and responses (arrays or tensors); `samples` are
         per-sample columns (one value per sample)."""
         if len(prompts) != len(responses):
@@ -90,7 +92,7 @@ class RolloutBatch:
         return batch
 
     @classmethod
-    def empty(cls, pad_id: int) -> "RolloutBatch":
+    def empty(cls, pad_id: int) -> RolloutBatch:
         """No samples (a rank that generated none)."""
         z = torch.zeros(0, dtype=torch.int64)
         return cls(torch.zeros(0, 0, dtype=torch.int64), z, z.clone(), pad_id)
@@ -165,7 +167,7 @@ class RolloutBatch:
         return position_mask(self.prompt_lengths, self.response_lengths, self.tokens.shape[1])
 
     # selection ------------------------------------------------------------------------------
-    def select(self, rows: Sequence[int] | np.ndarray | torch.Tensor) -> "RolloutBatch":
+    def select(self, rows: Sequence[int] | np.ndarray | torch.Tensor) -> RolloutBatch:
         """The given rows, in that order, padded only as wide as they need."""
         rows = torch.as_tensor(np.asarray(rows, dtype=np.int64).reshape(-1))
         plen, rlen = self.prompt_lengths[rows], self.response_lengths[rows]
@@ -175,11 +177,11 @@ class RolloutBatch:
                             {k: v[rows] for k, v in self.samples.items()},
                             {k: v[rows, :T] for k, v in self.per_token.items()})
 
-    def sorted_by(self, name: str) -> "RolloutBatch":
+    def sorted_by(self, name: str) -> RolloutBatch:
         return self.select(torch.argsort(self.samples[name], stable=True))
 
     @classmethod
-    def cat(cls, batches: Sequence["RolloutBatch"], pad_id: int) -> "RolloutBatch":
+    def cat(cls, batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
         """Rows of every batch in order, re-padded to common widths (empty batches are skipped)."""
         full = [b for b in batches if b.size]
         if not full:
@@ -197,7 +199,7 @@ class RolloutBatch:
                    pad_id, {k: torch.cat([b.samples[k] for b in full]) for k in keys[0]},
                    {k: torch.cat([pad(b.per_token[k], T, 0.0) for b in full]) for k in keys[1]})
 
-    def merge(self, other: "RolloutBatch", key: str = "index") -> None:
+    def merge(self, other: RolloutBatch, key: str = "index") -> None:
         """Take `other`'s columns, matching rows by `key` (same samples, any order)."""
         here = torch.argsort(self.samples[key])
         there = torch.argsort(other.samples[key])
@@ -234,7 +236,7 @@ class RolloutBatch:
         return out
 
     @classmethod
-    def unpack(cls, parts: Sequence[dict[str, np.ndarray]], pad_id: int) -> "RolloutBatch":
+    def unpack(cls, parts: Sequence[dict[str, np.ndarray]], pad_id: int) -> RolloutBatch:
         """Inverse of pack over several parts (their rows in order). Without tokens the batch
         has tokens of width 0 (columns only, e.g. for `merge`)."""
         parts = [p for p in parts if len(p["response_lengths"])]
@@ -268,7 +270,7 @@ class RolloutBatch:
         return Route.plan(comm, dp_rank, dp_size, index=col("index"), groups=col("group"),
                           lengths=self.seq_lengths.numpy(), expected=expected)
 
-    def moved(self, route: Route, **pack_args: Any) -> "RolloutBatch":
+    def moved(self, route: Route, **pack_args: Any) -> RolloutBatch:
         """Collective: send each local sample where `route` says; returns this rank's share,
         sorted by index (so the result does not depend on who generated what)."""
         parts = [self.select(route.rows_for(d)).pack(**pack_args) for d in range(len(route.members))]

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -122,9 +122,11 @@ class RolloutCollector:
         conversation with the environment, run to its end; the batch also carries loss_mask,
         turn and role per token. Multi-turn replicas have one rank (RunConfig checks), so
         `keep` is always True here."""
-        convs = [mt.Conversation.start(self.env, self.renderer, self.rewards.rows[r], p, s)
+        env = self.env
+        assert env is not None, "collect() runs conversations only with an environment"
+        convs = [mt.Conversation.start(env, self.renderer, self.rewards.rows[r], p, s)
                  for p, r, s in zip(prompts, rows, seeds)]
-        mt.run_turns(convs, engine=self.engine, params=self.params, tokenizer=self.tokenizer, env=self.env,
+        mt.run_turns(convs, engine=self.engine, params=self.params, tokenizer=self.tokenizer, env=env,
                      renderer=self.renderer, settings=self.run.environment, max_seq_len=self.run.model.max_seq_len,
                      tracer=self.tracer, step=step)
         mb = mt.to_batch(convs, self.pad_id, index=index, group=group, rank=self.rank)
@@ -180,8 +182,10 @@ class RolloutCollector:
     def greedy_conversations(self, prompts: Sequence[np.ndarray], rows: Sequence[dict]) -> list[mt.Conversation]:
         """Evaluation's multi-turn loop: greedy turns with the environment on held-out rows."""
         params = dataclasses.replace(self.params, temperature=0.0, return_logprobs=False)
-        convs = [mt.Conversation.start(self.env, self.renderer, row, p, 0) for p, row in zip(prompts, rows)]
-        mt.run_turns(convs, engine=self.engine, params=params, tokenizer=self.tokenizer, env=self.env,
+        env = self.env
+        assert env is not None, "multi-turn evaluation runs with an environment"
+        convs = [mt.Conversation.start(env, self.renderer, row, p, 0) for p, row in zip(prompts, rows)]
+        mt.run_turns(convs, engine=self.engine, params=params, tokenizer=self.tokenizer, env=env,
                      renderer=self.renderer, settings=self.run.environment, max_seq_len=self.run.model.max_seq_len)
         return convs
 

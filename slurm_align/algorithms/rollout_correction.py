@@ -24,7 +24,7 @@ One registered function per mode (`register`); RunConfig.rollout_correction.mode
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

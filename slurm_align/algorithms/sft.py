@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from slurm_align.data.datasets import SFTDataset
 from slurm_align.models.forward import sequence_token_logprobs
 

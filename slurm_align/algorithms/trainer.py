@@ -67,7 +67,8 @@ def make_microbatches(ds, indices: list[int], batching: Batching | int, *, fixed
     for mb in mbs:
         extra = length - mb["tokens"].shape[1]
         if extra:
-            mb["tokens"] = torch.cat([mb["tokens"], mb["tokens"].new_full((mb["tokens"].shape[0], extra), ds.pad_id)], 1)
+            pad = mb["tokens"].new_full((mb["tokens"].shape[0], extra), ds.pad_id)
+            mb["tokens"] = torch.cat([mb["tokens"], pad], 1)
             mb["mask"] = torch.cat([mb["mask"], mb["mask"].new_zeros((mb["mask"].shape[0], extra))], 1)
     return mbs
 
@@ -113,12 +114,12 @@ class Trainer:
 
     def _reduce_sums(self, infos: list[dict]) -> dict:
         """Sum the last stage's per-micro-batch sums over micro-batches, DP and PP."""
-        keys = sorted(infos[0]) if infos else None
-        obj = [keys]
+        obj: list[list[str] | None] = [sorted(infos[0]) if infos else None]
         if self.pctx.pp_size > 1:  # non-last stages learn the keys from the last stage
             src = dist.get_global_rank(self.pctx.pp_group, self.pctx.pp_size - 1)
             dist.broadcast_object_list(obj, src=src, group=self.pctx.pp_group)
         keys = obj[0]
+        assert keys is not None, "the last stage has the micro-batches' sums"
         vec = torch.zeros(len(keys), dtype=torch.float64, device=self.device)
         for info in infos:
             vec += torch.stack([info[k].detach().double().to(self.device) for k in keys])

@@ -1,12 +1,12 @@
 """Step-time breakdown from spans, reduced as NeMo-Aligner reduces its timers (max over ranks).
 
 Definitions (per step s; a "rank" is one (component, rank) pair):
-  step time T_s   = max over ranks of (last span end − first span start) of that rank in step s.
+  step time T_s   = max over ranks of (last span end - first span start) of that rank in step s.
                     Each rank's window uses only its own clock, so clock offsets between hosts
                     cannot inflate it.
   phase time P_sp = max over ranks of the summed durations of that rank's spans of phase p in s.
   busy_r,s        = length of the union of rank r's spans in s (nested spans are not counted twice).
-  idle_r,s        = T_s − busy_r,s; the `idle` phase of a step is the max over ranks of idle_r,s.
+  idle_r,s        = T_s - busy_r,s; the `idle` phase of a step is the max over ranks of idle_r,s.
   means           = plain means over the steps analysed; share_p = mean P_p / mean T.
   component time  = the phase times above over one component's ranks only (C_c,s,p), so the
                     actor's and the critic's phases can be drawn side by side.

@@ -3,17 +3,18 @@ the scaling curve against ideal."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on login or compute nodes
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.patches import Patch
 
-from slurm_align.profiling.phases import IDLE, PHASES, phase_order  # noqa: E402
+from slurm_align.profiling.phases import IDLE, PHASES, phase_order
 
 if TYPE_CHECKING:
     from slurm_align.analysis.breakdown import Breakdown
@@ -31,7 +32,7 @@ def phase_colors(names: Sequence[str]) -> dict[str, tuple]:
     return colors
 
 
-def _mean_component(b: "Breakdown", comp: str, phases: list[str]) -> np.ndarray:
+def _mean_component(b: Breakdown, comp: str, phases: list[str]) -> np.ndarray:
     """[phases] mean seconds per step of one component, in the given phase order."""
     values = b.component_phase_s.get(comp)
     if values is None or not len(values):
@@ -78,14 +79,14 @@ def _component_bars(ax, labels: list[str], phases: list[str], per_comp: dict[str
     ax.legend(handles, names, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
-def plot_breakdown(breakdowns: Sequence["Breakdown"], out: Path, per: str = "auto") -> Path:
+def plot_breakdown(breakdowns: Sequence[Breakdown], out: Path, per: str = "auto") -> Path:
     """Per step (one run) or per run (several: the ablation view): a bar for each component."""
     if per == "auto":
         per = "step" if len(breakdowns) == 1 else "run"
     phases = phase_order({p for b in breakdowns for p in b.phases})
     comps = sorted({c for b in breakdowns for c in b.component_phase_s})
 
-    def column(b: "Breakdown", comp: str) -> np.ndarray:   # [steps, phases] in the common order
+    def column(b: Breakdown, comp: str) -> np.ndarray:   # [steps, phases] in the common order
         values = b.component_phase_s.get(comp, np.zeros((len(b.steps), len(b.phases))))
         return np.stack([values[:, b.phases.index(p)] if p in b.phases else np.zeros(len(b.steps))
                          for p in phases], axis=1)
@@ -147,7 +148,7 @@ def _save(fig, out: Path) -> Path:
     return out
 
 
-def plot_scaling(report: "ScalingReport", out: Path) -> Path:
+def plot_scaling(report: ScalingReport, out: Path) -> Path:
     """Left: samples/s against ideal linear scaling; right: per-phase split of each point."""
     pts = [p for p in report.points if p.breakdown is not None]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
@@ -161,9 +162,10 @@ def plot_scaling(report: "ScalingReport", out: Path) -> Path:
             left.annotate(f"{100 * e:.0f}%", (n, t), textcoords="offset points", xytext=(4, -12), fontsize=8)
         left.set_xscale("log", base=2)
         left.set_xticks(nodes, [str(int(n)) for n in nodes])
-        phases = phase_order({ph for p in pts for ph in p.breakdown.phases})
-        comps = sorted({c for p in pts for c in p.breakdown.component_phase_s})
-        per_comp = {c: np.array([_mean_component(p.breakdown, c, phases) for p in pts]) for c in comps}
+        bds = [p.breakdown for p in pts if p.breakdown is not None]   # every point's (pts)
+        phases = phase_order({ph for b in bds for ph in b.phases})
+        comps = sorted({c for b in bds for c in b.component_phase_s})
+        per_comp = {c: np.array([_mean_component(b, c, phases) for b in bds]) for c in comps}
         _component_bars(right, [f"{p.nodes} node(s)" for p in pts], phases, per_comp,
                         np.array([p.step_s for p in pts]))
     left.set_xlabel("actor nodes")

@@ -66,7 +66,7 @@ def load_run(path: str | Path, *, allow_incomplete: bool = False, console: Conso
     if not table.complete:
         if not allow_incomplete:
             raise IncompleteStoreError(
-                table.problems() + ["pass --allow-incomplete to analyse the ranks and steps that are there"],
+                [*table.problems(), "pass --allow-incomplete to analyse the ranks and steps that are there"],
                 rd.traces)
         spans = drop_incomplete_steps(table)
         if console:

@@ -3,7 +3,8 @@
 Efficiency is relative to the smallest point (N = nodes / smallest nodes, T1 its step time):
 weak scaling (batch grows with nodes) T1 / TN; strong scaling (fixed batch) T1 / (N * TN).
 Samples and tokens per step come from the run's rollout store when it has one (tokens are the
-model's generated response tokens, a multi-turn environment's excluded), else the samples from the sweep manifest and no token rate.
+model's generated response tokens, a multi-turn environment's excluded), else the samples from
+the sweep manifest and no token rate.
 """
 
 from __future__ import annotations
@@ -110,6 +111,6 @@ def compute_scaling(sweep_dir: str | Path, *, allow_incomplete: bool = False, sk
             sp.samples_per_step, sp.tokens_per_step = rates
     good = [p for p in report.points if p.breakdown is not None]
     if good:
-        for p, e in zip(good, efficiencies([p.nodes for p in good], [p.step_s for p in good], report.mode)):
-            p.efficiency = e
+        for p, eff in zip(good, efficiencies([p.nodes for p in good], [p.step_s for p in good], report.mode)):
+            p.efficiency = eff
     return report

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from slurm_align.config.run import COMPONENTS as COMPONENT_ORDER   # the declared order: actor, critic, generator
+from slurm_align.config.run import COMPONENTS as COMPONENT_ORDER  # the declared order: actor, critic, generator
 from slurm_align.rundir import write_atomic
 
 

@@ -17,12 +17,12 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Iterator, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import numpy as np
 
 from slurm_align.profiling.phases import PROMPT_WAIT
-
 
 _REQ, _REPLY = 71, 72
 
@@ -34,14 +34,18 @@ class SpanTracer(Protocol):
 class PromptSource(Protocol):
     """What a generation worker iterates: batches of prompt indices (dynamic or static)."""
 
-    wait_times: list[float]
+    @property
+    def wait_times(self) -> list[float]: ...
 
     def batches(self, batch_size: int) -> Iterator[np.ndarray]: ...
+
+    def close(self) -> None: ...
 
 
 def _check_batch_size(batch_size: int) -> None:
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"prompt batch size must be an integer >= 1, got {batch_size!r} (generation.prompt_batch_size)")
+        raise ValueError(
+            f"prompt batch size must be an integer >= 1, got {batch_size!r} (generation.prompt_batch_size)")
 
 
 class _Timed:
@@ -106,7 +110,10 @@ class PromptServer:
         self._cursor = 0
         self._finished = 0  # requesters told "empty" (or said goodbye)
         self._buf: np.ndarray | None = None  # worker's reusable reply buffer (no prefetch)
-        self._msg = self._status = self._buf_spec = None
+        # the request, status and reply specs of mpi4py (imported when first used: it calls MPI_Init)
+        self._msg: Any = None
+        self._status: Any = None
+        self._buf_spec: Any = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         if self._rank == root:
@@ -209,7 +216,7 @@ class PromptServer:
     def _wait(self, pending: tuple | int) -> np.ndarray:
         from mpi4py import MPI  # deferred: importing mpi4py calls MPI_Init
 
-        if pending.__class__ is int:  # no prefetch: one blocking round trip
+        if isinstance(pending, int):  # no prefetch: one blocking round trip
             return self._request(pending)
         if pending[0] is not None:
             return pending[0]
@@ -291,7 +298,7 @@ class PromptServer:
         if self._error is not None:
             raise RuntimeError(f"prompt server thread failed: {self._error!r}") from self._error
 
-    def __enter__(self) -> "PromptServer":
+    def __enter__(self) -> PromptServer:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -17,7 +17,8 @@ batch) and nowhere else. The same route can move further columns later (the crit
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,7 @@ class RebalanceError(ValueError):
     """The rollouts cannot be split evenly over the DP ranks."""
 
 
-def _lpt(weights: Sequence[int], sizes: Sequence[int], num_ranks: int, capacity: int | None,
+def _lpt(weights: Sequence[int] | np.ndarray, sizes: Sequence[int] | np.ndarray, num_ranks: int, capacity: int | None,
          home: Sequence[int] | None = None) -> np.ndarray:
     """Destination of each unit: heaviest first to the least-loaded rank with room (`capacity`
     samples per rank, None: unbounded); ties go to the unit's `home` if it is among the best,
@@ -61,11 +62,11 @@ def plan_groups(lengths: Sequence[int], groups: Sequence[int], num_ranks: int, *
     """Destination DP rank of every group: {group id: rank}. `lengths` and `groups` are per
     sample (token count, group id), in any order. With `equal_counts` every rank gets the same
     number of samples (an error when the groups do not allow it); tokens are balanced greedily."""
-    lengths, groups = np.asarray(lengths, dtype=np.int64), np.asarray(groups, dtype=np.int64)
-    ids, inverse = np.unique(groups, return_inverse=True)
-    weight = np.bincount(inverse, weights=lengths, minlength=len(ids)).astype(np.int64)
+    tokens, group_ids = np.asarray(lengths, dtype=np.int64), np.asarray(groups, dtype=np.int64)
+    ids, inverse = np.unique(group_ids, return_inverse=True)
+    weight = np.bincount(inverse, weights=tokens, minlength=len(ids)).astype(np.int64)
     size = np.bincount(inverse, minlength=len(ids))
-    capacity = _check_divisible(len(groups), num_ranks, f"{len(ids)} groups") if equal_counts else None
+    capacity = _check_divisible(len(group_ids), num_ranks, f"{len(ids)} groups") if equal_counts else None
     dest = _lpt(weight, size, num_ranks, capacity)
     return dict(zip(ids.tolist(), dest.tolist()))
 
@@ -85,7 +86,8 @@ def plan_rebalance(counts: Sequence[int], lengths: Sequence[Sequence[int]] | Non
             plan[s][i] = d
         return plan
     if [len(x) for x in lengths] != list(counts):
-        raise RebalanceError(f"token lengths per rank {[len(x) for x in lengths]} do not match sample counts {list(counts)}")
+        raise RebalanceError(
+            f"token lengths per rank {[len(x) for x in lengths]} do not match sample counts {list(counts)}")
     units = [(s, i) for s, ls in enumerate(lengths) for i in range(len(ls))]
     dest = _lpt([lengths[s][i] for s, i in units], [1] * len(units), size, target, home=[s for s, _ in units])
     for (s, i), d in zip(units, dest):
@@ -105,7 +107,7 @@ class Route:
 
     @classmethod
     def plan(cls, comm: Any, dp_rank: int, dp_size: int, *, index: np.ndarray, groups: np.ndarray,
-             lengths: np.ndarray, equal_counts: bool = True, expected: int | None = None) -> "Route":
+             lengths: np.ndarray, equal_counts: bool = True, expected: int | None = None) -> Route:
         """Collective over `comm`. Every rank passes its local samples' index (unique in the step),
         group id and token count (empty on ranks that hold none); only these travel to plan.
         `expected`: the step's sample count, checked (a lost or duplicated sample is an error)."""

@@ -6,7 +6,8 @@ batch to the other ranks of its replica, which must run the same batches in lock
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -31,7 +32,8 @@ def open_prompt_source(
     if dynamic:
         kw = {"order": order} if not isinstance(order, (int, np.integer)) else {"num_prompts": int(order)}
         return PromptServer(comm, requester=layout.is_requester, on_wait=on_wait, tracer=tracer, step=step, **kw)
-    return StaticPrompts(order, layout.dp_rank, layout.dp_size, strided=strided, on_wait=on_wait, tracer=tracer, step=step)
+    return StaticPrompts(order, layout.dp_rank, layout.dp_size, strided=strided, on_wait=on_wait, tracer=tracer,
+                         step=step)
 
 
 def replica_batches(layout: Any, source: PromptSource, batch_size: int) -> Iterator[np.ndarray]:

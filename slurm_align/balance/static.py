@@ -6,7 +6,7 @@ differ by at most one, and together the slices are the whole set exactly once.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -48,12 +48,12 @@ class StaticPrompts:
     def batches(self, batch_size: int) -> Iterator[np.ndarray]:
         _check_batch_size(batch_size)
         for start in range(0, len(self.shard), batch_size):
-            yield self._timed.call(lambda: self.shard[start : start + batch_size])
+            yield self._timed.call(lambda s: self.shard[s : s + batch_size], start)
 
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "StaticPrompts":
+    def __enter__(self) -> StaticPrompts:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -2,15 +2,37 @@
 
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.loading import (
-    apply_overrides, check_against_profile, load_profile, load_run_config, read_yaml,
+    apply_overrides,
+    check_against_profile,
+    load_profile,
+    load_run_config,
+    read_yaml,
 )
 from slurm_align.config.profile import ClusterProfile, ComponentResources
 from slurm_align.config.run import (
-    GenerationConfig, ModelConfig, ParallelConfig, PPOConfig, RunConfig, Switches, TrainerConfig,
+    GenerationConfig,
+    ModelConfig,
+    ParallelConfig,
+    PPOConfig,
+    RunConfig,
+    Switches,
+    TrainerConfig,
 )
 
 __all__ = [
-    "ConfigError", "apply_overrides", "check_against_profile", "load_profile", "load_run_config",
-    "read_yaml", "ClusterProfile", "ComponentResources", "GenerationConfig", "ModelConfig",
-    "ParallelConfig", "PPOConfig", "RunConfig", "Switches", "TrainerConfig",
+    "ClusterProfile",
+    "ComponentResources",
+    "ConfigError",
+    "GenerationConfig",
+    "ModelConfig",
+    "PPOConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "Switches",
+    "TrainerConfig",
+    "apply_overrides",
+    "check_against_profile",
+    "load_profile",
+    "load_run_config",
+    "read_yaml",
 ]

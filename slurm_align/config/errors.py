@@ -26,13 +26,13 @@ class ConfigError(ValueError):
             super().__init__(f"{where}{len(problems)} problems:\n{body}")
 
     @classmethod
-    def at(cls, field: str, value: Any, allowed: str, source: str | Path | None = None) -> "ConfigError":
+    def at(cls, field: str, value: Any, allowed: str, source: str | Path | None = None) -> ConfigError:
         return cls([f"field '{field}': got {value!r}; {allowed}"], source)
 
     @classmethod
     def from_validation(
         cls, err: pydantic.ValidationError, source: str | Path | None = None, prefix: str = ""
-    ) -> "ConfigError":
+    ) -> ConfigError:
         problems = []
         for e in err.errors():
             loc = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")

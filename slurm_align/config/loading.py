@@ -15,7 +15,7 @@ import yaml
 from slurm_align import resources
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.profile import ClusterProfile
-from slurm_align.config.run import RunConfig
+from slurm_align.config.run import Component, RunConfig
 
 M = TypeVar("M", bound=pydantic.BaseModel)
 
@@ -31,7 +31,8 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise ConfigError(["file not found"], path) from None
     except (PermissionError, IsADirectoryError, UnicodeDecodeError, OSError) as e:
-        raise ConfigError([f"cannot read file ({e.__class__.__name__}: {e.strerror or e})"], path) from None
+        reason = e.strerror if isinstance(e, OSError) else None   # a UnicodeDecodeError has none
+        raise ConfigError([f"cannot read file ({e.__class__.__name__}: {reason or e})"], path) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -83,11 +84,11 @@ def load_run_config(path: str | Path, overrides: list[str] | None = None) -> Run
 
 def profile_search_dirs() -> list[Path]:
     dirs = [Path(p) for p in os.environ.get(PROFILE_PATH_ENV, "").split(":") if p]
-    return dirs + [resources.folder(resources.PROFILES)]
+    return [*dirs, resources.folder(resources.PROFILES)]
 
 
 def available_profiles() -> list[str]:
-    names = set()
+    names: set[str] = set()
     for d in profile_search_dirs():
         if d.is_dir():
             names.update(p.stem for p in d.glob("*.yaml"))
@@ -160,7 +161,7 @@ def check_run_dir(path: Path) -> None:
         raise ConfigError.at("--run-dir", str(path), f"{target} is not writable")
 
 
-def engine_components(run: RunConfig) -> list[str]:
+def engine_components(run: RunConfig) -> list[Component]:
     """Components whose ranks run the generation engine: the one that generates rollouts (the
     actor, or the generator when disaggregated), and the actor when it evaluates."""
     comps = [run.engine_component]
@@ -216,12 +217,12 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
     if problems:
         raise ConfigError(problems, source)
     if run.spec.rollout and run.data.train_path is not None:
-        check_prompt_lengths(run)
+        check_prompt_lengths(run, run.data.train_path)
 
 
-def check_prompt_lengths(run: RunConfig) -> None:
-    """Longest prompt + generation.max_new_tokens must fit the policy's and the critic's max_seq_len
-    (the engine would refuse it in the middle of the job)."""
+def check_prompt_lengths(run: RunConfig, train_path: Path) -> None:
+    """Longest prompt (of `train_path`, the run's data.train_path) + generation.max_new_tokens must
+    fit the policy's and the critic's max_seq_len (the engine would refuse it in the middle of the job)."""
     # deferred: circular import (these import slurm_align.config, whose __init__ imports this
     # module), and the CLI stays fast: they load torch and tokenizers, which only this check needs.
     from slurm_align.data.datasets import encode_chat_prompt, encode_prompt
@@ -230,7 +231,7 @@ def check_prompt_lengths(run: RunConfig) -> None:
 
     tok = build_tokenizer(run.model)   # raises ConfigError when it does not fit model.vocab_size
     longest, line = 0, None
-    for row in read_rows(run.data.train_path, "prompt"):
+    for row in read_rows(train_path, "prompt"):
         data = row.data
         ids = encode_chat_prompt(tok, data["messages"], 1 << 30) if "messages" in data \
             else encode_prompt(tok, data["prompt"], 1 << 30)
@@ -243,4 +244,4 @@ def check_prompt_lengths(run: RunConfig) -> None:
             "generation.max_new_tokens", new,
             f"the longest prompt (line {line}) has {longest} tokens, and {longest} + {new} > "
             f"max_seq_len={limit} of the models; lower max_new_tokens to at most {limit - longest}, "
-            "shorten the prompts or raise model.max_seq_len", source=run.data.train_path)
+            "shorten the prompts or raise model.max_seq_len", source=train_path)

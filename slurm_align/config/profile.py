@@ -91,10 +91,10 @@ class ComponentResources(StrictModel):
     sees the node's GPUs and picks its own by local rank)."""
     gpu_bind: str | None = None
     """srun `--gpu-bind` (e.g. 'closest', 'single:1', 'none'); default: not passed."""
-    srun_extra: list[str] = []
+    srun_extra: list[str] = Field(default_factory=list)
     """Extra srun options for this component, each a whole option ('--network=sn_single'),
     shell-quoted in the script."""
-    sbatch_extra: dict[str, str] = {}
+    sbatch_extra: dict[str, str] = Field(default_factory=dict)
     """Extra `#SBATCH --key=value` lines for this component only (after the profile's own)."""
 
     @property
@@ -139,13 +139,13 @@ class ContainerConfig(StrictModel):
     image: str
     """Container image (pyxis/enroot `--container-image`): `REGISTRY#IMAGE:TAG` (imported on each
     node) or the path of a squashfs file made once with `enroot import` (on a shared file system)."""
-    mounts: list[str] = []
+    mounts: list[str] = Field(default_factory=list)
     """Extra bind mounts 'src:dst[:flags]'. The run directory and every input path of the run
     (data, checkpoints, HF folders, tokenizer files) are mounted at their own paths anyway."""
     mount_home: bool = False
     """Mount the user's home directory (pyxis's default); false: `--no-container-mount-home`, so
     nothing in ~ (a login-node venv, ~/.local packages) leaks into the container."""
-    setup: list[str] = []
+    setup: list[str] = Field(default_factory=list)
     """Shell lines run inside the container before each rank (and the pre-flight) starts, e.g.
     `source /opt/env.sh` (trusted: written by the profile's owner). Written to
     RUN_DIR/container_setup.sh at submit."""
@@ -157,6 +157,11 @@ class NetworkConfig(StrictModel):
     the critic binds to its address (else to Slurm's NodeAddr, often the management Ethernet),
     torch's rendezvous uses it, and NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME are set to it
     (unless `env` sets them)."""
+
+
+def _every_component() -> dict[Literal["actor", "critic", "generator"], ComponentResources]:
+    """ClusterProfile.components' default: default resources for each component."""
+    return {"actor": ComponentResources(), "critic": ComponentResources(), "generator": ComponentResources()}
 
 
 class ClusterProfile(StrictModel):
@@ -176,13 +181,13 @@ class ClusterProfile(StrictModel):
     """Default time limit."""
     constraint: str | None = None
     """Node feature constraint (sbatch --constraint)."""
-    components: dict[Literal["actor", "critic", "generator"], ComponentResources] = {
-        "actor": ComponentResources(), "critic": ComponentResources(), "generator": ComponentResources()}
+    components: dict[Literal["actor", "critic", "generator"], ComponentResources] = Field(
+        default_factory=_every_component)
     """Per-component resources; sft/rm/dpo jobs use 'actor'; 'generator' is the rollout
     generator of rollout.mode 'disaggregated' (it may sit on a partition of its own)."""
-    modules: list[str] = []
+    modules: list[str] = Field(default_factory=list)
     """Environment modules to `module load` before the job runs."""
-    setup: list[str] = []
+    setup: list[str] = Field(default_factory=list)
     """Shell lines run before the components start (trusted: written by the profile's owner)."""
     python: str | None = None
     """Python interpreter in the job (a venv's bin/python, or the container's); default: the
@@ -198,9 +203,9 @@ class ClusterProfile(StrictModel):
     and status work the same."""
     network: NetworkConfig = NetworkConfig()
     """Which network the job's own traffic uses."""
-    env: dict[str, str] = {}
+    env: dict[str, str] = Field(default_factory=dict)
     """Plain environment variables exported in the job (values are shell-quoted)."""
-    secret_env: list[str] = []
+    secret_env: list[str] = Field(default_factory=list)
     """Names of secret variables (e.g. WANDB_API_KEY) that the job inherits from the submitting
     shell; only the names are ever written, never the values."""
     mpi: str = "pmix"
@@ -213,7 +218,7 @@ class ClusterProfile(StrictModel):
     killed; a rank that fails still ends the component at once (`--kill-on-bad-exit=1`), and the
     job script then stops the other components. Rendered always, so a site's WaitTime does not
     apply silently."""
-    sbatch_extra: dict[str, str] = {}
+    sbatch_extra: dict[str, str] = Field(default_factory=dict)
     """Extra `#SBATCH --key=value` lines for the whole job."""
     hostname_pattern: str | None = None
     """Regex searched in the login node's hostname: without --profile, the first profile whose

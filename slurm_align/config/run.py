@@ -6,10 +6,9 @@ One YAML file per run (see examples/). Sizes of the allocation live in the clust
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import Literal
-
-import importlib
 
 from pydantic import Field, field_validator, model_validator
 
@@ -17,7 +16,8 @@ from slurm_align.config.algorithms import REGISTRY, AlgorithmSpec, algorithm_spe
 from slurm_align.config.base import StrictModel
 from slurm_align.environments.config import EnvironmentConfig, check_against_run
 
-COMPONENTS = ("actor", "critic", "generator")
+Component = Literal["actor", "critic", "generator"]
+COMPONENTS: tuple[Component, ...] = ("actor", "critic", "generator")
 """Every component a run may declare, in het-group order (RunConfig.components picks its own)."""
 
 
@@ -56,7 +56,8 @@ class RopeScalingConfig(StrictModel):
         return self
 
 
-LORA_TARGETS = ("qkv", "proj", "fc1", "fc2")
+LoraTarget = Literal["qkv", "proj", "fc1", "fc2"]
+LORA_TARGETS: tuple[LoraTarget, ...] = ("qkv", "proj", "fc1", "fc2")
 
 
 class LoraConfig(StrictModel):
@@ -70,7 +71,7 @@ class LoraConfig(StrictModel):
     """Scale numerator: the update is multiplied by alpha / rank (PEFT's lora_alpha). Default 16."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on the adapter's input while training (PEFT's lora_dropout). Default 0."""
-    targets: list[Literal["qkv", "proj", "fc1", "fc2"]] = Field(default_factory=lambda: list(LORA_TARGETS))
+    targets: list[LoraTarget] = Field(default_factory=lambda: list(LORA_TARGETS))
     """Layers that get adapters, among qkv (fused query/key/value projection), proj (attention
     output projection), fc1 (MLP input; SwiGLU gate and up) and fc2 (MLP output). Default all four."""
 
@@ -550,7 +551,7 @@ class WandbConfig(StrictModel):
     """W&B run id; default: from the run directory's name, so a resumed job continues its run."""
     group: str | None = None
     """W&B group (e.g. one sweep)."""
-    tags: list[str] = []
+    tags: list[str] = Field(default_factory=list)
     """W&B tags."""
 
 
@@ -580,7 +581,7 @@ class LoggingConfig(StrictModel):
 class RunConfig(StrictModel):
     """One run: algorithm, models, parallelism per component, hyper-parameters, switches."""
 
-    plugins: list[str] = []
+    plugins: list[str] = Field(default_factory=list)
     """Python modules imported before the rest of the config is checked, on the login node and
     in every rank: they register algorithms (config.algorithms.register) and their estimators
     (advantages.register_estimator). Code you trust, as reward.rule is."""
@@ -754,7 +755,7 @@ class RunConfig(StrictModel):
         return self
 
     @property
-    def components(self) -> tuple[str, ...]:
+    def components(self) -> tuple[Component, ...]:
         """Job components this run needs: actor and critic for PPO; for the other rollout
         algorithms the actor, plus a reward-only critic when a reward model scores; one for
         the trainers."""
@@ -762,7 +763,8 @@ class RunConfig(StrictModel):
             return ("actor",)
         critic = self.spec.value_model or self.reward.use_model
         generator = self.rollout.mode == "disaggregated"
-        return ("actor",) + (("critic",) if critic else ()) + (("generator",) if generator else ())
+        comps: tuple[Component, ...] = ("actor",)
+        return comps + (("critic",) if critic else ()) + (("generator",) if generator else ())
 
     @property
     def multi_turn(self) -> bool:
@@ -801,7 +803,7 @@ class RunConfig(StrictModel):
         return self.spec.estimator
 
     @property
-    def engine_component(self) -> str:
+    def engine_component(self) -> Component:
         """The component whose ranks run the generation engine: the generator when rollouts are
         disaggregated, else the actor."""
         return "generator" if self.rollout.mode == "disaggregated" else "actor"

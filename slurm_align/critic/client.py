@@ -108,13 +108,13 @@ class CriticClient:
         self._recovered_at = self._gave_up_at = -float("inf")   # time.monotonic() of the last verdicts
 
     @classmethod
-    def for_run_dir(cls, run_dir: str | Path, host: str | None = None, **kw) -> "CriticClient":
+    def for_run_dir(cls, run_dir: str | Path, host: str | None = None, **kw) -> CriticClient:
         """The client of the run's own critic: its secret, the address it publishes at start."""
         rd = RunDir(Path(run_dir))
         return cls(host, None, secret=read_run_secret(rd), run_dir=rd.root, **kw)
 
     @classmethod
-    def from_run_config(cls, run, host: str | None = None) -> "CriticClient":
+    def from_run_config(cls, run, host: str | None = None) -> CriticClient:
         """The run's critic (run.run_dir), timeouts from run.critic_server; `host` replaces the
         published host (another address of the critic's node)."""
         cs = run.critic_server
@@ -315,7 +315,7 @@ class CriticClient:
         return self._pool.submit(run)
 
     def train_async(self, tokens: np.ndarray, lengths: np.ndarray, returns: np.ndarray,
-                    prev_values: np.ndarray, mask: np.ndarray, *, step: int | None = None) -> "Future[float]":
+                    prev_values: np.ndarray, mask: np.ndarray, *, step: int | None = None) -> Future[float]:
         """One value-model update (clipped value loss); the Future gives the loss before it."""
         f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731
         inputs = {"tokens": np.ascontiguousarray(tokens, dtype=np.int64),

@@ -7,11 +7,11 @@ ranks follow. All ranks exit when the actor sends critic_shutdown (or the job en
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 import traceback
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -21,9 +21,9 @@ from slurm_align.critic.channel import Command, CommandChannel
 from slurm_align.critic.server import CriticServer, ServerLimits
 from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
 from slurm_align.critic.worker import CriticWorker
-from slurm_align.models.packing import run_batching
 from slurm_align.models.checkpoint import find_latest, load_weights, verify_checkpoint
 from slurm_align.models.gpt import build_gpt
+from slurm_align.models.packing import run_batching
 from slurm_align.models.weights import full_state_dict, load_full_state_dict
 from slurm_align.parallel.bootstrap import init_distributed
 from slurm_align.parallel.layout import initialize_model_parallel
@@ -71,7 +71,7 @@ class TracedWorker:
 
     The span's step is the actor's PPO step when the request carried one, else the last seen."""
 
-    PHASES = {"infer": phases.CRITIC_INFER, "train": phases.CRITIC_TRAIN}
+    PHASES: ClassVar[dict[str, str]] = {"infer": phases.CRITIC_INFER, "train": phases.CRITIC_TRAIN}
 
     def __init__(self, worker: CriticWorker, tracer: Tracer):
         self.worker, self.tracer, self.step = worker, tracer, 0

@@ -63,13 +63,13 @@ def put_libpython_first() -> None:
 
 def _step(requests) -> int | None:
     """The actor's PPO step carried by the requests (optional input), for the critic's traces."""
-    steps = [int(np.max(r["step"])) for r in requests if "step" in r.keys()]
+    steps = [int(np.max(r["step"])) for r in requests if "step" in r]
     return max(steps) if steps else None
 
 
 def _echo(request, rows: int) -> np.ndarray:
     """The request's own id for its reply, one per row ([rows, 1]; -1: it sent none)."""
-    rid = int(np.asarray(request[P.REQUEST_ID]).reshape(-1)[0]) if P.REQUEST_ID in request.keys() else -1
+    rid = int(np.asarray(request[P.REQUEST_ID]).reshape(-1)[0]) if P.REQUEST_ID in request else -1
     return np.full((rows, 1), rid, dtype=np.int64)
 
 
@@ -191,18 +191,18 @@ class CriticServer:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.run_dir = run_dir
         self.refusals = RefusalLog(lambda: self.port)
-        self.commands: "queue.Queue[PendingCommand]" = queue.Queue()
+        self.commands: queue.Queue[PendingCommand] = queue.Queue()
         self._triton = None
         self.restarts = 0
         self.failure: BaseException | None = None   # set by the watchdog when it gives up
         self._lifecycle = threading.Lock()   # start, stop and restart, one at a time
         self._stopping = threading.Event()
         # critic_train's request_id -> the Future of its optimizer step (a retry waits on it)
-        self._trains: "OrderedDict[int, Future]" = OrderedDict()
+        self._trains: OrderedDict[int, Future] = OrderedDict()
         self._trains_lock = threading.Lock()
 
     @classmethod
-    def for_run(cls, rd: RunDir, host: str, port: int, limits: ServerLimits) -> "CriticServer":
+    def for_run(cls, rd: RunDir, host: str, port: int, limits: ServerLimits) -> CriticServer:
         """The run's critic: its secret, its checkpoint folder; publishes its address at start."""
         return cls(host, port, limits, secret=read_run_secret(rd), checkpoint_dir=rd.checkpoints("critic"),
                    run_dir=rd)
@@ -425,7 +425,7 @@ class CriticServer:
         lengths = P.validate_train(r["tokens"], r["lengths"], floats,
                                    max_seq_len=lim.max_seq_len, vocab_size=lim.vocab_size)
         data = {"tokens": r["tokens"], "lengths": lengths, **floats, "step": _step([r])}
-        if P.REQUEST_ID not in r.keys():
+        if P.REQUEST_ID not in r:
             return {"loss": np.array([self._submit("train", data)], dtype=np.float32)}
         rid = int(np.asarray(r[P.REQUEST_ID]).reshape(-1)[0])
         with self._trains_lock:   # a retry of a step already taken gets that step's loss

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from slurm_align.models.optimizer import optimizer_step
 from slurm_align.critic.channel import Command
 from slurm_align.critic.loss import clipped_value_loss_sum
 from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
 from slurm_align.models.checkpoint import load_checkpoint, save_checkpoint
 from slurm_align.models.forward import forward_values, last_token_values, per_sequence, run_schedule
+from slurm_align.models.optimizer import optimizer_step
 from slurm_align.models.packing import Batching, micro_batch_inputs
 from slurm_align.models.weights import full_state_dict
 from slurm_align.rundir import fsync_dir

@@ -18,9 +18,9 @@ import jinja2
 import numpy as np
 import torch
 
-from slurm_align.data.positions import position_mask
 from slurm_align.config.errors import ConfigError
 from slurm_align.data.jsonl import ASSISTANT, Row, read_rows
+from slurm_align.data.positions import position_mask
 
 
 class TemplatePrefixError(ValueError):
@@ -54,7 +54,7 @@ def encode_pair(tok, prompt: str, response: str | list[dict], max_len: int) -> S
         trained += [int(seg["role"] == ASSISTANT)] * len(t)
     ids = (p + r + [tok.eos_id])[:max_len]
     plen = min(len(p), max_len)
-    return Sequence(ids, plen, tuple((trained + [1])[:len(ids) - plen]))
+    return Sequence(ids, plen, tuple([*trained, 1][:len(ids) - plen]))
 
 
 def encode_prompt(tok, prompt: str, max_len: int) -> list[int]:
@@ -79,7 +79,7 @@ def encode_chat_pair(tok, prompt: list[dict], response: list[dict], max_len: int
     p = tok.encode(prompt_text)
     r = tok.encode(full_text[len(prompt_text):])
     ends = [i for i, t in enumerate(r) if t == tok.eos_id]
-    r = r[: ends[-1] + 1] if ends else r + [tok.eos_id]   # drop what follows the turn's end ("\n")
+    r = r[: ends[-1] + 1] if ends else [*r, tok.eos_id]   # drop what follows the turn's end ("\n")
     return Sequence((p + r)[:max_len], min(len(p), max_len))
 
 
@@ -169,8 +169,10 @@ class PreferenceDataset:
         def encode(row: Row) -> tuple[Sequence, Sequence]:
             d = row.data
             if row.is_chat:
-                return tuple(encode_chat_pair(tok, d["messages"], d[k], max_len) for k in ("chosen", "rejected"))
-            return tuple(encode_pair(tok, d["prompt"], d[k], max_len) for k in ("chosen", "rejected"))
+                return (encode_chat_pair(tok, d["messages"], d["chosen"], max_len),
+                        encode_chat_pair(tok, d["messages"], d["rejected"], max_len))
+            return (encode_pair(tok, d["prompt"], d["chosen"], max_len),
+                    encode_pair(tok, d["prompt"], d["rejected"], max_len))
 
         self.rows, pairs = _encode_rows(path, "preference", tok, encode)
         self.chosen = [c for c, _ in pairs]

@@ -12,7 +12,7 @@ one of them is also in the training files; evaluated so, a learning test measure
 
 from __future__ import annotations
 
-from typing import Callable, Container
+from collections.abc import Callable, Container
 
 Problem = tuple[str, str]
 """A prompt and its answer."""

@@ -196,5 +196,6 @@ def read_rows(path: str | Path, kind: str) -> list[Row]:
         if problem:
             problems.append(f"line {n}: {problem}")
         else:
+            assert data is not None, "a row without a problem has its data"
             rows.append(Row(n, data, {k: v for k, v in obj.items() if k not in data}))
     return _finish(rows, problems, path, kind, f"keys {list(keys)} or 'messages'")

@@ -9,6 +9,7 @@ the fraction of adjacent digit pairs in order, times the fraction of characters 
 
 from __future__ import annotations
 
+import itertools
 import random
 
 MIN_DIGITS, MAX_DIGITS = 4, 7
@@ -34,7 +35,7 @@ def score(response: str) -> float:
     digits = [c for c in text if c.isdigit()]
     if len(digits) < 2:
         return 0.0
-    in_order = sum(a <= b for a, b in zip(digits, digits[1:])) / (len(digits) - 1)
+    in_order = sum(a <= b for a, b in itertools.pairwise(digits)) / (len(digits) - 1)
     return in_order * len(digits) / len(text)
 
 

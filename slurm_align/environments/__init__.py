@@ -20,7 +20,7 @@
 # slurm_align.environments.sandbox`, stdlib only) also runs under a bare interpreter without
 # pydantic, where there is no config to import.
 try:
-    import slurm_align.config  # noqa: E402,F401
+    import slurm_align.config  # noqa: F401
 except ModuleNotFoundError as e:
     if e.name != "pydantic":
         raise

@@ -19,12 +19,14 @@ EnvironmentStepError naming the environment and the data row (as rule-reward err
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:   # types only: config.py imports the registry, which imports this module
     from slurm_align.config.run import RunConfig
@@ -61,7 +63,7 @@ class StepResult:
 class EnvironmentContext:
     """What an environment is built with: its settings and the run's pieces it may use."""
 
-    settings: "EnvironmentConfig"
+    settings: EnvironmentConfig
     """The run's `environment` settings (max turns, budgets, stop sequences, tools, options)."""
     reward_rule: str | None = None
     """The run's rule reward 'module:function' (reward.rule), scoring final answers."""
@@ -72,7 +74,7 @@ class EnvironmentContext:
     so the python tool hides it from its sandbox. None: no run (a test, an offline evaluation)."""
 
     @classmethod
-    def for_run(cls, run: "RunConfig") -> "EnvironmentContext":
+    def for_run(cls, run: RunConfig) -> EnvironmentContext:
         """The context a run's ranks build their environment with."""
         return cls(run.environment, reward_rule=run.reward.rule, run_dir=run.run_dir)
 
@@ -102,13 +104,13 @@ class Environment(ABC):
     def step_batch(self, items: Sequence[tuple[Messages, Row]]) -> list[StepResult]:
         """step() for several conversations; environments whose steps wait (tools) override it
         to overlap them (and attribute their errors to a row with `attributed`)."""
-        return [attributed(self, row, "step", lambda: self.step(messages, row)) for messages, row in items]
+        return [attributed(self, row, "step", functools.partial(self.step, messages, row)) for messages, row in items]
 
     def tools(self) -> list[dict[str, Any]] | None:
         """The tools' schemas as chat templates take them (`tools=`), or None without tools."""
         return None
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (a no-op by default: most environments hold nothing)
         """Release what the environment holds (worker pools, sandboxes)."""
 
     @property

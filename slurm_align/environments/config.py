@@ -37,11 +37,11 @@ class EnvironmentConfig(StrictModel):
     """Most tokens after the prompt in one conversation, the model's and the environment's
     together (tool outputs count: they take context); a conversation that reaches it ends,
     truncated. Default: model.max_seq_len less the prompt."""
-    stop_sequences: list[str] = ["</tool_call>"]
+    stop_sequences: list[str] = Field(default_factory=lambda: ["</tool_call>"])
     """Texts that end a model turn besides the end-of-sequence token; the tool-call parser reads
     a turn the same whether the engine keeps the stop text or drops it. Default
     ["</tool_call>"], the end of a tool call block."""
-    tools: list[str] = []
+    tools: list[str] = Field(default_factory=list)
     """Tools the model may call (tool environment): built-in 'calculator' or 'python', or
     'module:name' of a slurm_align.environments.tools.Tool instance or class. Default none."""
     tool_timeout_s: float = Field(10.0, gt=0, le=3600)
@@ -50,7 +50,7 @@ class EnvironmentConfig(StrictModel):
     tool_workers: int = Field(4, ge=1, le=256)
     """Threads running tool calls on each generating rank, so that a slow call does not hold up
     the other conversations' calls. Default 4."""
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = Field(default_factory=dict)
     """Free-form settings for a user environment class (read from ctx.settings.options)."""
 
     @field_validator("environment")

@@ -14,8 +14,8 @@ predicts it is at position prompt_length + t - 1 (position_loss_mask).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -54,7 +54,10 @@ def build_trajectory(prompt: Sequence[int], turns: Sequence[Turn]) -> Trajectory
     """The trajectory of a conversation: the prompt's tokens and its turns' tokens, in order."""
     if not prompt:
         raise ValueError("a trajectory needs a prompt of at least one token (the first prediction's context)")
-    tokens, mask, starts, roles = [int(t) for t in prompt], [], [], []
+    tokens: list[int] = [int(t) for t in prompt]
+    mask: list[int] = []
+    starts: list[int] = []
+    roles: list[str] = []
     for turn in turns:
         if not turn.tokens:
             continue            # an empty turn (an environment with nothing to say) takes no place

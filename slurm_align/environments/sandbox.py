@@ -40,6 +40,7 @@ no preexec_fn, which is unsafe in a threaded process such as the tool pool):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pwd
@@ -195,10 +196,8 @@ def _rlimits(limits: SandboxLimits) -> dict[str, tuple[int, int]]:
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def run_file(path: str | Path, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
@@ -223,19 +222,21 @@ def _run(code: str, workdir: Path, limits: SandboxLimits) -> SandboxResult:
         for p in (workdir, main):
             os.chown(p, uid, gid)
     status_r, status_w = os.pipe()
-    cfg = {"uid": uid, "gid": gid, "pythons": [limits.python, *FALLBACK_PYTHONS], "file": str(main), "status_fd": status_w,
-           "rlimits": _rlimits(limits), "hidden_paths": [os.path.abspath(p) for p in limits.hidden_paths],
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
+           "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    cfg = {"uid": uid, "gid": gid, "pythons": [limits.python, *FALLBACK_PYTHONS], "file": str(main),
+           "status_fd": status_w, "rlimits": _rlimits(limits),
+           "hidden_paths": [os.path.abspath(p) for p in limits.hidden_paths],
            "require_network_isolation": limits.require_network_isolation,
-           "env": {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir),
-                   "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
-                   "MKL_NUM_THREADS": "1"}}
+           "env": env}
     start = time.monotonic()
     try:
         proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(cfg)],
-                                cwd=workdir, env=cfg["env"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, pass_fds=(status_w,), start_new_session=True)
     finally:
         os.close(status_w)
+    assert proc.stdout is not None and proc.stderr is not None, "both are PIPEs"
     out_fd, err_fd = proc.stdout.fileno(), proc.stderr.fileno()
     streams = {out_fd: bytearray(), err_fd: bytearray(), status_r: bytearray()}
     caps = {out_fd: limits.output_bytes, err_fd: limits.output_bytes, status_r: 1 << 16}
@@ -277,7 +278,8 @@ def _run(code: str, workdir: Path, limits: SandboxLimits) -> SandboxResult:
     return SandboxResult(
         stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"), exit_code=exit_code,
         timed_out=timed_out, output_truncated=truncated, network_isolated=bool(status.get("network_isolated")),
-        process_limit_scope="namespace" if status.get("user_namespace") else "uid", uid=status.get("uid"), python=status.get("python"),
+        process_limit_scope="namespace" if status.get("user_namespace") else "uid", uid=status.get("uid"),
+        python=status.get("python"),
         hidden_paths=status.get("hidden", []), wall_s=round(time.monotonic() - start, 3))
 
 

@@ -9,6 +9,7 @@ wrong with it, never an exception.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from dataclasses import dataclass
@@ -47,10 +48,8 @@ def _parse_block(body: str) -> ToolCall | BadCall:
     if not isinstance(name, str) or not name:
         return BadCall(text, 'the tool call has no "name" (a string naming the tool)')
     if isinstance(arguments, str):    # some models write the arguments as a JSON string
-        try:
+        with contextlib.suppress(json.JSONDecodeError):
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            pass
     if not isinstance(arguments, dict):
         return BadCall(text, f'the "arguments" of tool {name!r} must be a JSON object, got {type(arguments).__name__}')
     extra = sorted(set(obj) - {"name", "arguments", "parameters"})
@@ -70,8 +69,9 @@ def assistant_message(text: str) -> dict[str, Any]:
     """The turn as a chat message with structured tool_calls (what chat templates take), for
     re-rendering a conversation; a turn with a bad call keeps its raw text as content."""
     head, calls = parse_tool_calls(text)
-    if not calls or any(isinstance(c, BadCall) for c in calls):
+    good = [c for c in calls if isinstance(c, ToolCall)]
+    if not calls or len(good) < len(calls):   # none, or a BadCall among them
         return {"role": "assistant", "content": text}
     return {"role": "assistant", "content": head.strip(),
             "tool_calls": [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                           for c in calls]}
+                           for c in good]}

@@ -16,11 +16,13 @@ the pool's threads wait on tool subprocesses (python) without holding the GIL.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from slurm_align.environments.base import EnvironmentContext, Messages, Row, StepResult, attributed
 from slurm_align.environments.rule_env import RuleEnvironment, last_model_text
@@ -148,19 +150,19 @@ class ToolEnvironment(RuleEnvironment):
     def step_batch(self, items: Sequence[tuple[Messages, Row]]) -> list[StepResult]:
         plans: list[tuple[str, list]] = []
         for messages, row in items:
-            text = attributed(self, row, "step", lambda: last_model_text(messages))
+            text = attributed(self, row, "step", functools.partial(last_model_text, messages))
             turns = sum(m.get("role") == "assistant" for m in messages)
             _, calls = parse_tool_calls(text)
             plans.append((text, calls if calls and turns < self.settings.max_turns else []))
         # every conversation's runnable calls go to the pool together
         jobs = {(ci, k): self._job(c) for ci, (_, calls) in enumerate(plans) for k, c in enumerate(calls)}
-        runnable = [key for key, job in jobs.items() if callable(job)]
-        outcomes = dict(zip(runnable, self.runner.run_all([jobs[key] for key in runnable])))
+        runnable = {key: job for key, job in jobs.items() if callable(job)}
+        outcomes = dict(zip(runnable, self.runner.run_all(list(runnable.values()))))
         results = []
-        for ci, ((messages, row), (text, calls)) in enumerate(zip(items, plans)):
+        for ci, ((_messages, row), (text, calls)) in enumerate(zip(items, plans)):
             if not calls:
                 _, parsed = parse_tool_calls(text)
-                reward = attributed(self, row, "the rule reward", lambda: self.score(text, row))
+                reward = attributed(self, row, "the rule reward", functools.partial(self.score, text, row))
                 results.append(StepResult([], reward=reward, done=True,
                                           metrics={"truncated": float(bool(parsed))}))
                 continue

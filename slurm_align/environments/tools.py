@@ -13,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from slurm_align.config.errors import ConfigError
 from slurm_align.environments import calculator
@@ -74,15 +74,15 @@ class Tool(ABC):
 
     name: str = ""
     description: str = ""
-    parameters: dict[str, Any] = {"type": "object", "properties": {}}
+    parameters: ClassVar[dict[str, Any]] = {"type": "object", "properties": {}}
 
     @classmethod
-    def from_settings(cls, settings: "EnvironmentConfig") -> "Tool":
+    def from_settings(cls, settings: EnvironmentConfig) -> Tool:
         """The tool for a run's environment settings (override to read them)."""
         return cls()
 
     @classmethod
-    def for_run(cls, settings: "EnvironmentConfig", run_dir: Path | None) -> "Tool":
+    def for_run(cls, settings: EnvironmentConfig, run_dir: Path | None) -> Tool:
         """The tool for a run: its environment settings and its directory, which a tool that runs
         model-written code must keep from that code (override where it does; the default reads the
         settings only, through from_settings)."""
@@ -101,11 +101,12 @@ class Tool(ABC):
 class CalculatorTool(Tool):
     name = "calculator"
     description = "Evaluate an arithmetic expression exactly: numbers, + - * / // % ** and parentheses."
-    parameters = {"type": "object",
+    parameters: ClassVar[dict[str, Any]] = {"type": "object",
                   "properties": {"expression": {"type": "string", "description": "e.g. 123 * 456 + 7"}},
                   "required": ["expression"]}
 
-    def run(self, expression: str) -> str:
+    # a tool's run() takes its own schema's arguments by name; callers pass them as **arguments
+    def run(self, expression: str) -> str:  # type: ignore[override]
         return calculator.format_value(calculator.evaluate(expression))
 
 
@@ -115,7 +116,7 @@ class PythonTool(Tool):
     name = "python"
     description = ("Run a Python 3 program in a fresh sandbox (no network, limited time and memory) and "
                    "return what it prints.")
-    parameters = {"type": "object",
+    parameters: ClassVar[dict[str, Any]] = {"type": "object",
                   "properties": {"code": {"type": "string", "description": "the program; print the result"}},
                   "required": ["code"]}
 
@@ -123,13 +124,13 @@ class PythonTool(Tool):
         self.limits = limits
 
     @classmethod
-    def from_settings(cls, settings: "EnvironmentConfig") -> "PythonTool":
+    def from_settings(cls, settings: EnvironmentConfig) -> PythonTool:
         # the sandbox ends the program a little before the pool would abandon the call, so the
         # model reads "timed out" with the output so far rather than a bare timeout
         return cls(SandboxLimits(timeout_s=settings.tool_timeout_s * 0.9))
 
     @classmethod
-    def for_run(cls, settings: "EnvironmentConfig", run_dir: Path | None) -> "PythonTool":
+    def for_run(cls, settings: EnvironmentConfig, run_dir: Path | None) -> PythonTool:
         # The run directory holds run.secret (the key to the run's critic and generator), its
         # checkpoints and logs. As root the sandbox runs the code as `nobody`, which cannot read
         # the 0600 secret; but run as a normal user (the usual case on a cluster) the code runs as
@@ -141,7 +142,7 @@ class PythonTool(Tool):
             tool.limits = replace(tool.limits, hidden_paths=(*tool.limits.hidden_paths, str(Path(run_dir).resolve())))
         return tool
 
-    def run(self, code: str) -> str:
+    def run(self, code: str) -> str:  # type: ignore[override]  # its schema's argument, as above
         r = run_code(code, self.limits)
         parts = [r.stdout]
         if r.stderr:
@@ -162,7 +163,7 @@ def _is_tool(obj: Any) -> bool:
     return isinstance(obj, Tool) or (isinstance(obj, type) and issubclass(obj, Tool))
 
 
-def load_tools(settings: "EnvironmentConfig", run_dir: Path | None = None) -> dict[str, Tool]:
+def load_tools(settings: EnvironmentConfig, run_dir: Path | None = None) -> dict[str, Tool]:
     """The tools settings.tools names, by their names; a user tool is 'module:name' of a Tool
     instance (used as it is) or subclass (made by its for_run with the settings and `run_dir`)."""
     tools: dict[str, Tool] = {}
@@ -173,7 +174,8 @@ def load_tools(settings: "EnvironmentConfig", run_dir: Path | None = None) -> di
             def error(msg, i=i):
                 return ConfigError([f"field 'environment.tools[{i}]': {msg}"])
             obj = resolve_spec(spec, "tool", "my_pkg.tools:search", kind="Tool", accept=_is_tool, error=error)
-            tool = obj.for_run(settings, run_dir) if isinstance(obj, type) else obj
+            # _is_tool accepted it: a Tool subclass or a Tool instance
+            tool = obj.for_run(settings, run_dir) if isinstance(obj, type) and issubclass(obj, Tool) else obj
         if not tool.name or tool.name in tools:
             raise ConfigError([f"field 'environment.tools[{i}]': tool {spec!r} has name {tool.name!r}, "
                                f"empty or already taken (tools: {', '.join(tools)})"])

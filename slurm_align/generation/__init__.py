@@ -15,10 +15,17 @@ from slurm_align.generation.base import Engine
 from slurm_align.generation.naive_engine import NaiveEngine
 from slurm_align.generation.params import GenerationError, GenerationOutput, GptShape, SamplingParams
 from slurm_align.generation.torch_engine import KVCacheEngine
-from slurm_align.generation.trtllm_engine import TrtllmEngine   # imports tensorrt_llm only when used
+from slurm_align.generation.trtllm_engine import TrtllmEngine  # imports tensorrt_llm only when used
 
-__all__ = ["Engine", "GenerationError", "GenerationOutput", "GptShape", "SamplingParams", "make_engine",
-           "engine_from_config"]
+__all__ = [
+    "Engine",
+    "GenerationError",
+    "GenerationOutput",
+    "GptShape",
+    "SamplingParams",
+    "engine_from_config",
+    "make_engine",
+]
 
 ENGINES = ("torch", "naive", "trtllm")
 

@@ -9,7 +9,7 @@ buffers) and moves nothing else.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 

@@ -79,7 +79,7 @@ class SamplingParams:
         return logprob_temperature(self.temperature)
 
     @classmethod
-    def from_config(cls, gen_cfg: Any, *, eos_id: int | None, pad_id: int = 0, seed: int = 0) -> "SamplingParams":
+    def from_config(cls, gen_cfg: Any, *, eos_id: int | None, pad_id: int = 0, seed: int = 0) -> SamplingParams:
         """From a slurm_align.config.run.GenerationConfig."""
         return cls(max_new_tokens=gen_cfg.max_new_tokens, temperature=gen_cfg.temperature,
                    top_k=gen_cfg.top_k, top_p=gen_cfg.top_p, eos_id=eos_id, pad_id=pad_id, seed=seed)
@@ -147,7 +147,7 @@ class GptShape:
         return self.add_bias_linear or self.add_qkv_bias
 
     @classmethod
-    def from_model_config(cls, cfg: Any) -> "GptShape":
+    def from_model_config(cls, cfg: Any) -> GptShape:
         """From a slurm_align.config.run.ModelConfig."""
         return cls(cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.ffn,
                    cfg.vocab_size, cfg.padded_vocab_size, cfg.max_seq_len,

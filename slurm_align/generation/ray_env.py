@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from slurm_align.generation.params import GenerationError
 

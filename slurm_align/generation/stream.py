@@ -12,6 +12,7 @@ thread queues incoming messages, so a sender never waits for the peer to be read
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -136,10 +137,8 @@ class Stream:
             return None
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self.sock.close()
 
 
@@ -148,7 +147,8 @@ class StreamServer:
 
     def __init__(self, host: str, secret: str):
         if host in ("0.0.0.0", "", "::"):
-            raise ValueError(f"stream bind address {host!r} would listen on every interface; give this host's own address")
+            raise ValueError(
+                f"stream bind address {host!r} would listen on every interface; give this host's own address")
         self.secret = secret
         family = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][0]
         self.sock = socket.socket(family, socket.SOCK_STREAM)
@@ -167,7 +167,7 @@ class StreamServer:
             self.sock.settimeout(left)
             try:
                 conn, addr = self.sock.accept()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             try:
                 conn.settimeout(30)

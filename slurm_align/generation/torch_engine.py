@@ -10,7 +10,7 @@ until a quarter of it has finished; then the batch (cache included) is compacted
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

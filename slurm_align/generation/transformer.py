@@ -2,9 +2,11 @@
 
 Embedding = word (+ learned absolute position); per layer: norm -> fused QKV (rows grouped per
 query group as [q_1..q_r, k, v], megatron's layout; r = heads / groups, 1 without GQA) ->
-a norm over each head's q and k (qk_layernorm: Qwen3) -> RoPE on q and k (rope models) -> causal softmax attention (scale 1/sqrt(d)) -> output projection
+a norm over each head's q and k (qk_layernorm: Qwen3) -> RoPE on q and k (rope models) -> causal
+softmax attention (scale 1/sqrt(d)) -> output projection
 -> residual; norm -> fc1 -> activation (GELU, tanh-GELU, or SwiGLU on fc1's [gate; up]) -> fc2
--> residual (MoE: each token through its top-k experts, weighted by the router); final norm; output layer (the word embedding when tied, no bias). Norms are
+-> residual (MoE: each token through its top-k experts, weighted by the router); final norm;
+output layer (the word embedding when tied, no bias). Norms are
 LayerNorm or RMSNorm; absent biases are None. Two entry points: a full forward over a padded
 batch (prefill, the naive engine) and a one-token decode step against a KV cache that holds
 `query_groups` heads (GQA keys/values are never expanded to all heads).

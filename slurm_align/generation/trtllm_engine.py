@@ -59,9 +59,10 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
@@ -162,7 +163,8 @@ def physical_gpu(index: int) -> str:
     so that processes started with another environment find the same GPU; UUID forms refused."""
     visible = parse_visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), index + 1)
     if index >= len(visible):
-        raise GenerationError(f"cuda:{index} is not among CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}")
+        raise GenerationError(
+            f"cuda:{index} is not among CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}")
     return visible[index]
 
 
@@ -237,7 +239,7 @@ class TrtllmEngine:
 
     @classmethod
     def for_layout(cls, shape: GptShape | ModelConfig, layout: Any, device: torch.device | str = "cuda",
-                   **options: Any) -> "TrtllmEngine":
+                   **options: Any) -> TrtllmEngine:
         """This rank's engine in a GenerationLayout: TP = the layout's, one LLM per replica."""
         if layout.pp_size != 1:
             raise GenerationError("generation engine 'trtllm': generate with switches.refold on "
@@ -384,7 +386,7 @@ class TrtllmEngine:
             if ended and (not ids or ids[-1] not in stops):  # stop token left out of the ids
                 last = c.stop_reason if c.stop_reason in stops else params.eos_id
                 if last is not None:
-                    ids = ids[: m - 1] + [last]
+                    ids = [*ids[:m - 1], last]
                 logprobs = None
             tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
             lengths[i], is_end[i] = len(ids), ended

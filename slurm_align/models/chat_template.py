@@ -30,7 +30,7 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 class _GenerationTag(Extension):
     """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): renders its body."""
 
-    tags = {"generation"}
+    tags = {"generation"}  # noqa: RUF012  (jinja2's Extension API: a class-level set of tag names)
 
     def parse(self, parser):
         lineno = next(parser.stream).lineno

@@ -21,10 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.optimizer import (
-    get_param_id_to_sharded_param_map, optim_state_to_sharding_state,
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
 )
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 
 from slurm_align.models.checkpoint_names import MANIFEST, find_latest, iter_dir  # noqa: F401  (their home is torch-free)
 from slurm_align.models.cpu_compat import apply_cpu_compat
@@ -82,7 +83,7 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common
     rank; torch's RNG state of rank 0 is added."""
     apply_cpu_compat()
     _results_queue_in_process()
-    final = iter_dir(root, step)
+    final = iter_dir(Path(root), step)
     tmp = final.with_name(final.name + ".tmp")
     rank = dist.get_rank()
     if rank == 0:

@@ -60,7 +60,7 @@ class _NoStream:
     def synchronize(self) -> None:
         return None
 
-    def record_event(self) -> "_NoStream":
+    def record_event(self) -> _NoStream:
         return self  # an event whose synchronize() has nothing to wait for
 
 
@@ -85,7 +85,7 @@ class _CpuCuda:
     _stream = _NoStream()
 
     @staticmethod
-    def Stream(*args, **kwargs):  # noqa: N802 (torch.cuda's name)
+    def Stream(*args, **kwargs):  # capitalised: torch.cuda's name
         return _CpuCuda._stream
 
     @staticmethod
@@ -144,8 +144,8 @@ class _CpuTorch(types.ModuleType):
         return torch.ones(*args, device=_cpu_device(device), **kwargs)
 
     @staticmethod
-    def tensor(*args, device=None, **kwargs):
-        return torch.tensor(*args, device=_cpu_device(device), **kwargs)
+    def tensor(data, device=None, **kwargs):   # torch.tensor: data, then keywords only
+        return torch.tensor(data, device=_cpu_device(device), **kwargs)
 
 
 @dataclass
@@ -173,7 +173,7 @@ def apply_cpu_compat(force: bool = False) -> CompatState:
     for name in PATCHED_MODULES:
         module = importlib.import_module(name)
         if getattr(module, "torch", None) is torch:
-            module.torch = proxy
+            module.torch = proxy  # type: ignore[attr-defined]  # the getattr above: it has one
             _STATE.patched.append(name)
     _STATE.applied = True
     return _STATE

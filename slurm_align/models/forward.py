@@ -15,13 +15,13 @@ for `forward_logits` / `forward_logprobs` / `forward_values`.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-from megatron.core.packed_seq_params import PackedSeqParams
 
 from slurm_align.models.gpt import TE_DTYPES, model_device
 from slurm_align.models.packing import Batching, PackedLayout, micro_batch_inputs, rope_at_positions

@@ -19,10 +19,14 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
+    get_gpt_layer_local_spec,
+    get_gpt_layer_with_transformer_engine_spec,
 )
 from megatron.core.tensor_parallel.layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, set_tensor_model_parallel_attributes,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    set_tensor_model_parallel_attributes,
 )
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
@@ -132,6 +136,7 @@ def apply_llama3_rope_scaling(model: GPTModel, model_cfg: ModelConfig) -> None:
     RotaryEmbedding (low/high frequency factors and the original context are fixed at 1, 4 and
     8192 there), so the inverse frequencies are recomputed here with megatron's own formula."""
     rope, sc = model.rotary_pos_emb, model_cfg.rope_scaling
+    assert sc is not None, "build_gpt calls it for a model with rope_scaling"
     dim = model_cfg.head_dim
     base = 1.0 / (model_cfg.rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     rope.inv_freq = rope._apply_scaling(

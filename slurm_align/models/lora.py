@@ -26,14 +26,17 @@ tensors back afterwards (bit-identical).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any, cast
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region, reduce_from_tensor_model_parallel_region,
+    copy_to_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
 )
 from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
@@ -48,13 +51,20 @@ TARGET_MODULES = {"qkv": "self_attention.linear_qkv", "proj": "self_attention.li
 class LoraLinear(torch.nn.Module):
     """One layer's adapter (this TP rank's shards) and the forward hook that adds it."""
 
-    def __init__(self, layer: torch.nn.Module, name: str, cfg: LoraConfig, seed: int, glu: bool):
+    # B, registered by name (b_names): lora_B, or lora_B_gate and lora_B_up for SwiGLU's fc1
+    lora_B: torch.nn.Parameter
+    lora_B_gate: torch.nn.Parameter
+    lora_B_up: torch.nn.Parameter
+
+    def __init__(self, layer: ColumnParallelLinear | RowParallelLinear, name: str, cfg: LoraConfig, seed: int,
+                 glu: bool):
         super().__init__()
         self.name, self.scale, self.enabled = name, cfg.alpha / cfg.rank, True
         self.column = isinstance(layer, ColumnParallelLinear)
         if not self.column and not isinstance(layer, RowParallelLinear):
             raise TypeError(f"{name}: LoRA needs megatron's local-spec linear layers, got {type(layer).__name__}")
-        tp, tp_rank = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
         out_local, in_local = layer.weight.shape
         full_in = in_local if self.column else in_local * tp
         device, r = layer.weight.device, cfg.rank
@@ -100,10 +110,11 @@ class LoraLinear(torch.nn.Module):
 
 def mark_tp(param: torch.Tensor, dim: int | None) -> None:
     """megatron's TP attributes: the gradient norm counts a split tensor on every TP rank and a
-    replicated one once (models.optimizer.reduce_gradients)."""
-    param.tensor_model_parallel = dim is not None
-    param.partition_dim = -1 if dim is None else dim
-    param.partition_stride = 1
+    replicated one once (models.optimizer.reduce_gradients). Attributes megatron reads off a
+    parameter, which torch's Tensor type does not declare."""
+    param.tensor_model_parallel = dim is not None  # type: ignore[attr-defined]
+    param.partition_dim = -1 if dim is None else dim  # type: ignore[attr-defined]
+    param.partition_stride = 1  # type: ignore[attr-defined]
 
 
 class LoraAdapters(torch.nn.Module):
@@ -115,7 +126,8 @@ class LoraAdapters(torch.nn.Module):
         self.layers = torch.nn.ModuleList(layers.values())
 
     def items(self) -> Iterator[tuple[str, LoraLinear]]:
-        return zip(self.names, self.layers)
+        # a ModuleList's items are typed Module; __init__ filled it with LoraLinear only
+        return cast(Iterator[tuple[str, LoraLinear]], zip(self.names, self.layers))
 
 
 def attach_lora(chunks: list, cfg: LoraConfig, pctx: Any, seed: int) -> None:
@@ -167,8 +179,8 @@ def sharded_adapter_state(chunks: list) -> dict:
     optimizer state maps onto them): split tensors by TP rank, replicated ones once."""
     out = {}
     for key, p in adapter_tensors(chunks):
-        if p.tensor_model_parallel:
-            out[key] = make_tp_sharded_tensor_for_checkpoint(p, key, p.partition_dim)
+        if p.tensor_model_parallel:  # type: ignore[attr-defined]  # set by mark_tp
+            out[key] = make_tp_sharded_tensor_for_checkpoint(p, key, p.partition_dim)  # type: ignore[attr-defined]
         else:
             out[key] = make_sharded_tensor_for_checkpoint(p, key)
     return out
@@ -186,7 +198,7 @@ class AdaptersOff:
             a.enabled = not a.enabled
 
 
-def reference_policy(chunks: list):
+def reference_policy(chunks: list) -> AdaptersOff | HostSwap:
     """The frozen initial policy: adapters off for a LoRA model, a host copy of the weights otherwise."""
     return AdaptersOff(chunks) if has_lora(chunks) else HostSwap(chunks)
 
@@ -215,7 +227,7 @@ def attach_configured(chunks: list, model_cfg: ModelConfig, pctx: Any, seed: int
         attach_lora(chunks, model_cfg.lora, pctx, seed)
 
 
-def lora_base(model_cfg: ModelConfig, seed: int, init_checkpoint: str | None = None) -> dict:
+def lora_base(model_cfg: ModelConfig, seed: int, init_checkpoint: str | Path | None = None) -> dict:
     """The reference to the base a LoRA checkpoint's adapters belong to (its common state):
     the init checkpoint or HF folder the base weights came from, or the seed they were drawn
     with. Empty without LoRA."""

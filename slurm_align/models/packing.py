@@ -26,11 +26,15 @@ mapping of rollout_batch, the losses) is the same for packed and padded micro-ba
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 
 # -- micro-batches -----------------------------------------------------------------------------
@@ -102,7 +106,7 @@ class PackedLayout:
 
     @classmethod
     def plan(cls, lengths: Sequence[int] | np.ndarray | torch.Tensor, width: int | None = None,
-             rows: int | None = None) -> "PackedLayout":
+             rows: int | None = None) -> PackedLayout:
         """First fit, longest first, into rows of `width` columns (default: the longest
         sequence); at least `rows` rows (empty ones fill up to a fixed shape)."""
         lengths = torch.as_tensor(np.asarray(lengths, dtype=np.int64).reshape(-1))
@@ -152,7 +156,8 @@ class PackedLayout:
         col = torch.arange(self.width).expand(self.rows, self.width)
         start = torch.zeros_like(seg)
         for i in range(self.size):
-            start[int(self.row[i]), int(self.offset[i]):int(self.offset[i]) + int(self.lengths[i])] = int(self.offset[i])
+            offset = int(self.offset[i])
+            start[int(self.row[i]), offset:offset + int(self.lengths[i])] = offset
         ends = self._tail_starts()
         tail = seg < 0
         start[tail] = ends.unsqueeze(1).expand(self.rows, self.width)[tail]
@@ -205,7 +210,7 @@ class PackedLayout:
 
 
 # -- model inputs ------------------------------------------------------------------------------
-def rope_angles(rope: torch.nn.Module, position_ids: torch.Tensor) -> torch.Tensor:
+def rope_angles(rope: RotaryEmbedding, position_ids: torch.Tensor) -> torch.Tensor:
     """megatron's rotary embedding [s, b, 1, dim] for per-row positions [b, s] (its own is
     [s, 1, 1, dim] for positions 0..s-1 in every row); the same angles as
     RotaryEmbedding.get_emb at equal positions (position x inv_freq, halves repeated)."""
@@ -251,7 +256,7 @@ def micro_batch_inputs(tokens: torch.Tensor, lengths: torch.Tensor, groups: list
     `fixed_shape` every micro-batch has the batch's longest width and the most rows of any
     (empty rows fill up)."""
     lengths = torch.as_tensor(lengths, dtype=torch.int64)
-    out = []
+    out: list[dict] = []
     if not pack:
         size = max(len(g) for g in groups) if fixed_shape and groups else None
         for g in groups:

@@ -36,11 +36,21 @@ Messages = list[dict[str, Any]]
 
 
 class Tokenizer(Protocol):
-    bos_id: int | None
-    eos_id: int
-    pad_id: int
-    vocab_size: int
-    chat_template: str | None
+    # read-only (properties): ByteTokenizer's class constants satisfy them as HFTokenizer's fields do
+    @property
+    def bos_id(self) -> int | None: ...
+
+    @property
+    def eos_id(self) -> int: ...
+
+    @property
+    def pad_id(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def chat_template(self) -> str | None: ...
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -133,8 +143,8 @@ class HFTokenizer:
             if text is not None and ids[name] is None:
                 raise ConfigError.at(f"{name}", text, f"is not a token of {self.source}", source)
         if ids["eos_token"] is None:
-            raise ConfigError([f"no eos_token: a run needs an end-of-sequence token (SFT data ends with it, "
-                               f"generation stops at it); set eos_token to one of the tokenizer's tokens"], source)
+            raise ConfigError(["no eos_token: a run needs an end-of-sequence token (SFT data ends with it, "
+                               "generation stops at it); set eos_token to one of the tokenizer's tokens"], source)
         self.eos_id = ids["eos_token"]
         self.bos_id = ids["bos_token"] if self._post_processor_adds(ids["bos_token"]) else None
         self.pad_id = self.eos_id if ids["pad_token"] is None else ids["pad_token"]
@@ -155,9 +165,10 @@ class HFTokenizer:
         bos, pad = self._find(_BOS), self._find(_PAD)
         self.eos_id, self.bos_id = eos, bos
         self.pad_id = eos if pad is None else pad
-        self.special_tokens = {name: self._tok.id_to_token(i)
-                               for name, i in (("bos_token", bos), ("eos_token", eos), ("pad_token", pad))
-                               if i is not None}
+        found = (("bos_token", bos), ("eos_token", eos), ("pad_token", pad))
+        # ids _find took from the vocabulary: each has its text
+        self.special_tokens = {name: text for name, i in found
+                               if i is not None and (text := self._tok.id_to_token(i)) is not None}
 
     def _find(self, names) -> int | None:
         for n in names:
@@ -213,7 +224,9 @@ def build_tokenizer(model_cfg: ModelConfig) -> Tokenizer:
     explicitly), else the one model.tokenizer chooses."""
     tc = model_cfg.tokenizer
     hf_path = getattr(model_cfg, "hf_path", None)
+    tok: Tokenizer
     if tc.kind == "hf":
+        assert tc.path is not None, "TokenizerConfig: kind 'hf' needs a path"
         tok = HFTokenizer(tc.path)
     elif hf_path is not None:
         tok = HFTokenizer(hf_path, field="model.hf_path")

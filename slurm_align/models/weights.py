@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import re
 import zlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -26,17 +27,20 @@ from megatron.core import parallel_state
 
 from slurm_align.models.te_names import local_name
 
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
+
 _LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
 _EXPERT = re.compile(r"^(.*\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 EMBEDDING, OUTPUT = "embedding.word_embeddings.weight", "output_layer.weight"
 
 
-def layer_offset(chunk: torch.nn.Module, pctx: Any) -> int:
+def layer_offset(chunk: GPTModel, pctx: Any) -> int:
     """Global index of this stage's first transformer layer (layers split evenly over PP)."""
     return pctx.pp_rank * (chunk.config.num_layers // pctx.pp_size)
 
 
-def expert_offset(chunk: torch.nn.Module, pctx: Any) -> int:
+def expert_offset(chunk: GPTModel, pctx: Any) -> int:
     """Global index of this rank's first expert (MoE: experts split evenly over EP)."""
     experts = getattr(chunk.config, "num_moe_experts", None)
     ep = getattr(pctx, "ep_size", 1)
@@ -67,14 +71,15 @@ def local_tensors(chunks: list, pctx: Any) -> Iterator[tuple[str, torch.Tensor]]
 
 
 def _tp_partition_dim(t: torch.Tensor) -> int | None:
-    return t.partition_dim if getattr(t, "tensor_model_parallel", False) else None
+    # partition_dim: set on a TP-split parameter by megatron (or mark_tp), not a torch attribute
+    return t.partition_dim if getattr(t, "tensor_model_parallel", False) else None  # type: ignore[attr-defined]
 
 
-def _is_glu_fc1(name: str, chunk: torch.nn.Module) -> bool:
+def _is_glu_fc1(name: str, chunk: GPTModel) -> bool:
     return chunk.config.gated_linear_unit and ".mlp.linear_fc1." in name
 
 
-def tied_copy(name: str, chunk: torch.nn.Module) -> bool:
+def tied_copy(name: str, chunk: GPTModel) -> bool:
     """The last stage's copy of a tied embedding (PP > 1): not part of the full dict."""
     return name == OUTPUT and getattr(chunk, "tie_embeddings", False)
 
@@ -138,6 +143,12 @@ def full_state_dict(chunks: list, pctx: Any, *, to_all: bool = True) -> dict[str
     return full
 
 
+def _by_expert_index(name: str) -> tuple[int, str]:
+    m = _EXPERT.match(name)
+    assert m is not None, f"{name} is not an expert's tensor"
+    return int(m.group(2)), name
+
+
 def _merge_experts(mine: dict[str, torch.Tensor], peers: list[dict]) -> dict[str, torch.Tensor]:
     """`mine` with every EP peer's experts, ordered as the EP=1 model (experts by global index
     within each layer's place)."""
@@ -145,15 +156,15 @@ def _merge_experts(mine: dict[str, torch.Tensor], peers: list[dict]) -> dict[str
     out: dict[str, torch.Tensor] = {}
     done: set[str] = set()
     for k, v in mine.items():
-        if not is_expert(k):
+        m = _EXPERT.match(k)
+        if m is None:   # not an expert's tensor
             out[k] = v
             continue
-        layer = _EXPERT.match(k).group(1)
+        layer = m.group(1)
         if layer in done:
             continue
         done.add(layer)
-        ours = sorted((n for n in experts if n.startswith(layer)),
-                      key=lambda n: (int(_EXPERT.match(n).group(2)), n))
+        ours = sorted((n for n in experts if n.startswith(layer)), key=_by_expert_index)
         out.update({n: experts[n] for n in ours})
     return out
 
@@ -188,7 +199,7 @@ def _copy_shard(t: torch.Tensor, src: torch.Tensor, name: str, chunk, pctx: Any,
     t.copy_(src.to(t.dtype))
 
 
-def mark_tied_embedding(chunk: torch.nn.Module, pctx: Any) -> None:
+def mark_tied_embedding(chunk: GPTModel, pctx: Any) -> None:
     """Tied embeddings with PP > 1: flag the embedding (first stage) and its copy (last stage)
     for sync_tied_embedding_grads; the copy is also left out of the gradient norm."""
     if pctx.pp_size == 1 or not getattr(chunk, "tie_embeddings", False):

@@ -109,7 +109,7 @@ job script beside NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME."""
 
 def interface_address(name: str) -> str:
     """The IPv4 address of network interface `name` on this host (e.g. 'ib0', 'hsn0')."""
-    import psutil   # deferred: only jobs that name an interface need it
+    import psutil  # deferred: only jobs that name an interface need it
 
     addrs = psutil.net_if_addrs()
     ipv4 = [a.address for a in addrs.get(name, []) if a.family == socket.AF_INET]
@@ -137,7 +137,7 @@ def _local_address(multi_node: bool) -> str:
             f"cannot resolve this host's name {host!r} to an address ({exc}); set MASTER_ADDR "
             "to an address of rank 0's host that the other nodes can reach"
         ) from exc
-    addrs = [i[4][0] for i in infos]
+    addrs = [str(i[4][0]) for i in infos]   # AF_INET: (host, port); the host is a str already
     routable = [a for a in addrs if not a.startswith("127.")]
     if not routable:
         raise BootstrapError(

@@ -12,8 +12,9 @@ in slurm_align reads the layout from the ParallelContext object that is passed a
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -216,7 +217,8 @@ def initialize_model_parallel(env: DistEnv, tensor_parallel: int, pipeline_paral
     if not dist.is_initialized():
         raise LayoutNotInitialised("torch.distributed is not initialised: call init_distributed() first")
     if parallel_state.model_parallel_is_initialized():
-        raise LayoutNotInitialised("megatron parallel state is already initialised: destroy() the old ParallelContext first")
+        raise LayoutNotInitialised(
+            "megatron parallel state is already initialised: destroy() the old ParallelContext first")
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tensor_parallel,
         pipeline_model_parallel_size=pipeline_parallel,

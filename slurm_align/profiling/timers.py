@@ -23,9 +23,9 @@ _NULL = contextlib.nullcontext()
 
 
 class _Span:
-    __slots__ = ("tracer", "phase", "step", "start")
+    __slots__ = ("phase", "start", "step", "tracer")
 
-    def __init__(self, tracer: "Tracer", phase: str, step: int):
+    def __init__(self, tracer: Tracer, phase: str, step: int):
         self.tracer, self.phase, self.step = tracer, phase, step
 
     def __enter__(self):
@@ -50,7 +50,7 @@ class Tracer:
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._writer = None
-        if self.enabled:
+        if self.enabled and run_dir is not None:   # enabled: there is a run_dir
             self._writer = TraceWriter(Path(run_dir) / "traces.zarr", component, self.rank)
             if resume_from_step is not None:
                 # Spans of steps redone after a resume must not be counted twice.

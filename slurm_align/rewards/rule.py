@@ -13,8 +13,9 @@ from __future__ import annotations
 import importlib
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 class RuleRewardError(RuntimeError):
@@ -53,7 +54,7 @@ class RuleReward:
     fn: Callable[..., Any]
 
     @classmethod
-    def load(cls, spec: str) -> "RuleReward":
+    def load(cls, spec: str) -> RuleReward:
         return cls(spec, resolve_spec(spec, "rule reward", "slurm_align.rewards.sort:exact"))
 
     def __call__(self, response: str, prompt: str, fields: dict[str, Any]) -> float:

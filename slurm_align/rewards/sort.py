@@ -8,6 +8,7 @@ answer reaches the top: printing '1111' or a sorted subset never beats sorting.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 
@@ -29,5 +30,5 @@ def partial(response: str, prompt: str, **_fields) -> float:
         return 0.0
     common = sum((Counter(digits) & Counter(want)).values())
     overlap = common / max(len(want), len(got))          # extra characters count against it
-    in_order = sum(a <= b for a, b in zip(digits, digits[1:])) / max(len(digits) - 1, 1)
+    in_order = sum(a <= b for a, b in itertools.pairwise(digits)) / max(len(digits) - 1, 1)
     return 0.5 * overlap * in_order

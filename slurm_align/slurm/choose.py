@@ -17,7 +17,11 @@ from pathlib import Path
 
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.loading import (
-    DEFAULT_PROFILE, available_profiles, find_profile, load_profile, read_yaml,
+    DEFAULT_PROFILE,
+    available_profiles,
+    find_profile,
+    load_profile,
+    read_yaml,
 )
 from slurm_align.config.profile import ClusterProfile
 
@@ -102,5 +106,5 @@ def check_shared_paths(profile: ClusterProfile, run_dir: Path, python: str) -> N
                             "the compute nodes cannot start it. Install slurm-align in a venv on a shared file "
                             "system (or use a container)")
     if problems:
-        raise ConfigError(problems + ["set shared_tmp: true in the profile only if every node really shares "
+        raise ConfigError([*problems, "set shared_tmp: true in the profile only if every node really shares "
                                       "these folders with this machine"], f"profile '{profile.name}'")

@@ -11,7 +11,11 @@ from rich.console import Console
 
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.loading import (
-    apply_overrides, check_against_profile, load_run_config, read_yaml, validate,
+    apply_overrides,
+    check_against_profile,
+    load_run_config,
+    read_yaml,
+    validate,
 )
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig

@@ -19,9 +19,9 @@ import re
 import shutil
 import socket
 import subprocess
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping
 
 _RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
 
@@ -101,7 +101,7 @@ class HetEnv:
     environ: Mapping[str, str] = field(repr=False, default_factory=dict)
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> "HetEnv":
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> HetEnv:
         env = dict(os.environ if environ is None else environ)
         names = env.get("SLURM_ALIGN_COMPONENTS")
         comp = env.get("SLURM_ALIGN_COMPONENT")
@@ -119,7 +119,8 @@ class HetEnv:
         try:
             return self.components.index(component)
         except ValueError:
-            raise KeyError(f"no component {component!r} in this job (components: {', '.join(self.components)})") from None
+            raise KeyError(
+                f"no component {component!r} in this job (components: {', '.join(self.components)})") from None
 
     def hosts(self, component: str) -> list[str]:
         i = self.index(component)
@@ -146,7 +147,7 @@ def service_host(component: str, explicit: str | None = None) -> str:
     """Where a component's service binds: `explicit` (a config field), else the address of the
     profile's network.interface on this node (the high-speed network), else the node's address
     as Slurm knows it (NodeAddr). Never every interface."""
-    from slurm_align.parallel.bootstrap import INTERFACE_ENV, interface_address   # torch: only when serving
+    from slurm_align.parallel.bootstrap import INTERFACE_ENV, interface_address  # torch: only when serving
     if explicit:
         return explicit
     if os.environ.get(INTERFACE_ENV):

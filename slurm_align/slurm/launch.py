@@ -8,6 +8,7 @@ Everything that can be wrong with the input is found before anything is written 
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -30,8 +31,8 @@ from slurm_align.config.run import RunConfig
 from slurm_align.rundir import RunDir, create_run_secret, write_atomic
 from slurm_align.slurm import state as job_state
 from slurm_align.slurm.capacity import check_fits_cluster
-from slurm_align.slurm.executor import HetjobExecutor
 from slurm_align.slurm.choose import check_shared_paths
+from slurm_align.slurm.executor import HetjobExecutor
 from slurm_align.slurm.preemption import STOPPED_EXIT_CODE
 from slurm_align.slurm.render import CONTAINER_SETUP, Entry, container_setup_text, job_python, render_script
 
@@ -55,7 +56,7 @@ class JobRecord:
         write_atomic(RunDir(Path(self.run_dir)).job_record, json.dumps(asdict(self), indent=1))
 
     @classmethod
-    def load(cls, run_dir: Path) -> "JobRecord":
+    def load(cls, run_dir: Path) -> JobRecord:
         path = RunDir(run_dir).job_record
         try:
             return cls(**json.loads(path.read_text()))
@@ -77,7 +78,7 @@ class Job:
         return self.record.job_id
 
     def _exit_codes(self) -> dict[str, int | None]:
-        codes = {}
+        codes: dict[str, int | None] = {}
         for comp in self.record.components:
             path = self.run_dir.logs / comp / "exit_code"
             try:
@@ -192,10 +193,9 @@ class Job:
     def cancel(self) -> None:
         if self.record.backend == "local":
             write_atomic(self.run_dir.logs / "cancelled", "cancelled\n")
-            try:
+            assert self.record.pid is not None, "a local job records its script's pid"
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.record.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
             return
         subprocess.run(["scancel", self.job_id], check=True, capture_output=True, text=True)
 
@@ -274,10 +274,9 @@ def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow
 
     popen = None
     if profile.kind == "local":
-        out = open(rd.logs / "job-local.out", "ab")
-        popen = subprocess.Popen(["bash", str(rd.script)], stdout=out, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        out.close()
+        with open(rd.logs / "job-local.out", "ab") as out:   # the job keeps its own copy of the file
+            popen = subprocess.Popen(["bash", str(rd.script)], stdout=out, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
         record = JobRecord("local", f"local-{popen.pid}", str(rd.root), list(run.components), profile.name,
                            pid=popen.pid)
     else:

@@ -50,9 +50,10 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing import resource_tracker
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from slurm_align.models.checkpoint_names import find_latest
 from slurm_align.rundir import RunDir, write_atomic

@@ -18,6 +18,7 @@ import shlex
 import socket
 import sys
 import sysconfig
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +58,7 @@ def _walk(prefix: str, value: object):
         yield prefix, str(value)
 
 
-def check_rendered_values(profile: ClusterProfile, run_dir: Path, entry: "Entry") -> None:
+def check_rendered_values(profile: ClusterProfile, run_dir: Path, entry: Entry) -> None:
     """Every value that reaches the script, checked before anything is written or submitted."""
     refuse_control_characters("--run-dir", run_dir)
     for field, text in _walk("", profile.model_dump(mode="json")):
@@ -87,7 +88,7 @@ class ComponentScript:
     env: list[str]         # already-quoted NAME=value for this component's launcher line
     command: list[str]     # the rank's command, quoted by the template
     python: str = ""       # the interpreter the ranks run
-    preflight: list[str] = ()   # already-quoted srun prefix of the component's pre-flight step
+    preflight: Sequence[str] = ()   # already-quoted srun prefix of the component's pre-flight step
 
 
 @dataclass(frozen=True)
@@ -272,6 +273,7 @@ def _container_flags(profile: ClusterProfile, comp: str, run_dir: Path, inputs: 
     pre-flight and the ranks), the run directory as working directory, the run directory and the
     inputs mounted at their own paths, home not mounted unless asked."""
     c = profile.container
+    assert c is not None, "called for a profile with a container"
     mounts = [f"{run_dir}:{run_dir}"] + [f"{p}:{p}:ro" for p in inputs] + list(c.mounts)
     for m in mounts:
         if "," in m:

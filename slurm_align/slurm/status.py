@@ -33,7 +33,8 @@ _ITER = re.compile(r"^iter_(\d+)$")
 def latest_step(root: Path) -> int | None:
     """Step of the newest complete checkpoint (a manifest.json, as models.checkpoint writes last);
     read here without importing torch and megatron, which `status` does not need."""
-    steps = [int(m.group(1)) for p in root.glob("iter_*") if (m := _ITER.match(p.name)) and (p / "manifest.json").is_file()]
+    steps = [int(m.group(1)) for p in root.glob("iter_*")
+             if (m := _ITER.match(p.name)) and (p / "manifest.json").is_file()]
     return max(steps) if steps else None
 
 
@@ -101,7 +102,8 @@ def failing_rank(rd: RunDir, component: str, lines: int = 20) -> FailedRank:
     rank, why, torn_down, lost_peer = None, "", False, None
     teardown = _TEARDOWN.search(text)
     for pattern in (_SRUN_TASK, _MPIRUN_RANK):
-        named = [(int(m.group(1)), m.group(2).strip().rstrip("."), teardown is not None and m.start() > teardown.start())
+        named = [(int(m.group(1)), m.group(2).strip().rstrip("."),
+                  teardown is not None and m.start() > teardown.start())
                  for m in pattern.finditer(text)]
         if named:
             # The launcher lists ranks in the order their ends reached it, which races: a rank
@@ -138,7 +140,8 @@ def run_status(job) -> RunStatus:
     if job.record.backend == "slurm" and state == job_state.PENDING:
         status.pending_reasons = job_state.pending_reasons(job.job_id)
     if state == job_state.FAILED:
-        status.failed = first_failure(rd, rd.first_failed_component(), [c for c, s in comps.items() if s == job_state.FAILED])
+        failed = [c for c, s in comps.items() if s == job_state.FAILED]
+        status.failed = first_failure(rd, rd.first_failed_component(), failed)
     return status
 
 

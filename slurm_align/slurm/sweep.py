@@ -9,8 +9,9 @@ profile). Weak scaling grows what the run's algorithm trains on, in proportion t
 nodes, from the config's value at the smallest point: for the rollout algorithms (ppo, grpo,
 rloo, ...) the prompts per step (ppo.num_rollout_samples) and, when set, ppo.global_batch_size
 (so the optimizer steps per step stay the same); for sft/rm/dpo trainer.global_batch_size.
-Strong scaling keeps them. Every point records every component's nodes. A point that fails to launch or to run is recorded and the others
-go on. The manifest (sweep.json) is rewritten atomically after every change of state.
+Strong scaling keeps them. Every point records every component's nodes. A point that fails to
+launch or to run is recorded and the others go on. The manifest (sweep.json) is rewritten
+atomically after every change of state.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from slurm_align.config.run import RunConfig
 from slurm_align.rundir import write_atomic
 from slurm_align.slurm import state as job_state
 from slurm_align.slurm.capacity import check_fits_cluster
-from slurm_align.slurm.launch import launch_run
+from slurm_align.slurm.launch import Job, launch_run
 from slurm_align.slurm.render import Entry
 from slurm_align.slurm.status import failing_rank
 
@@ -170,7 +171,7 @@ class Manifest:
         write_atomic(self.sweep_dir / MANIFEST, json.dumps(data, indent=1))
 
     @classmethod
-    def load(cls, sweep_dir: Path) -> "Manifest":
+    def load(cls, sweep_dir: Path) -> Manifest:
         path = Path(sweep_dir) / MANIFEST
         if not path.is_file():
             raise ConfigError([f"not a sweep directory: {MANIFEST} is missing (make one with "
@@ -206,7 +207,7 @@ def run_sweep(points: list[SweepPoint], manifest: Manifest, *, entry=None, max_c
     manifest current. Returns the manifest; failed points carry their error."""
     console = console or Console(stderr=True)
     limit = max_concurrent or len(points)
-    jobs: dict[int, object] = {}
+    jobs: dict[int, Job] = {}
     unknown: dict[int, int] = {}   # consecutive polls in which Slurm did not know the job
     todo = list(range(len(points)))
     with Live(_table(manifest), console=console, refresh_per_second=2) as live:
@@ -272,7 +273,7 @@ def start_sweep(run: RunConfig, profile: ClusterProfile, nodes: list[int], mode:
         except ConfigError as e:
             problems += e.problems
     if problems:
-        raise ConfigError(problems + ["drop these node counts from --nodes"], f"profile '{profile.name}'")
+        raise ConfigError([*problems, "drop these node counts from --nodes"], f"profile '{profile.name}'")
     sweep_dir = Path(sweep_dir).resolve()
     if (sweep_dir / MANIFEST).exists():
         raise ConfigError.at("--sweep-dir", str(sweep_dir), "already holds a sweep; choose a new folder")

@@ -7,7 +7,8 @@ How much of an array is valid is recorded by the store's commit (an attribute wr
 
 from __future__ import annotations
 
-from typing import Sequence
+import itertools
+from collections.abc import Sequence
 
 import numcodecs
 import numpy as np
@@ -37,7 +38,7 @@ def pack(seqs: Sequence[Sequence] | Sequence[np.ndarray], dtype) -> tuple[np.nda
 def unpack(flat: np.ndarray, offsets: np.ndarray) -> list[np.ndarray]:
     """Inverse of pack (views into flat)."""
     start = int(offsets[0]) if len(offsets) else 0
-    return [flat[int(a) - start:int(b) - start] for a, b in zip(offsets[:-1], offsets[1:])]
+    return [flat[int(a) - start:int(b) - start] for a, b in itertools.pairwise(offsets)]
 
 
 def next_pow2(n: int, floor: int = 1) -> int:

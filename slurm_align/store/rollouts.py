@@ -24,9 +24,10 @@ same row. Capacity grows by doubling (ragged.ensure_shape), so most appends rewr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import zarr
@@ -84,7 +85,7 @@ class RolloutStore:
         self._index = index[:n]
 
     @classmethod
-    def create(cls, path: str | Path, *, background: bool = False) -> "RolloutStore":
+    def create(cls, path: str | Path, *, background: bool = False) -> RolloutStore:
         """A new, empty store (an existing one at `path` is opened, not cleared: resume)."""
         path = Path(path)
         group = zarr.open_group(store=AtomicLocalStore(path, fsync=True), mode="a")
@@ -95,7 +96,7 @@ class RolloutStore:
         return cls(group, path, background=background)
 
     @classmethod
-    def open(cls, path: str | Path, *, read_only: bool = False, background: bool = False) -> "RolloutStore":
+    def open(cls, path: str | Path, *, read_only: bool = False, background: bool = False) -> RolloutStore:
         path = Path(path)
         if not (path / "zarr.json").is_file():
             raise FileNotFoundError(f"{path}: no rollout store here")

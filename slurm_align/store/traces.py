@@ -6,8 +6,8 @@ Layout of a rank group:
     attrs: component, rank, phases, committed (rows a reader may read), last_step, clock
 
 A flush writes its rows past `committed` (whole chunks from memory, usually one, without reading
-them back) and rewrites the attributes last (keys are replaced atomically, see atomic.py), so a reader sees whole flushes
-only: a writer killed mid-flush leaves the previous commit intact, and its tail is overwritten
+them back) and rewrites the attributes last (keys are replaced atomically, see atomic.py), so a
+reader sees whole flushes only: a writer killed mid-flush leaves the previous commit intact, and its tail is overwritten
 by the next writer. The array grows by doubling, so a flush rarely rewrites its metadata.
 """
 

@@ -146,7 +146,7 @@ class LocalSlurmCluster:
                               timeout=timeout, check=check, stdin=subprocess.DEVNULL)
 
     # --- start ---------------------------------------------------------------
-    def start(self, timeout: float = 60.0) -> "LocalSlurmCluster":
+    def start(self, timeout: float = 60.0) -> LocalSlurmCluster:
         if not slurm_installed():
             raise ClusterError("Slurm is not installed (slurmctld, slurmd, sinfo): run bash .ci/setup.sh")
         self._make_dirs()
@@ -285,7 +285,7 @@ class LocalSlurmCluster:
         os.replace(tmp, self.state_path)
 
     @classmethod
-    def attach(cls, workdir: Path) -> "LocalSlurmCluster":
+    def attach(cls, workdir: Path) -> LocalSlurmCluster:
         """The cluster whose state file is in `workdir` (started by another process)."""
         state = json.loads((Path(workdir) / "cluster.json").read_text())
         return cls(workdir=Path(workdir), n_nodes=state["n_nodes"],
@@ -294,7 +294,7 @@ class LocalSlurmCluster:
                    node_ports=state["node_ports"], pids=state["pids"],
                    started_munged=state["started_munged"])
 
-    def __enter__(self) -> "LocalSlurmCluster":
+    def __enter__(self) -> LocalSlurmCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

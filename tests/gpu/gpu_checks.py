@@ -275,8 +275,7 @@ def check_refit(chunks, pctx, cfg: ModelConfig, device: torch.device) -> None:
 
 def check_grpo_step(chunks, pctx, cfg: ModelConfig, device: torch.device) -> None:
     from slurm_align.algorithms.advantages import grpo
-    from slurm_align.models.forward import token_logprobs
-    from slurm_align.models.forward import model_inputs
+    from slurm_align.models.forward import model_inputs, token_logprobs
     from slurm_align.models.weights import local_tensors
 
     shape = GptShape.from_model_config(cfg)

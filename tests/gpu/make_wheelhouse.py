@@ -38,7 +38,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 from packaging.version import Version
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.gpu.reqs import setup_requirements  # noqa: E402
+from tests.gpu.reqs import setup_requirements
 
 REPO = Path(__file__).resolve().parents[2]
 HAVE = Path(__file__).resolve().parent / "gpu_machine_packages.txt"

@@ -47,8 +47,8 @@ def main() -> None:
     tp = int(sys.argv[1])
     from slurm_align.config.run import ModelConfig
     from slurm_align.generation import GptShape, SamplingParams, make_engine
-    from slurm_align.generation.trtllm_engine import TrtllmEngine
     from slurm_align.generation.refit import refit_from_training
+    from slurm_align.generation.trtllm_engine import TrtllmEngine
     from slurm_align.models.gpt import build_gpt
     from slurm_align.models.weights import full_state_dict, load_full_state_dict
     from slurm_align.parallel.bootstrap import init_distributed, shutdown_distributed

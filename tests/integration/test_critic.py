@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from slurm_align.critic.client import CriticClient, CriticError, CriticUnavailableError
-from tests.support.critic_support import (CriticProcess, client_for, random_batch, run_child,
-                                  write_run_dir)
+from tests.support.critic_support import CriticProcess, client_for, random_batch, run_child, write_run_dir
 
 
 @pytest.fixture(scope="module")

@@ -282,10 +282,10 @@ def test_a_killed_generator_rank_fails_the_three_component_hetjob_naming_it(slur
     critic and a generator of two ranks: kill -9 of generator rank 1 once a step is done fails
     the job within a bound (without the failure handling the actor would wait on the stream, or
     run its 50 steps, far past it), and `status` names the generator and the rank."""
-    from tests.support.preempt_support import cli, logs_text, wait_for
+    from slurm_align.slurm.launch import launch_run
     from tests.integration.test_failures import rank_process
     from tests.integration.test_ppo import tiny_run
-    from slurm_align.slurm.launch import launch_run
+    from tests.support.preempt_support import cli, logs_text, wait_for
 
     run = tiny_run("rollout.mode=disaggregated", "ppo.num_steps=50", "generator.data_parallel=2",
                    "actor.data_parallel=1", "switches.dynamic_prompts=false")

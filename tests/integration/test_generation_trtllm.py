@@ -15,8 +15,14 @@ import torch
 
 from slurm_align.config.run import ModelConfig
 from slurm_align.generation import GenerationError, GptShape, SamplingParams, make_engine
-from slurm_align.generation.trtllm_engine import (TrtllmEngine, layer_buckets, model_config_of, native_stop_ids,
-                                                  physical_gpu, worker_environ)
+from slurm_align.generation.trtllm_engine import (
+    TrtllmEngine,
+    layer_buckets,
+    model_config_of,
+    native_stop_ids,
+    physical_gpu,
+    worker_environ,
+)
 from slurm_align.generation.trtllm_mapping import hf_config, hf_model_type, hf_weights, trtllm_tp_slice
 from slurm_align.models.hf.mapping import read_shard, sources
 from slurm_align.models.weights import tp_shard

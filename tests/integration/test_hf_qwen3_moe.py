@@ -19,8 +19,18 @@ import torch
 
 from slurm_align.config.run import ModelConfig
 from tests.integration.test_generation_hf import assert_generates_as_transformers
-from tests.integration.test_hf_models import (ROOT, TOL, _perturb, cli, import_train_export, mpirun, mpirun_plan,
-                                              reference, save_tokenizer, tokens)
+from tests.integration.test_hf_models import (
+    ROOT,
+    TOL,
+    _perturb,
+    cli,
+    import_train_export,
+    mpirun,
+    mpirun_plan,
+    reference,
+    save_tokenizer,
+    tokens,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -157,8 +167,8 @@ QWEN3_TEMPLATE = (
 
 @pytest.mark.parametrize("gen_prompt", [False, True])
 def test_qwen3_chat_template_renders_as_transformers(tmp_path: Path, gen_prompt: bool):
-    from tests.unit.models.test_chat_template import make_tokenizer
     from slurm_align.models.tokenizer import HFTokenizer
+    from tests.unit.models.test_chat_template import make_tokenizer
     folder = make_tokenizer(tmp_path / "qwen3_tok", QWEN3_TEMPLATE,
                             {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"},
                             ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"])
@@ -371,6 +381,7 @@ def test_trtllm_mapping_gives_back_the_hf_tensors(zoo: Path, moe_zoo: Path, name
     """megatron's full dict (read from the HF folder through the import table at TP=1) mapped
     for TensorRT-LLM is the folder's own tensors, under the architecture it runs them as."""
     from safetensors.torch import load_file
+
     from slurm_align.generation.trtllm_mapping import hf_config, hf_weights, trtllm_tp_slice
     from slurm_align.models.hf.loader import check_hf_folder, megatron_shapes
     from slurm_align.models.hf.mapping import read_shard

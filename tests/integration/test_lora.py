@@ -200,6 +200,7 @@ def test_grpo_actor_with_lora_on_a_moe_model(tmp_path: Path):
     engine generates from the merged refit, the reference is the adapters-off model, the actor's
     checkpoint holds adapters only, and the update's router statistics are in the metrics."""
     from megatron.core import dist_checkpointing
+
     from tests.integration.test_grpo import grpo_config, launch, metrics
     run = grpo_config("model.num_experts=4", "model.moe_aux_loss_coeff=0.01", "model.add_bias_linear=false",
                       "model.activation=swiglu", "model.normalization=RMSNorm", "model.position_embedding=rope",

@@ -18,12 +18,11 @@ import torch
 
 from slurm_align import REPO_ROOT
 from slurm_align.algorithms import conversations as mt
-from slurm_align.analysis.breakdown import compute_breakdown
 from slurm_align.algorithms.advantages import gae, kl_penalized_rewards
 from slurm_align.algorithms.rollout_batch import RolloutBatch
+from slurm_align.analysis.breakdown import compute_breakdown
 from slurm_align.config import load_profile, load_run_config
 from slurm_align.environments.base import EnvironmentContext, Messages, Row, StepResult
-from slurm_align.environments.config import EnvironmentConfig
 from slurm_align.environments.render import TurnRenderer
 from slurm_align.environments.tool_calls import ToolCall
 from slurm_align.environments.tool_env import ToolEnvironment
@@ -160,8 +159,8 @@ def test_a_usr2_stop_then_resume_keeps_every_trajectory_whole(tmp_path):
     once each, step 1 as it was before the resume, and both equal an uninterrupted run of the
     same config, field by field (tokens, loss mask, turns, roles, rewards, advantages): no
     trajectory cut, lost or redone."""
-    from tests.support.preempt_support import stop_by_usr2_after_the_first_step
     from tests.integration.test_grpo import launch
+    from tests.support.preempt_support import stop_by_usr2_after_the_first_step
 
     run = calculator_config("ppo.num_steps=2", "eval.interval=0", "actor.data_parallel=1")
     profile = local_profile("components.actor.tasks_per_node=1")

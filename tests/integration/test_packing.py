@@ -152,6 +152,7 @@ def test_rope_angles_restart_per_sequence_as_megatron_computes_them():
     """RoPE is relative, so the forward equalities above cannot see where positions start: the
     angles themselves are checked against megatron's own table at each position id."""
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
     from slurm_align.models.cpu_compat import apply_cpu_compat
     from slurm_align.models.packing import rope_angles, rope_at_positions
     apply_cpu_compat()

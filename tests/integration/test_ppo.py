@@ -67,7 +67,7 @@ def check_complete_run(run_dir: Path, steps: int, samples: int, actor_ranks: int
     spans = table.spans
     for r in range(actor_ranks):
         mine = spans[(spans["component"] == "actor") & (spans["rank"] == r)]
-        assert ACTOR_PHASES <= set(mine["phase"].tolist())
+        assert set(mine["phase"].tolist()) >= ACTOR_PHASES
         assert set(mine["step"].tolist()) == set(range(1, steps + 1))
     critic = spans[spans["component"] == "critic"]
     assert {P.CRITIC_INFER, P.CRITIC_TRAIN} <= set(critic["phase"].tolist())

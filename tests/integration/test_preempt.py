@@ -25,10 +25,18 @@ import pytest
 from slurm_align.config import load_profile
 from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.render import Entry
-from tests.support.preempt_support import (
-    DETERMINISTIC, HOLD_ACTOR, assert_same_final_state, assert_unchanged, cli, events, logs_text, snapshot, wait_for,
-)
 from tests.integration.test_ppo import tiny_run
+from tests.support.preempt_support import (
+    DETERMINISTIC,
+    HOLD_ACTOR,
+    assert_same_final_state,
+    assert_unchanged,
+    cli,
+    events,
+    logs_text,
+    snapshot,
+    wait_for,
+)
 
 FAULTY_ACTOR = Path(__file__).parents[1] / "programs" / "preempt_faulty_actor.py"
 

@@ -26,11 +26,18 @@ from slurm_align.rundir import START_ENV, RunDir, publish_critic_address, read_r
 from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.preemption import GRACE_ENV, read_events
 from slurm_align.slurm.render import Entry
+from tests.integration.test_ppo import tiny_run
 from tests.support.critic_support import client_for, write_run_dir
 from tests.support.preempt_support import (
-    DETERMINISTIC, assert_same_final_state, assert_unchanged, cli, events, logs_text, snapshot, wait_for,
+    DETERMINISTIC,
+    assert_same_final_state,
+    assert_unchanged,
+    cli,
+    events,
+    logs_text,
+    snapshot,
+    wait_for,
 )
-from tests.integration.test_ppo import tiny_run
 
 STOP_THEN_LINGER = REPO_ROOT / "tests" / "programs" / "stop_then_linger.py"
 

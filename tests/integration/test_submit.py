@@ -210,7 +210,7 @@ def test_status_passes_over_a_rank_killed_by_the_teardown_of_the_job(tmp_path):
     its stream and ended first, then the job script's teardown killed the critic's rank 0, whose
     srun names it after "forcing job termination". The generator's rank is the cause."""
     from slurm_align.rundir import RunDir
-    from slurm_align.slurm.status import first_failure, failing_rank
+    from slurm_align.slurm.status import failing_rank, first_failure
 
     rd = RunDir(tmp_path)
     launchers = {

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from slurm_align.balance.prompts import PromptServer
 from slurm_align.algorithms.rollout_batch import RolloutBatch
+from slurm_align.balance.prompts import PromptServer
 from slurm_align.balance.rebalance import RebalanceError, plan_groups, rebalance
 from slurm_align.balance.static import StaticPrompts
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 
 from models_worker import init_parallel  # noqa: E402  (same folder; mpirun runs this file directly)
+
 from slurm_align.config.run import ModelConfig  # noqa: E402
 from slurm_align.models.checkpoint import load_weights, save_checkpoint  # noqa: E402
 from slurm_align.models.forward import forward_logits, forward_values  # noqa: E402
@@ -79,8 +80,8 @@ def tied_grads(pctx, root: Path) -> None:
     """One backward step of the tied Qwen2 through megatron's schedule and the trainers' gradient
     reduction; rank 0 saves the embedding's gradient (first stage) and, under PP, every rank's
     view of the tied pair to DIR/tied_pp<PP>_rank<r>.pt."""
-    from slurm_align.models.optimizer import reduce_gradients
     from slurm_align.models.forward import run_schedule
+    from slurm_align.models.optimizer import reduce_gradients
     cfg = ModelConfig(hf_path=root / "models" / "qwen2")
     chunks = build_gpt(cfg, pctx)
     tokens = torch.load(root / "tokens.pt")

@@ -11,9 +11,8 @@ import json
 import os
 import socket
 import sys
-from collections import Counter
-
 import time
+from collections import Counter
 
 _T0 = time.perf_counter()
 import torch  # noqa: E402

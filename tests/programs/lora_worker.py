@@ -26,6 +26,7 @@ from models_worker import init_parallel  # noqa: E402  (same folder; mpirun runs
 
 def main(tp: int, root: Path) -> None:
     import torch.distributed as dist
+
     from slurm_align.algorithms.dpo import DPO
     from slurm_align.algorithms.sft import SFT
     from slurm_align.algorithms.trainer import Trainer

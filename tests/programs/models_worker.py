@@ -118,8 +118,8 @@ def greedy_score(pctx, out: Path, value_head: bool):
     """Greedy responses of the SFT_tiny-shaped model in OUT/ckpt_path.txt (or its seed init when
     the file says 'init') to synthetic prompts, scored by the task's own scorer."""
     from slurm_align.config.run import ModelConfig
-    from slurm_align.data.synthetic import score
     from slurm_align.data.jsonl import read_jsonl
+    from slurm_align.data.synthetic import score
     from slurm_align.models.checkpoint import load_weights
     from slurm_align.models.forward import forward_logits
     from slurm_align.models.gpt import build_gpt

@@ -57,8 +57,8 @@ def grads(pctx, root: Path) -> None:
     """One backward of the Qwen3-MoE in DIR/hf_dir.txt (aux loss off) on DIR/tokens.pt split
     over the DP ranks, through the trainers' gradient reduction; rank 0 saves the norm and every
     parameter's reduced gradient by global name (all experts) to DIR/grads_ep<EP>.pt."""
-    from slurm_align.models.optimizer import reduce_gradients
     from slurm_align.models.forward import run_schedule
+    from slurm_align.models.optimizer import reduce_gradients
     from slurm_align.models.weights import is_expert, local_tensors
     cfg = ModelConfig(hf_path=(root / "hf_dir.txt").read_text().strip(), moe_aux_loss_coeff=0.0)
     chunks = build_gpt(cfg, pctx, seed=5)

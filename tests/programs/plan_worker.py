@@ -15,12 +15,12 @@ import json
 import sys
 from pathlib import Path
 
+import hf_worker
+import moe_worker
 import torch.distributed as dist
 
-import hf_worker  # noqa: E402  (same folder; mpirun runs this file directly)
-import moe_worker  # noqa: E402
-from slurm_align.parallel.bootstrap import init_distributed  # noqa: E402
-from slurm_align.parallel.layout import initialize_model_parallel  # noqa: E402
+from slurm_align.parallel.bootstrap import init_distributed
+from slurm_align.parallel.layout import initialize_model_parallel
 
 ACTIONS = {"hf": hf_worker.ACTIONS, "moe": moe_worker.ACTIONS}
 

@@ -4,8 +4,7 @@ this one FAILS to learn, so the test can tell a working PPO from a broken one.""
 import argparse
 import sys
 
-from grpo_flipped_actor import flipped   # this script's folder is on sys.path
-
+from grpo_flipped_actor import flipped  # this script's folder is on sys.path
 
 # Imports under the guard: spawned helpers (megatron's checkpoint writer) re-run this file as
 # __mp_main__ and would import torch and megatron again for nothing.

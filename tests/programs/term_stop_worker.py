@@ -19,8 +19,8 @@ assert block_term(), "SLURM_JOB_ID must be set"
 
 from mpi4py import MPI  # noqa: E402  (after block_term, as the launchers do)
 
-from slurm_align.slurm.preemption import StopPoint  # noqa: E402
 from slurm_align.rundir import RunDir  # noqa: E402
+from slurm_align.slurm.preemption import StopPoint  # noqa: E402
 
 if __name__ == "__main__":
     rd = RunDir(Path(sys.argv[1]))

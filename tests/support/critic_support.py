@@ -235,6 +235,7 @@ def _single_rank_world(run_dir: Path):
 def _reference(run_dir: str, ckpt: str, inp: str, out: str) -> None:
     """Values from a TP=1 value model loaded from CKPT; rewards from the seeded reward model."""
     import torch
+
     from slurm_align.critic.main import build_models, load_full_weights
     from slurm_align.models.forward import forward_values, last_token_values
     from slurm_align.models.weights import load_full_state_dict
@@ -253,6 +254,7 @@ def _reward_scores(run_dir: str, inp: str, out: str) -> None:
     """The reward model's own scores of IN.npz's (tokens, lengths), built as the run's critic
     builds it (seeded, or from critic_model.init_checkpoint), at TP=1: last-token values."""
     import torch
+
     from slurm_align.critic.main import build_models
     from slurm_align.models.forward import forward_values, last_token_values
 
@@ -303,6 +305,7 @@ def _swap_check(run_dir: str) -> None:
 def _init_from_reward_checkpoint(run, pctx, run_dir: Path) -> None:
     """A reward model from an RM-trainer checkpoint folder; the value model starts as its copy."""
     import torch
+
     from slurm_align.critic.main import build_models
     from slurm_align.models.checkpoint import save_checkpoint
     from slurm_align.models.gpt import build_gpt

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from slurm_align.slurm.preemption import read_events
 from slurm_align.rundir import RunDir
+from slurm_align.slurm.preemption import read_events
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
 

@@ -42,7 +42,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                             adapter=args.adapter)
         except CheckpointError as e:
             raise ConfigError([str(e)], args.checkpoint) from None
-    how = "peft: PeftModel.from_pretrained(base, ...)" if args.adapter else f"transformers: from_pretrained({str(out)!r})"
+    how = ("peft: PeftModel.from_pretrained(base, ...)" if args.adapter
+           else f"transformers: from_pretrained({str(out)!r})")
     Console().print(f"exported {args.checkpoint} -> {out} ({how})")
     return 0
 

@@ -36,8 +36,14 @@ from safetensors.torch import save_file
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.loading import read_yaml
 from slurm_align.config.run import ModelConfig
-from slurm_align.models.checkpoint import MANIFEST, find_latest, iter_dir, load_weights, save_checkpoint, \
-    verify_checkpoint
+from slurm_align.models.checkpoint import (
+    MANIFEST,
+    find_latest,
+    iter_dir,
+    load_weights,
+    save_checkpoint,
+    verify_checkpoint,
+)
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.hf.config import SUPPORTED, export_model_type, hf_config_dict, read_hf_config
 from slurm_align.models.hf.loader import INDEX, check_hf_folder
@@ -141,7 +147,8 @@ class _ShardWriter:
 
     def __init__(self, folder: Path, max_bytes: int):
         self.folder, self.max_bytes = folder, max_bytes
-        self.shards: list[dict[str, torch.Tensor]] = [{}]
+        self.shards: list[dict[str, torch.Tensor]] = [{}]   # the last one is being filled
+        self.names: list[list[str]] = []   # the tensors of each file written
         self.sizes = [0]
 
     def add(self, name: str, t: torch.Tensor) -> None:
@@ -157,7 +164,8 @@ class _ShardWriter:
         # Written now under a provisional name (the total is not known yet) and freed.
         save_file(self.shards[-1], str(self.folder / f"part-{len(self.shards):05d}.safetensors"),
                   metadata={"format": "pt"})
-        self.shards[-1] = {name: None for name in self.shards[-1]}
+        self.names.append(list(self.shards[-1]))
+        self.shards[-1] = {}   # freed
 
     def finish(self) -> None:
         self.flush_last()
@@ -166,10 +174,10 @@ class _ShardWriter:
             os.replace(self.folder / "part-00001.safetensors", self.folder / "model.safetensors")
             return
         weight_map = {}
-        for i, shard in enumerate(self.shards, start=1):
+        for i, names in enumerate(self.names, start=1):
             final = f"model-{i:05d}-of-{n:05d}.safetensors"
             os.replace(self.folder / f"part-{i:05d}.safetensors", self.folder / final)
-            weight_map.update({name: final for name in shard})
+            weight_map.update({name: final for name in names})
         index = {"metadata": {"total_size": sum(self.sizes)}, "weight_map": weight_map}
         (self.folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 

@@ -51,7 +51,7 @@ class SafetensorsFolder:
                 raise ConfigError([f"safetensors shard {name} listed in {INDEX} is missing"], path)
             try:
                 with safe_open(path, "pt") as f:
-                    for key in f.keys():
+                    for key in f.keys():  # noqa: SIM118  (safe_open has keys() but is not iterable)
                         self.where[key] = name
                         self.shapes[key] = tuple(f.get_slice(key).get_shape())
             except (SafetensorError, OSError) as e:
@@ -67,6 +67,8 @@ class SafetensorsFolder:
     def read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
         """A copy (in the file's dtype) of tensor `name`, or of its [start:stop) along `dim`."""
         key = self.resolve(name)
+        if key is None:   # check_hf_folder found every tensor before any is read
+            raise KeyError(name)
         with safe_open(self.folder / self.where[key], "pt") as f:
             sl = f.get_slice(key)
             if dim is None:
@@ -129,11 +131,11 @@ def check_folder(files: SafetensorsFolder, srcs: dict[str, Source], cfg: ModelCo
             if key is None:
                 problems.append(f"tensor {hf_name} is missing (needed for {name})")
                 continue
-            got, want = files.shapes[key], tuple(want.shape)
-            ok = got == want or (src.kind == "rows" and got[1:] == want[1:] and got[0] >= want[0])
+            got, want_shape = files.shapes[key], tuple(want.shape)
+            ok = got == want_shape or (src.kind == "rows" and got[1:] == want_shape[1:] and got[0] >= want_shape[0])
             if not ok:
                 problems.append(f"tensor {hf_name} in {files.where[key]} has shape {list(got)}, "
-                                f"config.json implies {list(want)}")
+                                f"config.json implies {list(want_shape)}")
     if problems:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
         raise ConfigError(problems[:10] + ([more] if more else []), files.folder)
@@ -152,7 +154,9 @@ def check_hf_folder(cfg: ModelConfig, folder: str | Path | None = None, *, value
     """Everything about the folder (default cfg.hf_path) that can be wrong, found before any
     weight is read: config.json, architecture, index, shards present and complete, tensors
     there with the shapes the config implies. Raises ConfigError naming the file."""
-    folder = Path(folder or cfg.hf_path)
+    folder = folder or cfg.hf_path
+    assert folder is not None, "a folder, or a model config with hf_path"
+    folder = Path(folder)
     hf = read_hf_config(folder)
     arch, model_type = architecture(hf, folder / "config.json")
     score_head = value_head and arch.endswith("ForSequenceClassification")

@@ -16,8 +16,8 @@ Layouts:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -42,6 +42,7 @@ _MOE_NAMES = {"qwen3_moe": ("mlp.", "gate", ("gate_proj", "up_proj", "down_proj"
 def _moe_mlp(i: int, cfg: ModelConfig, model_type: str) -> dict[str, Source]:
     """megatron's MoE layer (router + SequentialMLP experts by global index) from the HF
     router and per-expert projections (fc1 = [gate; up] as in the dense MLP)."""
+    assert cfg.num_experts is not None, "called for MoE models only"
     block, router, (gate, up, down) = _MOE_NAMES[model_type]
     hf, mg = f"model.layers.{i}.{block}", f"decoder.layers.{i}.mlp."
     out = {mg + "router.weight": Source("plain", (hf + f"{router}.weight",))}
@@ -146,7 +147,7 @@ def fill_shard(out: torch.Tensor, src: Source, cfg: ModelConfig, model_type: str
         if dim is None:
             t = read(src.hf[0], None, 0, 0)
         else:
-            t = read(src.hf[0], 1 - dim if src.conv1d else dim, start, start + n)
+            t = read(src.hf[0], 1 - dim if src.conv1d else dim, start, start + shape[dim])
         out.copy_(t.t() if src.conv1d else t)
     elif src.kind == "rows":
         out.copy_(read(src.hf[0], 0, 0, shape[0]))

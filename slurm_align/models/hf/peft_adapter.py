@@ -31,6 +31,7 @@ def peft_tensors(chunks: list, cfg: ModelConfig, model_type: str, srcs: dict[str
         if src.conv1d or (src.kind == "qkv" and len(src.hf) != 3):
             raise ConfigError([f"export hf --adapter: {model_type} models (fused Conv1D layers) have no PEFT "
                                "adapter layout here; export the merged weights (without --adapter)"])
+        parts: dict[str, torch.Tensor]
         if src.kind == "glu":
             parts = {src.hf[0]: a.lora_B_gate, src.hf[1]: a.lora_B_up}
         else:
@@ -45,6 +46,7 @@ def peft_tensors(chunks: list, cfg: ModelConfig, model_type: str, srcs: dict[str
 def write_peft_adapter(folder: Path, tensors: dict[str, torch.Tensor], cfg: ModelConfig, base: str | None) -> None:
     """adapter_model.safetensors and adapter_config.json into `folder` (the caller publishes it)."""
     lora = cfg.lora
+    assert lora is not None, "an adapter export is of a LoRA checkpoint"
     targets = sorted({name[len(PREFIX):].split(".lora_")[0].rsplit(".", 1)[1] for name in tensors})
     save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,

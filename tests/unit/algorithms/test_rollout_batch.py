@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from slurm_align.algorithms.rollout_batch import RolloutBatch
-from slurm_align.data.positions import gather_response, position_mask, response_positions, scatter_positions
 from slurm_align.data.datasets import Sequence, response_mask
+from slurm_align.data.positions import gather_response, position_mask, response_positions, scatter_positions
 
 PAD = 99
 

@@ -5,8 +5,14 @@ from __future__ import annotations
 import pytest
 
 from slurm_align.config.errors import ConfigError
-from slurm_align.environments.base import (Environment, EnvironmentContext, EnvironmentStepError, StepResult,
-                                           checked_reset, step_all)
+from slurm_align.environments.base import (
+    Environment,
+    EnvironmentContext,
+    EnvironmentStepError,
+    StepResult,
+    checked_reset,
+    step_all,
+)
 from slurm_align.environments.config import EnvironmentConfig, check_against_run, parse_environment_config
 from slurm_align.environments.registry import environment_names, load_environment, register_environment
 from slurm_align.environments.rule_env import RuleEnvironment

@@ -14,10 +14,19 @@ from slurm_align import REPO_ROOT
 from slurm_align.config import ConfigError, load_profile, load_run_config
 from slurm_align.config.loading import check_runnable, trtllm_tp_fits_a_node
 from slurm_align.generation import GenerationError
-from slurm_align.generation.ray_env import (LAUNCHER_PREFIXES, RAY_PINS, TRTLLM_ENV, check_replica_gpus,
-                                            parse_visible_devices, ray_init_kwargs, task_cpus, trtllm_ray_cpus)
+from slurm_align.generation.ray_env import (
+    LAUNCHER_PREFIXES,
+    RAY_PINS,
+    TRTLLM_ENV,
+    check_replica_gpus,
+    parse_visible_devices,
+    ray_init_kwargs,
+    task_cpus,
+    trtllm_ray_cpus,
+)
 from slurm_align.generation.trtllm_engine import TrtllmEngine, physical_gpu
 from tests.integration.test_generation_trtllm import QWEN, megatron_full
+
 # the fixture fake_trtllm: tensorrt_llm and ray recorded
 from tests.unit.generation.test_trtllm_engine import fake_trtllm  # noqa: F401
 

@@ -12,8 +12,14 @@ import threading
 import pytest
 import torch
 
-from slurm_align.generation.weight_group import (META, GroupReceiver, GroupSender, StreamStore, WeightTamperError,
-                                                 open_group)
+from slurm_align.generation.weight_group import (
+    META,
+    GroupReceiver,
+    GroupSender,
+    StreamStore,
+    WeightTamperError,
+    open_group,
+)
 from slurm_align.generation.weight_stream import WeightAssembler
 from tests.integration.test_disaggregated import _pair
 

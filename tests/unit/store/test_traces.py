@@ -108,9 +108,8 @@ def test_killed_flush_is_invisible_and_overwritten(tmp_path):
     table = read_traces(tmp_path / "traces.zarr")
     assert sorted(table.spans["step"].tolist()) == [0, 0, 1, 1]
     # A restarted rank resumes at step 2 and writes it whole.
-    with Tracer(tmp_path, "actor", 0, resume_from_step=2) as tracer:
-        with tracer.span("refit", 2):
-            pass
+    with Tracer(tmp_path, "actor", 0, resume_from_step=2) as tracer, tracer.span("refit", 2):
+        pass
     spans = read_traces(tmp_path / "traces.zarr").spans
     assert sorted(zip(spans["step"].tolist(), spans["phase"].tolist())) == [
         (0, "generate"), (0, "train"), (1, "generate"), (1, "train"), (2, "refit")]
