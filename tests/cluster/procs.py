@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -30,10 +31,8 @@ def alive(pid: int) -> bool:
 
 def _reap(pid: int) -> None:
     # Our own children become zombies until waited for.
-    try:
+    with contextlib.suppress(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
-    except ChildProcessError:
-        pass
 
 
 def terminate(pids: list[int], timeout: float = 10.0) -> list[int]:
@@ -56,10 +55,8 @@ def terminate(pids: list[int], timeout: float = 10.0) -> list[int]:
 
 
 def _signal(pid: int, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, sig)
-    except ProcessLookupError:
-        pass
 
 
 def find_processes(comm_prefix: str, environ_marker: str | None = None) -> list[int]:

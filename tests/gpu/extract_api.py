@@ -82,7 +82,7 @@ class Source:
             found = importlib.util.find_spec(package)  # locates; does not import
             if found is None or not found.submodule_search_locations:
                 raise SystemExit(f"{package} is not installed in {sys.executable}")
-            self.root = Path(list(found.submodule_search_locations)[0]).parent
+            self.root = Path(next(iter(found.submodule_search_locations))).parent
         elif spec.endswith(".whl"):
             self._zip = zipfile.ZipFile(spec)
         else:
@@ -302,9 +302,11 @@ def main(argv: list[str] | None = None) -> int:
                 wanted = sorted(c for c in want_lits[key]["choices"] if c is not None)
                 if sorted(lits[short]) != wanted:
                     diff.append(key)
-                    print(f"{package}: {key} choices {lits[short]} in the package, {wanted} in the fixture", file=report)
+                    print(f"{package}: {key} choices {lits[short]} in the package, {wanted} in the fixture",
+                          file=report)
         tags = lits.get("ExecutorMemoryType")
-        if tags is not None and sorted(tags) != sorted(fixture.get(package, {}).get("memory_tags", {}).get("values", [])):
+        fixture_tags = fixture.get(package, {}).get("memory_tags", {}).get("values", [])
+        if tags is not None and sorted(tags) != sorted(fixture_tags):
             diff.append("memory_tags")
             print(f"{package}: memory tags {tags} in the package differ from the fixture's", file=report)
         for a in entry.get("aliases_not_reexported", []):

@@ -75,8 +75,10 @@ def platforms(platform: str) -> list[str]:
     """The platform and the older manylinux tags a machine of it runs."""
     arch = "x86_64" if platform.endswith("x86_64") else platform.rsplit("_", 1)[-1]
     base = [f"{m}_{arch}" for m in MANYLINUX]
-    return [platform] + [p for p in base if p != platform and p <= platform.replace("manylinux2014", "manylinux_2_17")] \
-        if platform.startswith("manylinux_") else [platform] + [p for p in base if p != platform][:2]
+    if platform.startswith("manylinux_"):
+        newest = platform.replace("manylinux2014", "manylinux_2_17")
+        return [platform, *[p for p in base if p != platform and p <= newest]]
+    return [platform, *[p for p in base if p != platform][:2]]
 
 
 def pip_flags(python_version: str, platform: str) -> list[str]:

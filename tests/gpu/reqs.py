@@ -69,7 +69,7 @@ def _candidates(spec: SpecifierSet) -> list[Version]:
             if rel[i] > 0:
                 down = rel[: i + 1]
                 down[-1] -= 1
-                out.append(Version(".".join(map(str, down + [999]))))
+                out.append(Version(".".join(map(str, [*down, 999]))))
         out.append(Version(f"{v.base_version}.post1"))
     return out
 

@@ -17,7 +17,7 @@ from slurm_align.slurm.sweep import plan_sweep
 def test_unregistered_algorithms_and_bad_specs_are_refused():
     with pytest.raises(ConfigError, match="algorithm 'toy_nope' is not registered; allowed: ppo, sft"):
         load_run_config(REPO_ROOT / "examples" / "grpo_tiny.yaml", ["algorithm=toy_nope"])
-    with pytest.raises(ConfigError, match="field 'plugins'.*no_such_plugin"):
+    with pytest.raises(ConfigError, match=r"field 'plugins'.*no_such_plugin"):
         load_run_config(REPO_ROOT / "examples" / "grpo_tiny.yaml", ["plugins=[no_such_plugin]"])
     with pytest.raises(ValueError, match="already registered"):
         register(AlgorithmSpec("grpo", rollout=True, estimator="rloo", loss="policy"))

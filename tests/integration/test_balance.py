@@ -90,7 +90,7 @@ def test_rebalance_plan_balances_tokens() -> None:
 
 
 def test_rebalance_indivisible_total_is_a_clear_error() -> None:
-    with pytest.raises(RebalanceError, match="17 rollout samples .* 4 DP ranks.*divisible"):
+    with pytest.raises(RebalanceError, match=r"17 rollout samples .* 4 DP ranks.*divisible"):
         plan_rebalance([5, 4, 4, 4])
 
 

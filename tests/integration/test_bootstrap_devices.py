@@ -28,7 +28,7 @@ def gpu(rank: int, host: str, count: int, index: int, uuid: str) -> Placement:
 def test_cpu_ranks_use_gloo_and_nccl_is_refused():
     cpu = [Placement(0, "a", 0), Placement(1, "a", 0)]
     assert choose_backend(None, cpu) == "gloo"
-    with pytest.raises(BootstrapError, match="nccl.*gloo"):
+    with pytest.raises(BootstrapError, match=r"nccl.*gloo"):
         choose_backend("nccl", cpu)
     with pytest.raises(BootstrapError, match="allowed"):
         choose_backend("mpi", cpu)

@@ -41,7 +41,8 @@ def test_generator_writes_the_shipped_data_whose_held_out_prompts_are_held_out(t
         assert (tmp_path / f"{name}.jsonl").read_bytes() == (EXAMPLE / f"{name}.jsonl").read_bytes(), name
     rows = [json.loads(x) for x in (EXAMPLE / "sft_train.jsonl").read_text().splitlines()]
     share = sum(len(r["output"]) == 3 for r in rows) / len(rows)
-    assert 0.25 < share < 0.35, f"share of SFT answers that call the calculator: {share:.3f} (generate.py TOOL_SHARE 0.3)"
+    assert 0.25 < share < 0.35, \
+        f"share of SFT answers that call the calculator: {share:.3f} (generate.py TOOL_SHARE 0.3)"
 
 
 def tool_calls(run_dir: Path) -> dict[int, float]:
@@ -59,7 +60,8 @@ def test_grpo_with_the_calculator_gains_15_points_over_sft_and_more_than_without
     calls = tool_calls(tmp_path / "tool")
     gain, control_gain = tool[max(tool)] - tool[0], control[max(control)] - control[0]
     print(f"held-out exact accuracy: {tool[0]:.1%} before GRPO, {tool[max(tool)]:.1%} after (tool calls per answer: "
-          f"{calls[0]:.2f} -> {calls[max(calls)]:.2f}); no-tool control {control[0]:.1%} -> {control[max(control)]:.1%}")
+          f"{calls[0]:.2f} -> {calls[max(calls)]:.2f}); "
+          f"no-tool control {control[0]:.1%} -> {control[max(control)]:.1%}")
     assert tool[0] < 1.0 - GAIN, f"the SFT policy leaves no room for a {GAIN:.0%} gain: held-out {tool[0]:.3f}"
     assert gain >= GAIN, f"GRPO with the calculator gained {gain:+.3f} only (scores {tool})"
     assert gain > control_gain, f"GRPO with the tool gained {gain:+.3f}, the no-tool control {control_gain:+.3f}"

@@ -49,8 +49,8 @@ def test_killed_critic_rank_and_lost_node_end_within_bounds(slurm_cluster, tmp_p
     killed = launch_run(tiny_run("critic.data_parallel=2", "ppo.num_steps=20"),
                         load_profile("local-slurm", TWO_BY_TWO), killed_dir)
     hold = ["--hold-s", "3600"]   # far past every ceiling below: an undetected loss cannot pass
-    lost = launch_run(tiny_run("actor.data_parallel=1"), load_profile("local-slurm", ["components.actor.nodes=1"]), lost_dir,
-                      entry=Entry("report", {"actor": hold, "critic": hold}))
+    lost = launch_run(tiny_run("actor.data_parallel=1"), load_profile("local-slurm", ["components.actor.nodes=1"]),
+                      lost_dir, entry=Entry("report", {"actor": hold, "critic": hold}))
 
     # Node lost: once every rank reported, stop the critic node's slurmd (its ranks live on).
     wait_for(lambda: all((lost_dir / "reports" / c / "rank0.json").exists() for c in ("actor", "critic")),
@@ -112,7 +112,7 @@ def test_killed_actor_ranks_fail_the_run_naming_the_rank(tmp_path):
             for rank, run_dir in runs.items()}
     for rank, run_dir in runs.items():
         metrics = run_dir / "metrics.jsonl"
-        wait_for(lambda: metrics.exists() and metrics.read_text(), "a first PPO step", timeout=600, job=jobs[rank])
+        wait_for(lambda m=metrics: m.exists() and m.read_text(), "a first PPO step", timeout=600, job=jobs[rank])
         local_rank_process(run_dir, "actor", rank).send_signal(signal.SIGKILL)
     for rank, run_dir in runs.items():
         # Ceiling for a loaded 2-core machine; 50 steps would take far longer, and a hang (the

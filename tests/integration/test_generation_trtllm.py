@@ -79,7 +79,8 @@ def check_lines_up(full: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
                                                            glu=False)), (tp, r, part)
                 gate, up = (trtllm_tp_slice(p + f"mlp.{x}_proj.weight", hf[p + f"mlp.{x}_proj.weight"], tp, r)
                             for x in ("gate", "up"))
-                assert torch.equal(torch.cat([gate, up]), tp_shard(full[mg + "mlp.linear_fc1.weight"], 0, tp, r, glu=True))
+                assert torch.equal(torch.cat([gate, up]),
+                                   tp_shard(full[mg + "mlp.linear_fc1.weight"], 0, tp, r, glu=True))
                 for hf_name, mg_name in (("self_attn.o_proj.weight", "self_attention.linear_proj.weight"),
                                          ("mlp.down_proj.weight", "mlp.linear_fc2.weight")):
                     assert torch.equal(trtllm_tp_slice(p + hf_name, hf[p + hf_name], tp, r),
@@ -93,7 +94,8 @@ def check_lines_up(full: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
                 if "word_embeddings" in name or "output_layer" in name:
                     rows = torch.arange(want.shape[0]) + r * want.shape[0] < cfg.vocab_size
                     want = want * rows.unsqueeze(1)  # padding rows come back as zeros
-                got = read_shard(src, cfg, model_type, lambda n, dm, a, b: hf[n] if dm is None else hf[n].narrow(dm, a, b - a),
+                got = read_shard(src, cfg, model_type,
+                                 lambda n, dm, a, b: hf[n] if dm is None else hf[n].narrow(dm, a, b - a),
                                  tuple(want.shape), dim, tp, r)
                 assert torch.equal(got, want), (name, tp, r)
 
@@ -128,7 +130,7 @@ def test_hf_config_names_the_pytorch_backend_architecture():
 
 
 def test_gpt2_style_models_are_refused_with_the_alternative():
-    with pytest.raises(GenerationError, match="no model for this architecture.*generation.engine 'torch'"):
+    with pytest.raises(GenerationError, match=r"no model for this architecture.*generation\.engine 'torch'"):
         hf_model_type(ModelConfig())
     with pytest.raises(GenerationError, match="no model for this architecture"):
         hf_weights({}, ModelConfig(activation="gelu_tanh", tie_embeddings=True))
@@ -140,9 +142,9 @@ def test_gpt2_style_models_are_refused_with_the_alternative():
 
 def test_engine_options_and_missing_gpu_are_clear_errors():
     shape = GptShape.from_model_config(QWEN)
-    with pytest.raises(GenerationError, match="dtype='float32'.*bfloat16"):
+    with pytest.raises(GenerationError, match=r"dtype='float32'.*bfloat16"):
         make_engine("trtllm", shape, dtype="float32")
-    with pytest.raises(GenerationError, match="allowed.*kv_cache_fraction"):
+    with pytest.raises(GenerationError, match=r"allowed.*kv_cache_fraction"):
         make_engine("trtllm", shape, kv_cach_fraction=0.5)
     with pytest.raises(GenerationError, match="no model for this architecture"):
         make_engine("trtllm", ModelConfig())  # slurm-align's GPT: refused when the engine is made
@@ -163,7 +165,8 @@ def test_model_config_from_a_shape_keeps_its_fields():
     cfg = model_config_of(shape)
     assert (cfg.num_layers, cfg.hidden_size, cfg.ffn, cfg.vocab_size, cfg.padded_vocab_size) == \
         (LLAMA.num_layers, LLAMA.hidden_size, LLAMA.ffn, LLAMA.vocab_size, LLAMA.padded_vocab_size)
-    for f in ("position_embedding", "normalization", "activation", "num_query_groups", "add_qkv_bias", "tie_embeddings"):
+    for f in ("position_embedding", "normalization", "activation", "num_query_groups", "add_qkv_bias",
+              "tie_embeddings"):
         if hasattr(shape, f):  # a GptShape with the architecture fields keeps them
             assert getattr(cfg, f) == getattr(LLAMA, f), f
     assert model_config_of(QWEN) is QWEN
@@ -239,7 +242,8 @@ def test_one_token_stop_sequences_stop_inside_the_engine_and_longer_ones_are_cut
 def _gpu_worker(n: int, *args: str, timeout: float = 420) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
     env = {k: v for k, v in env.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    cmd = ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, "-W", "ignore", "tests/gpu/trtllm_worker.py", *args]
+    cmd = ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, "-W", "ignore", "tests/gpu/trtllm_worker.py",
+           *args]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -1,11 +1,11 @@
 """Qwen3 (per-head q/k RMSNorm, head_dim independent of the width) and the MoE models
 Qwen3-MoE and Mixtral (megatron-core's MoE layers, expert parallelism) against transformers.
 
-One tiny random Qwen3 (and its ForSequenceClassification twin) and one tiny Qwen3-MoE and
-Mixtral are made by transformers here and saved with save_pretrained, shared by the module. Imported through model.hf_path on
-real mpirun ranks (tests/programs/hf_worker.py) it must give transformers' logits at TP=1, TP=2 and
-PP=2; the torch engines generate greedily as transformers' generate; import -> SFT steps ->
-export loads in transformers with the trained logits; its chat template renders as
+One tiny random Qwen3 (and its ForSequenceClassification twin) and one tiny Qwen3-MoE and Mixtral
+are made by transformers here and saved with save_pretrained, shared by the module. Imported through
+model.hf_path on real mpirun ranks (tests/programs/hf_worker.py) it must give transformers' logits
+at TP=1, TP=2 and PP=2; the torch engines generate greedily as transformers' generate; import -> SFT
+steps -> export loads in transformers with the trained logits; its chat template renders as
 transformers' apply_chat_template.
 """
 
@@ -65,7 +65,7 @@ def test_qwen3_fields_from_config(zoo: Path):
     cfg = ModelConfig(hf_path=zoo / "models" / "qwen3")
     assert cfg.qk_layernorm and cfg.kv_channels == 16 and cfg.hidden_size == 32
     assert not cfg.add_qkv_bias and not cfg.add_bias_linear and cfg.tie_embeddings
-    with pytest.raises(ValueError, match="qk_layernorm.*conflicts"):
+    with pytest.raises(ValueError, match=r"qk_layernorm.*conflicts"):
         ModelConfig(hf_path=zoo / "models" / "qwen3", qk_layernorm=False)
 
 
@@ -145,11 +145,13 @@ QWEN3_TEMPLATE = (
     "        {%- if message.reasoning_content is string %}\n"
     "            {%- set reasoning_content = message.reasoning_content %}\n"
     "        {%- elif '</think>' in content %}\n"
-    "            {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}\n"
+    "            {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n')"
+    ".split('<think>')[-1].lstrip('\\n') %}\n"
     "            {%- set content = content.split('</think>')[-1].lstrip('\\n') %}\n"
     "        {%- endif %}\n"
     "        {%- if loop.index0 > ns.last_query_index and (loop.last or reasoning_content) %}\n"
-    "            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}\n"
+    "            {{- '<|im_start|>assistant\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n'"
+    " + content.lstrip('\\n') }}\n"
     "        {%- else %}\n"
     "            {{- '<|im_start|>assistant\\n' + content }}\n"
     "        {%- endif %}\n"
@@ -338,7 +340,7 @@ def test_bad_expert_layout_is_a_clear_error_and_submits_nothing(moe_zoo: Path, t
     path.write_text(json.dumps(cfg))
     with pytest.raises(ConfigError) as info:
         _try_submit(path, "local", tmp_path)
-    for needle in needles + [str(path)]:
+    for needle in [*needles, str(path)]:
         assert needle in str(info.value), str(info.value)
     assert not (tmp_path / "run").exists(), "nothing may be written or submitted on bad input"
 

@@ -67,7 +67,8 @@ def fresh_venv(tmp_path_factory) -> Path:
 def test_wheel_ships_templates_launchers_profiles(fresh_venv, tmp_path):
     code = ("import slurm_align, json\nfrom slurm_align import resources as r\n"
             "print(json.dumps({'pkg': slurm_align.__file__, 'templates': str(r.folder(r.TEMPLATES)),"
-            " 'launchers': r.launcher_names(), 'profiles': sorted(p.name for p in r.folder(r.PROFILES).glob('*.yaml'))}))")
+            " 'launchers': r.launcher_names(),"
+            " 'profiles': sorted(p.name for p in r.folder(r.PROFILES).glob('*.yaml'))}))")
     got = json.loads(_run([str(fresh_venv / "bin" / "python"), "-c", code], cwd=tmp_path).stdout)
     for key in ("pkg", "templates"):
         assert got[key].startswith(str(fresh_venv)), got   # the wheel's copy, not the checkout
@@ -113,7 +114,7 @@ def test_every_input_path_is_absolute_before_the_job_runs_in_its_run_dir(monkeyp
     for path in (resolved.data.train_path, resolved.eval.val_path):
         assert path.is_absolute() and path.is_file()
     monkeypatch.chdir(REPO_ROOT / "tests")   # from elsewhere the relative path names nothing
-    with pytest.raises(ConfigError, match="eval.val_path"):
+    with pytest.raises(ConfigError, match=r"eval\.val_path"):
         resolve_input_paths(run.model_copy(update={"data": resolved.data}))
 
 

@@ -30,7 +30,7 @@ def test_layout_and_refold_on_four_ranks() -> None:
     assert [r[:3] for r in report["ranks"]] == [[r, r, 4] for r in range(4)]  # one node: local == global
     # dp_gen = dp_rank + dp_size*pp_rank, with rank = tp_rank + tp*(dp_rank + dp*pp_rank)
     for cfg in report["configs"]:
-        tp, pp, dp = cfg["tp"], cfg["pp"], cfg["dp"]
+        tp, dp = cfg["tp"], cfg["dp"]
         want = [(r // tp) % dp + dp * (r // (tp * dp)) for r in range(4)]
         assert cfg["dp_gen_by_rank"] == want, cfg
     assert [(c["tp"], c["pp"], c["dp"]) for c in report["configs"]] == [(1, 1, 4), (1, 2, 2), (2, 2, 1)]
@@ -48,9 +48,9 @@ def test_layout_validation_names_fields() -> None:
     from slurm_align.parallel.layout import expected_ranks, validate_layout
 
     assert validate_layout(8, 2, 2) == 2
-    with pytest.raises(ConfigError, match="parallel.tensor_parallel.*6.*world size 4"):
+    with pytest.raises(ConfigError, match=r"parallel\.tensor_parallel.*6.*world size 4"):
         validate_layout(4, 3, 2)
-    with pytest.raises(ConfigError, match="parallel.pipeline_parallel"):
+    with pytest.raises(ConfigError, match=r"parallel\.pipeline_parallel"):
         validate_layout(4, 1, 0)
     r = expected_ranks(5, tp=2, pp=2, world=8)  # 5 = 1 + 2*(0 + 2*1)
     assert (r.tp_rank, r.dp_rank, r.pp_rank, r.dp_size) == (1, 0, 1, 2)

@@ -163,7 +163,8 @@ def test_status_names_the_rank_that_failed_first(tmp_path, launcher, rank, why):
         (logs / f"rank{r}.log").write_text(text)
     failed = failing_rank(rd, "critic", lines=2)
     assert (failed.component, failed.rank, failed.why) == ("critic", rank, why)
-    assert failed.log == logs / f"rank{rank}.log" and failed.tail == (logs / f"rank{rank}.log").read_text().splitlines()[-2:]
+    log = logs / f"rank{rank}.log"
+    assert failed.log == log and failed.tail == log.read_text().splitlines()[-2:]
 
 
 @pytest.mark.parametrize("peer,lost", [
@@ -255,7 +256,8 @@ def test_the_component_the_script_saw_fail_first_is_failed_unless_the_job_was_ca
     from slurm_align.slurm import state as job_state
     from slurm_align.slurm.launch import Job, JobRecord
 
-    monkeypatch.setattr(job_state, "slurm_state", lambda job_id: (job_state.combine([job_state.fold(s) for s in slurm]), slurm))
+    monkeypatch.setattr(job_state, "slurm_state",
+                        lambda job_id: (job_state.combine([job_state.fold(s) for s in slurm]), slurm))
     job = Job(JobRecord("slurm", "7", str(tmp_path), ["actor", "critic"], "local-slurm"))
     for comp, code in codes.items():
         (job.run_dir.logs / comp).mkdir(parents=True)

@@ -74,7 +74,7 @@ def test_plan_scales_what_grpo_reads_and_reports_every_component():
 
 def test_plan_errors_name_the_problem():
     profile = load_profile("local-slurm")  # 1 task per node
-    with pytest.raises(ConfigError, match="actor.tensor_parallel x pipeline_parallel"):
+    with pytest.raises(ConfigError, match=r"actor\.tensor_parallel x pipeline_parallel"):
         plan_sweep(RunConfig(actor={"tensor_parallel": 2}), profile, [1, 2], "weak")
     with pytest.raises(ConfigError, match="multiples of the smallest"):
         plan_sweep(RunConfig(ppo={"num_rollout_samples": 3}), profile, [2, 3], "weak")

@@ -21,7 +21,7 @@ ONE_RANK = ["actor.data_parallel=1"]
 
 def test_sft_learns_and_resume_continues_identically(tmp_path: Path):
     run_a = make_run(tmp_path / "a", "sft_tiny.yaml",
-                     ONE_RANK + ["trainer.num_steps=40", "trainer.save_interval=20"])
+                     [*ONE_RANK, "trainer.num_steps=40", "trainer.save_interval=20"])
     a = train(run_a)
     assert len(a) == 40
     # ln(259) = 5.56 at init; a trainer that learns nothing (or from the prompt only) stays > 2.
@@ -52,7 +52,7 @@ def test_sft_learns_and_resume_continues_identically(tmp_path: Path):
 def test_reward_model_accuracy_well_above_chance(tmp_path: Path):
     # 80 steps: half the rejected answers are not shuffles but near misses (a digit dropped or
     # added, a truncation), which take the tiny model longer to rank.
-    m = train(make_run(tmp_path / "rm", "rm_tiny.yaml", ONE_RANK + ["trainer.num_steps=80", "trainer.save_interval=0"]))
+    m = train(make_run(tmp_path / "rm", "rm_tiny.yaml", [*ONE_RANK, "trainer.num_steps=80", "trainer.save_interval=0"]))
     assert m[-1]["val_accuracy"] >= 0.9, m[-1]   # chance is 0.5; a sign error gives ~0
     assert m[-1]["val_reward_margin"] > 1.0, m[-1]
     assert m[-1]["loss"] < 0.5 * m[0]["loss"], (m[0], m[-1])
@@ -65,7 +65,8 @@ def test_reward_model_accuracy_well_above_chance(tmp_path: Path):
 
 
 def test_dpo_implicit_reward_margin_rises(tmp_path: Path):
-    m = train(make_run(tmp_path / "dpo", "dpo_tiny.yaml", ONE_RANK + ["trainer.num_steps=20", "trainer.save_interval=0"]))
+    m = train(make_run(tmp_path / "dpo", "dpo_tiny.yaml",
+                       [*ONE_RANK, "trainer.num_steps=20", "trainer.save_interval=0"]))
     assert abs(m[0]["reward_margin"]) < 1e-6, m[0]   # policy == reference at step 1
     assert m[-1]["val_reward_margin"] > 0.5, m[-1]   # beta=0.1: log-ratio gap > 5 nats
     assert m[-1]["val_accuracy"] >= 0.9, m[-1]

@@ -146,9 +146,8 @@ def main() -> None:
     # ContainsGroupError, reported to the store's owner).
     tracer = Tracer(run_dir, "actor", rank) if rank == 0 else None
     comm.Barrier()
-    with tracer or Tracer(run_dir, "actor", rank) as tracer:
-        with PromptServer(comm, 30, tracer=tracer, step=3) as server:
-            n_req = sum(1 for _ in server.batches(4)) + 1  # + the final "empty" answer
+    with tracer or Tracer(run_dir, "actor", rank) as tracer, PromptServer(comm, 30, tracer=tracer, step=3) as server:
+        n_req = sum(1 for _ in server.batches(4)) + 1  # + the final "empty" answer
     comm.Barrier()
     if rank == 0:
         spans = read_traces(Path(run_dir) / "traces.zarr").spans

@@ -80,7 +80,7 @@ def check_config(env, tp: int, pp: int) -> dict:
     assert pctx.dp_comm.Get_size() == dp and pctx.dp_comm.Get_rank() == pctx.dp_rank
     pctx.destroy()
     try:
-        pctx.tp_rank
+        _ = pctx.tp_rank   # the getter must raise once destroyed
     except LayoutNotInitialised as exc:
         assert "destroy" in str(exc)
     else:

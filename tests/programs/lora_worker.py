@@ -2,13 +2,13 @@
 
     python tests/programs/lora_worker.py TP RUN_DIR
 
-RUN_DIR holds config.yaml (an SFT run with model.lora, actor.tensor_parallel = TP) and
-tokens.pt. Each rank: the base model's logits, the same model with adapters attached (B = 0),
-its adapter shapes, and the base saved as a checkpoint without LoRA (RUN_DIR/full); then the real SFT Trainer trains the run (adapters only) and saves its
-checkpoint; afterwards the trained model's base tensors, adapters, reference (adapters off)
-log-probs and merged weights are compared; then a DPO run with LoRA (RUN_DIR/dpo.yaml) trains
-into RUN_DIR/dpo. Rank r writes RUN_DIR/result<r>.json; rank 0 also
-RUN_DIR/lora_logits.pt (the trained LoRA model's logits on tokens.pt).
+RUN_DIR holds config.yaml (an SFT run with model.lora, actor.tensor_parallel = TP) and tokens.pt.
+Each rank: the base model's logits, the same model with adapters attached (B = 0), its adapter
+shapes, and the base saved as a checkpoint without LoRA (RUN_DIR/full); then the real SFT Trainer
+trains the run (adapters only) and saves its checkpoint; afterwards the trained model's base
+tensors, adapters, reference (adapters off) log-probs and merged weights are compared; then a DPO
+run with LoRA (RUN_DIR/dpo.yaml) trains into RUN_DIR/dpo. Rank r writes RUN_DIR/result<r>.json; rank
+0 also RUN_DIR/lora_logits.pt (the trained LoRA model's logits on tokens.pt).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ def main(tp: int, root: Path) -> None:
         return list(mine) == list(base_tensors) and all(torch.equal(t, base_tensors[k]) for k, t in mine.items())
 
     res["base_identical"] = same_base()
-    res["adapters_changed"] = {k: not torch.equal(p, dict(adapter_tensors(base))[k]) for k, p in adapter_tensors(chunks)}
+    untrained = dict(adapter_tensors(base))
+    res["adapters_changed"] = {k: not torch.equal(p, untrained[k]) for k, p in adapter_tensors(chunks)}
 
     lora_logits = forward_logits(chunks, pctx, toks, vocab, broadcast=True)
     res["lora_differs_from_base"] = (lora_logits - base_logits).abs().max().item()

@@ -50,7 +50,8 @@ def reference(pctx, out: Path, value_head: bool):
     full = full_state_dict(chunks, pctx)
     y = (forward_values(chunks, pctx, tokens()) if value_head
          else forward_logits(chunks, pctx, tokens(), MODEL.vocab_size))
-    torch.save({"full": full, "out": y, "keys": list(chunks[0].state_dict().keys())}, out / f"ref_{_kind(value_head)}.pt")
+    torch.save({"full": full, "out": y, "keys": list(chunks[0].state_dict().keys())},
+               out / f"ref_{_kind(value_head)}.pt")
 
 
 def check(pctx, out: Path, value_head: bool):
@@ -132,7 +133,7 @@ def greedy_score(pctx, out: Path, value_head: bool):
     tok = ByteTokenizer()
     prompts = [r["prompt"] for r in read_jsonl(Path(__file__).parents[2] / "examples/synthetic/prompts.jsonl",
                                                ("prompt",), "prompt")[:32]]
-    seqs = [[tok.bos_id] + tok.encode(p) for p in prompts]
+    seqs = [[tok.bos_id, *tok.encode(p)] for p in prompts]
     done = [False] * len(seqs)
     for _ in range(9):
         length = max(map(len, seqs))

@@ -9,6 +9,7 @@ Run as a module for the child parts:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -66,15 +67,13 @@ class CriticProcess:
         cmd = [sys.executable, str(REPO / "launchers" / "critic.py"), "--run-dir", str(run_dir)]
         if ranks > 1:
             cmd = ["mpirun", "--oversubscribe", "-n", str(ranks), *cmd]
-        self.log = open(run_dir / f"critic-{ranks}.log", "wb")
+        self.log = open(run_dir / f"critic-{ranks}.log", "wb")  # noqa: SIM115 open for the critic's life; stop() closes it
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **CHILD_ENV}, start_new_session=True)
 
     def signal(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def wait(self, timeout: float) -> int:
         return self.proc.wait(timeout=timeout)
@@ -82,10 +81,8 @@ class CriticProcess:
     def stop(self) -> None:
         self.signal(signal.SIGCONT)
         self.signal(signal.SIGKILL)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            pass
         self.log.close()
 
     def check_alive(self) -> None:
@@ -240,7 +237,7 @@ def _reference(run_dir: str, ckpt: str, inp: str, out: str) -> None:
     from slurm_align.models.forward import forward_values, last_token_values
     from slurm_align.models.weights import load_full_state_dict
 
-    run, env, pctx = _single_rank_world(Path(run_dir))
+    run, _env, pctx = _single_rank_world(Path(run_dir))
     models = build_models(run, pctx)
     load_full_state_dict(models["value"], pctx, load_full_weights(Path(ckpt)))
     data = np.load(inp)
@@ -258,7 +255,7 @@ def _reward_scores(run_dir: str, inp: str, out: str) -> None:
     from slurm_align.critic.main import build_models
     from slurm_align.models.forward import forward_values, last_token_values
 
-    run, env, pctx = _single_rank_world(Path(run_dir))
+    run, _env, pctx = _single_rank_world(Path(run_dir))
     reward = build_models(run, pctx)["reward"]
     data = np.load(inp)
     tok = torch.from_numpy(data["tokens"])

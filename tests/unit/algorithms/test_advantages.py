@@ -62,7 +62,7 @@ def test_reinforce_pp_by_hand():
     expected = torch.tensor([[(v - mean) / std for v in g0], [(v - mean) / std for v in g1] + [0.0]])
     adv, returns = reinforce_pp(scores, logp, ref, mask, c)
     assert torch.allclose(adv, expected, atol=1e-5)
-    assert torch.allclose(returns, torch.tensor([g0, g1 + [0.0]]), atol=1e-6)   # G_t itself
+    assert torch.allclose(returns, torch.tensor([g0, [*g1, 0.0]]), atol=1e-6)   # G_t itself
 
 
 def test_per_token_broadcasts_onto_the_mask():

@@ -43,7 +43,7 @@ def test_response_token_t_is_predicted_at_position_prompt_len_plus_t_minus_1():
         p, r = int(b.prompt_lengths[i]), int(b.response_lengths[i])
         assert got[i, :r].tolist() == b.tokens[i, p:p + r].float().tolist()
         assert (got[i, r:] == 0).all()
-    pos, mask = response_positions(b.prompt_lengths, b.response_lengths, b.max_response)
+    pos, _mask = response_positions(b.prompt_lengths, b.response_lengths, b.max_response)
     assert pos[0, :2].tolist() == [2, 3] and pos[1].tolist() == [0, 1, 2, 3]
 
 

@@ -140,7 +140,7 @@ def test_clear_errors_for_bad_or_incomplete_runs(tmp_path, capsys):
     assert "not a run directory" in err_text(capsys)
     # Config says actor DP=3: rank 2 never wrote; rank 1 lacks step 1.
     cfg = RunConfig(actor={"data_parallel": 3}, critic={"data_parallel": 1})
-    spans = [s for s in SPANS if not (s[:3] == ("actor", 1, 1))]
+    spans = [s for s in SPANS if s[:3] != ("actor", 1, 1)]
     run = write_run(tmp_path / "inc", spans, config=cfg)
     assert main(["analyze", "breakdown", str(run), "--no-plot"]) == 2
     err = err_text(capsys)

@@ -60,7 +60,8 @@ def losses(mask_kind: str):
     p, n, T = torch.tensor([traj.prompt_length]), torch.tensor([traj.response_length]), traj.response_length
     logp, v = gather_response(logp_pos, p, n, T), gather_response(values, p, n, T)
     g = torch.Generator().manual_seed(1)
-    old, ref = logp.detach() + 0.1 * torch.randn(1, T, generator=g), logp.detach() + 0.2 * torch.randn(1, T, generator=g)
+    old = logp.detach() + 0.1 * torch.randn(1, T, generator=g)
+    ref = logp.detach() + 0.2 * torch.randn(1, T, generator=g)
     adv, ret = torch.randn(1, T, generator=g), torch.randn(1, T, generator=g)
     terms = LossTerms(kl_loss_coef=0.1)
     if mask_kind == "alone":       # the model's tokens only, nothing masked

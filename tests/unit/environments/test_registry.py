@@ -72,7 +72,7 @@ def test_rule_environment_scores_as_the_rule_reward():
     rows = [{"prompt": "3+4*2=", "answer": "11"}, {"prompt": "1+1=", "answer": "2"}]
     rule = RuleReward.load(RULE)
     for response in ("11", " 2\n", "12"):
-        convs = [(checked_reset(env, row) + [{"role": "assistant", "content": response}], row) for row in rows]
+        convs = [([*checked_reset(env, row), {"role": "assistant", "content": response}], row) for row in rows]
         results = step_all(env, convs)
         assert [r.reward for r in results] == rule.many([response] * 2, rows)
         assert all(r.done and r.messages == [] for r in results)
@@ -98,7 +98,7 @@ def test_registry_by_name_and_module_class():
     for spec in ("echo_test", "tests.unit.environments.test_registry:Echo"):
         env = load_environment(ctx(environment=spec))
         row = {"prompt": "hi"}
-        conv = checked_reset(env, row) + [{"role": "assistant", "content": "a"}]
+        conv = [*checked_reset(env, row), {"role": "assistant", "content": "a"}]
         [first] = step_all(env, [(conv, row)])
         assert first.messages == [{"role": "user", "content": "again"}] and not first.done
         [second] = step_all(env, [(conv + first.messages + [{"role": "assistant", "content": "b"}], row)])
@@ -129,7 +129,7 @@ def test_step_errors_name_the_environment_and_the_row():
                            (BadMessages, r"message 0 .*'robot'.*needs a 'role' in system, user, assistant, tool")]:
         env = load_environment(ctx(environment=f"tests.unit.environments.test_registry:{env_cls.__name__}"))
         rows = [{"prompt": "good"}, {"prompt": "bad"}]
-        convs = [(checked_reset(env, r) + [{"role": "assistant", "content": "x"}], r) for r in rows]
+        convs = [([*checked_reset(env, r), {"role": "assistant", "content": "x"}], r) for r in rows]
         with pytest.raises(EnvironmentStepError, match=match) as e:
             step_all(env, convs)
         assert "'prompt': 'bad'" in str(e.value)

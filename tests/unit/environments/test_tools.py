@@ -10,6 +10,7 @@ import shutil
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 
@@ -50,11 +51,13 @@ def test_parse_calls_closed_open_and_head_text():
     assert parse_tool_calls('<tool_call>{"name": "c", "arguments": "{\\"x\\": 1}"}</tool_call>')[1] == [
         ToolCall("c", {"x": 1})]
     # Llama 3.1 writes {"name": ..., "parameters": ...}
-    assert parse_tool_calls('<tool_call>{"name": "c", "parameters": {"x": 2}}</tool_call>')[1] == [ToolCall("c", {"x": 2})]
+    assert parse_tool_calls('<tool_call>{"name": "c", "parameters": {"x": 2}}</tool_call>')[1] == [
+        ToolCall("c", {"x": 2})]
     msg = assistant_message("Let me compute. " + call("calculator", expression="1+2"))
     assert msg == {"role": "assistant", "content": "Let me compute.", "tool_calls": [
         {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "1+2"}}}]}
-    assert assistant_message("<tool_call>{oops</tool_call>") == {"role": "assistant", "content": "<tool_call>{oops</tool_call>"}
+    assert assistant_message("<tool_call>{oops</tool_call>") == {"role": "assistant",
+                                                                 "content": "<tool_call>{oops</tool_call>"}
 
 
 @pytest.mark.parametrize("body,match", [
@@ -150,8 +153,9 @@ class Gate(Tool):
     """wait: blocks until open is called (or the ceiling); counts its runs."""
 
     name = "gate"
-    parameters = {"type": "object", "properties": {"op": {"type": "string", "enum": ["wait", "open"]}},
-                  "required": ["op"]}
+    parameters: ClassVar[dict[str, Any]] = {"type": "object",
+                                            "properties": {"op": {"type": "string", "enum": ["wait", "open"]}},
+                                            "required": ["op"]}
 
     def __init__(self):
         self.event, self.runs = threading.Event(), 0
@@ -172,7 +176,7 @@ def tool_env(instances: dict[str, Tool] | None = None, **settings) -> ToolEnviro
 
 
 def turn(text: str, row=ROW, env=None):
-    conv = checked_reset(env, row) + [{"role": "assistant", "content": text}]
+    conv = [*checked_reset(env, row), {"role": "assistant", "content": text}]
     return conv
 
 
@@ -185,7 +189,7 @@ def test_calls_answers_and_the_final_reward():
         [r] = step_all(env, [(conv, ROW)])
         assert r.messages == [{"role": "tool", "name": "calculator", "content": "56088"}]
         assert not r.done and r.reward == 0.0 and r.metrics["tool_calls"] == 1 and r.metrics["tool_errors"] == 0
-        conv += r.messages + [{"role": "assistant", "content": "56088"}]
+        conv += [*r.messages, {"role": "assistant", "content": "56088"}]
         [final] = step_all(env, [(conv, ROW)])
         assert final.done and final.reward == 1.0 and final.messages == [] and final.metrics == {"truncated": 0.0}
     finally:
@@ -232,7 +236,7 @@ def test_last_turn_ends_the_conversation_without_running_its_calls():
         conv = turn(call("gate", op="open"), env=env)
         [r] = step_all(env, [(conv, ROW)])
         assert gate.runs == 1 and not r.done
-        conv += r.messages + [{"role": "assistant", "content": call("gate", op="open")}]
+        conv += [*r.messages, {"role": "assistant", "content": call("gate", op="open")}]
         [last] = step_all(env, [(conv, ROW)])
         assert last.done and last.reward == 0.0 and last.metrics == {"truncated": 1.0} and gate.runs == 1
     finally:
@@ -284,7 +288,8 @@ calculator_instance = CalculatorTool()
 def test_tools_settings_and_user_tools():
     s = EnvironmentConfig(environment="tools", tools=["calculator", f"{HERE}:Raising", f"{HERE}:calculator_instance"],
                           max_turns=2)
-    with pytest.raises(ConfigError, match=r"environment.tools\[2\]': tool .* has name 'calculator', empty or already taken"):
+    with pytest.raises(ConfigError,
+                       match=r"environment.tools\[2\]': tool .* has name 'calculator', empty or already taken"):
         load_tools(s)
     s = EnvironmentConfig(environment="tools", tools=["python", f"{HERE}:Raising"], max_turns=2,
                           tool_timeout_s=5)
@@ -293,7 +298,8 @@ def test_tools_settings_and_user_tools():
     with pytest.raises(ConfigError, match=rf"environment.tools\[0\]': tool '{HERE}:ROW'.*has no Tool 'ROW'"):
         load_tools(EnvironmentConfig.model_construct(tools=[f"{HERE}:ROW"], tool_timeout_s=1))
     for data, match in [
-        ({"tools": ["search"], "max_turns": 2}, r"environment.tools'.*unknown tool 'search'; built-in: calculator, python"),
+        ({"tools": ["search"], "max_turns": 2},
+         r"environment.tools'.*unknown tool 'search'; built-in: calculator, python"),
         ({"environment": "tools"}, r"environment 'tools' needs at least one tool"),
         ({"tools": ["calculator"]}, r"max_turns=1: the model could call a tool but never read its answer"),
         ({"tools": ["calculator", "calculator"], "max_turns": 2}, r"tools repeated"),

@@ -32,7 +32,8 @@ from tests.unit.generation.test_trtllm_engine import fake_trtllm  # noqa: F401
 
 JOB_ENV = {  # what a rank of `srun --mpi=pmix` / mpirun / Intel MPI sees, besides our rendezvous
     "SLURM_PROCID": "3", "SLURM_JOB_ID": "42", "SLURMD_NODENAME": "n1", "SRUN_CPUS_PER_TASK": "4",
-    "PMIX_RANK": "3", "PMIX_NAMESPACE": "slurm.pmix.42.0", "PMI_FD": "7", "PRTE_MCA_x": "1", "OMPI_COMM_WORLD_RANK": "3",
+    "PMIX_RANK": "3", "PMIX_NAMESPACE": "slurm.pmix.42.0", "PMI_FD": "7", "PRTE_MCA_x": "1",
+    "OMPI_COMM_WORLD_RANK": "3",
     "OPAL_PREFIX": "/opt/ompi", "I_MPI_PMI_LIBRARY": "/usr/lib/libpmi.so", "HYDRA_LAUNCHER": "slurm",
     "MPICH_INTERFACE_HOSTNAME": "n1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "CUDA_VISIBLE_DEVICES": "4,6",
     "RAY_ADDRESS": "10.0.0.1:6379", "RAY_GCS_SERVER_PORT": "6379",   # another Ray's, or a fixed port: kept out
@@ -41,7 +42,7 @@ JOB_ENV = {  # what a rank of `srun --mpi=pmix` / mpirun / Intel MPI sees, besid
 
 def test_ray_workers_get_the_replicas_gpus_no_launcher_variables_and_trtllm_switches(fake_trtllm, monkeypatch,  # noqa: F811
                                                                                      tmp_path):
-    log, made = fake_trtllm
+    _log, made = fake_trtllm
     for k, v in {**JOB_ENV, "KEEP_ME": "1", "PATH": os.environ["PATH"]}.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 3, 5})   # this task's cpuset
@@ -166,9 +167,9 @@ EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"
 
 
 def _gpu_run(tp: int):
-    return load_run_config(EXAMPLE, ["generation.engine=trtllm", "model.num_attention_heads=16", "model.hidden_size=256",
-                                     f"actor.tensor_parallel={tp}", "actor.pipeline_parallel=1",
-                                     f"actor.data_parallel={32 // tp}"])
+    return load_run_config(EXAMPLE, ["generation.engine=trtllm", "model.num_attention_heads=16",
+                                     "model.hidden_size=256", f"actor.tensor_parallel={tp}",
+                                     "actor.pipeline_parallel=1", f"actor.data_parallel={32 // tp}"])
 
 
 def test_tensor_parallel_larger_than_a_node_is_refused_at_submit():

@@ -13,6 +13,7 @@ error. A rename or a wrong keyword in the GPU path therefore fails here, on CPU.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import sys
@@ -137,7 +138,8 @@ def problems_in(source: str, filename: str) -> list[str]:
                 problems += check_call(key, node, f"{filename}:{node.lineno}")
         elif isinstance(node, ast.FunctionDef) and node.name == "_collect":
             for sub in ast.walk(node):
-                if isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name) and sub.value.id in ATTRIBUTE_READS:
+                if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
+                        and sub.value.id in ATTRIBUTE_READS):
                     obj = OBJECTS[ATTRIBUTE_READS[sub.value.id]]
                     if sub.attr not in {f["name"] for f in obj["fields"]}:
                         problems.append(f"{filename}:{sub.lineno}: CompletionOutput has no field {sub.attr!r}")
@@ -222,8 +224,10 @@ def test_extract_api_reads_signatures_fields_and_flags_a_change(tmp_path):
         "class Base:\n    def generate(self, inputs, sampling_params=None, *, use_tqdm: bool = True): ...\n"
         "class LLM(Base):\n    def __init__(self, model, dtype='auto', **kwargs): ...\n")
     (pkg / "llmapi" / "llm_args.py").write_text(
-        "class Base(StrictBaseModel):\n    model: str = Field(description='x')\n    max_seq_len: int = Field(default=None)\n"
-        "class TorchLlmArgs(Base):\n    enable_sleep: bool = False\n    _private: int = 0\n    kind: ClassVar[str] = 'x'\n")
+        "class Base(StrictBaseModel):\n    model: str = Field(description='x')\n"
+        "    max_seq_len: int = Field(default=None)\n"
+        "class TorchLlmArgs(Base):\n    enable_sleep: bool = False\n    _private: int = 0\n"
+        "    kind: ClassVar[str] = 'x'\n")
     src = extract_api.Source("tensorrt_llm", str(tmp_path / "tree"))
     assert extract_api.extract(src, "tensorrt_llm.llmapi.llm.LLM.generate", ("callable",)) == {
         "params": [{"name": "inputs", "kind": "positional", "required": True},
@@ -239,7 +243,8 @@ def test_extract_api_reads_signatures_fields_and_flags_a_change(tmp_path):
     key = "megatron.core.tensor_parallel.random.model_parallel_cuda_manual_seed"
     changed["megatron"]["objects"][key]["params"][0]["name"] = "random_seed"
     (tmp_path / "fixture.json").write_text(json.dumps(changed))
-    assert extract_api.main(["--package", "megatron=installed", "--check", "--out", str(tmp_path / "fixture.json")]) == 1
+    assert extract_api.main(["--package", "megatron=installed", "--check",
+                             "--out", str(tmp_path / "fixture.json")]) == 1
 
 
 # -- literal values and the order of the engine's calls ----------------------------------------
@@ -251,10 +256,8 @@ def _module_constants(tree: ast.Module) -> dict:
     out = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            try:
+            with contextlib.suppress(ValueError):
                 out[node.targets[0].id] = ast.literal_eval(node.value)
-            except ValueError:
-                pass
     return out
 
 
@@ -310,7 +313,8 @@ def test_our_literal_values_are_ones_tensorrt_llm_accepts():
 def test_a_wrong_literal_fails_the_check(old, new, message):
     src = _source(ENGINE_SRC)
     assert old in src, f"the engine no longer contains {old!r}: update this test"
-    assert any(message in p for p in literal_problems(src.replace(old, new, 1))), literal_problems(src.replace(old, new, 1))
+    problems = literal_problems(src.replace(old, new, 1))
+    assert any(message in p for p in problems), problems
 
 
 class FakeLLM:
@@ -325,7 +329,7 @@ class FakeLLM:
             if arg is None:
                 self.log.append("update_weights:None")
             else:
-                (uuid, entries), = arg.items()
+                (_uuid, entries), = arg.items()
                 self.buckets.append({n: t.clone() for n, (_, t) in entries})
                 storages = {ptr for _, ((ptr, _offset), _t) in entries}
                 self.log.append(f"update_weights:bucket:{len(storages)}-storage")

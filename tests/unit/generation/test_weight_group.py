@@ -111,7 +111,8 @@ def test_a_bucket_that_is_not_what_the_trainer_announced_is_refused(groups):
     real = GroupSender(trainer_stream, trainer)
     # the announcement of one payload, another one on the group (what a forged pair connection would carry)
     real.stream.send(META, {"version": 0, "bucket": 0, "buckets": 1, "names": ["w"], "shapes": [[16]],
-                            "dtypes": ["torch.float32"], "sha256": hashlib.sha256(announced.numpy().tobytes()).hexdigest()})
+                            "dtypes": ["torch.float32"],
+                            "sha256": hashlib.sha256(announced.numpy().tobytes()).hexdigest()})
     trainer.broadcast(delivered, 0)
     with pytest.raises(WeightTamperError, match="differs from what the trainer announced"):
         GroupReceiver(gen).receive(gen_stream.recv(timeout=10))

@@ -35,7 +35,8 @@ LLAMA3 = (
     "{{- system_message }}\n"
     "{{- \"<|eot_id|>\" }}\n"
     "{%- for message in messages %}\n"
-    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}\n"
+    "    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    "+ message['content'] | trim + '<|eot_id|>' }}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n"
     "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
@@ -139,7 +140,7 @@ def test_render_equals_apply_chat_template(folders, style: str, gen_prompt: bool
 
 
 def test_special_tokens_from_tokenizer_config(folders):
-    for style, (_, specials, _) in STYLES.items():
+    for style, (_, _specials, _) in STYLES.items():
         ref = transformers.AutoTokenizer.from_pretrained(folders[style])
         ours = HFTokenizer(folders[style] / "tokenizer.json")   # the file, its folder read beside it
         assert ours.eos_id == ref.eos_token_id
@@ -150,7 +151,8 @@ def test_special_tokens_from_tokenizer_config(folders):
             assert encode_prompt(ours, text, 64) == ref(text)["input_ids"]
         assert (ours.bos_id is not None) == (style == "llama3")
     inst = HFTokenizer(folders["inst"])
-    assert "{{ bos_token }}" in inst.chat_template and inst.apply_chat_template(CONVERSATIONS[0]).startswith("<s>\n[INST] ")
+    assert "{{ bos_token }}" in inst.chat_template
+    assert inst.apply_chat_template(CONVERSATIONS[0]).startswith("<s>\n[INST] ")
 
 
 def test_template_errors_and_raise_exception(folders):
@@ -181,7 +183,8 @@ def test_chat_rows_in_sft_preference_and_prompt_datasets(folders, tmp_path: Path
     assert b["mask"][0].sum() == len(item.ids) - item.prompt_len
     # plain row: no BOS (the ChatML tokenizer has none), EOS appended
     plain = sft.items[1]
-    assert plain.ids == tok.encode("2+2=") + tok.encode("4") + [tok.eos_id] and plain.prompt_len == len(tok.encode("2+2="))
+    assert plain.ids == [*tok.encode("2+2="), *tok.encode("4"), tok.eos_id]
+    assert plain.prompt_len == len(tok.encode("2+2="))
 
     pref = PreferenceDataset(_jsonl(tmp_path / "pref.jsonl", [
         {"messages": conv[:-1], "chosen": "Two plus two is four.",
@@ -277,10 +280,12 @@ def test_chat_rows_need_a_chat_template(folders, tmp_path: Path):
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(folders["chatml"] / "tokenizer.json", bare / "tokenizer.json")
-    with pytest.raises(ConfigError, match=r"line 2: a chat row, but .*tokenizer.json: this tokenizer has no chat template"):
+    with pytest.raises(ConfigError,
+                       match=r"line 2: a chat row, but .*tokenizer.json: this tokenizer has no chat template"):
         SFTDataset(path, HFTokenizer(bare), 64)
     # a template error (roles must alternate) names the data file and line
-    bad = _jsonl(tmp_path / "t.jsonl", [{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}])
+    bad = _jsonl(tmp_path / "t.jsonl",
+                 [{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}])
     with pytest.raises(ConfigError, match=r"t.jsonl: line 1: chat template: .*must alternate"):
         PromptDataset(bad, HFTokenizer(folders["inst"]), 64)
     # a template that does not render the prompt as the conversation's prefix cannot split it
@@ -300,7 +305,8 @@ def test_bad_tokenizer_folders_are_clear_errors(folders, tmp_path: Path):
 
     with pytest.raises(ConfigError, match=r"tokenizer_config.json: no eos_token"):
         HFTokenizer(folder_with({"pad_token": "<|endoftext|>"}))
-    with pytest.raises(ConfigError, match=r"tokenizer_config.json: field 'eos_token': got '<\|eot_id\|>'; is not a token"):
+    with pytest.raises(ConfigError,
+                       match=r"tokenizer_config.json: field 'eos_token': got '<\|eot_id\|>'; is not a token"):
         HFTokenizer(folder_with({"eos_token": "<|eot_id|>"}))
     with pytest.raises(ConfigError, match=r"tokenizer_config.json: field 'chat_template'.*not a valid Jinja"):
         HFTokenizer(folder_with({"eos_token": "<|im_end|>", "chat_template": "{% for m in messages %}"}))

@@ -45,7 +45,8 @@ QWEN25 = (
     "    {%- if messages[0]['role'] == 'system' %}\n"
     "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}\n"
     "    {%- else %}\n"
-    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}\n"
+    "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud."
+    " You are a helpful assistant.<|im_end|>\\n' }}\n"
     "    {%- endif %}\n"
     "{%- endif %}\n"
     "{%- for message in messages %}\n"
@@ -128,7 +129,8 @@ LLAMA31 = (
     "        {%- set first_user_message = messages[0]['content']|trim %}\n"
     "        {%- set messages = messages[1:] %}\n"
     "    {%- else %}\n"
-    "        {{- raise_exception(\"Cannot put tools in the first user message when there's no first user message!\") }}\n"
+    "        {{- raise_exception(\"Cannot put tools in the first user message"
+    " when there's no first user message!\") }}\n"
     "{%- endif %}\n"
     "    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}\n"
     "    {{- \"Given the following functions, please respond with a JSON for a function call \" }}\n"
@@ -213,7 +215,7 @@ PARALLEL_CALLS = [
 STYLES = {
     "qwen2.5": (QWEN25, {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, CHATML_NAMES),
     "llama3.1": (LLAMA31, {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "add_bos_token": True},
-                 LLAMA3_NAMES + ["<|eom_id|>", "<|python_tag|>"]),
+                 [*LLAMA3_NAMES, "<|eom_id|>", "<|python_tag|>"]),
 }
 
 
@@ -278,8 +280,8 @@ def test_a_tool_environment_conversation_renders_as_transformers(folders):
         row = {"prompt": "What is 123 * 456?", "answer": "56088"}
         conv = checked_reset(env, row)
         model_turn = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 * 456"}}\n</tool_call>'
-        [r] = step_all(env, [(conv + [{"role": "assistant", "content": model_turn}], row)])
-        conv = conv + [assistant_message(model_turn)] + r.messages + [{"role": "assistant", "content": "56088"}]
+        [r] = step_all(env, [([*conv, {"role": "assistant", "content": model_turn}], row)])
+        conv = [*conv, assistant_message(model_turn), *r.messages, {"role": "assistant", "content": "56088"}]
         for style in STYLES:
             ref = transformers.AutoTokenizer.from_pretrained(folders[style])
             ours = HFTokenizer(folders[style])
@@ -302,7 +304,7 @@ def test_a_multi_turn_trajectory_reads_as_the_template_renders_the_conversation(
         r = TurnRenderer(HFTokenizer(folders[style]), TOOLS)
         conv = [{"role": "user", "content": "What is 123 * 456?"}]
         model_turn = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "123 * 456"}}\n</tool_call>'
-        said = conv + [{"role": "assistant", "content": model_turn}]
+        said = [*conv, {"role": "assistant", "content": model_turn}]
         reply = [{"role": "tool", "name": "calculator", "content": "56088"}]
         text = r._render(conv, True) + model_turn + r.reply_text(said, reply, chat=True)
         assert text == ref.apply_chat_template(said + reply, tools=TOOLS, tokenize=False, add_generation_prompt=True)

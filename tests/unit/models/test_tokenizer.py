@@ -14,7 +14,7 @@ from slurm_align.models.tokenizer import ByteTokenizer, HFTokenizer, build_token
 def test_byte_tokenizer_round_trip_and_specials():
     tok = ByteTokenizer()
     ids = tok.encode("héllo=")
-    assert max(ids) < 256 and tok.decode(ids + [tok.eos_id, tok.pad_id]) == "héllo="
+    assert max(ids) < 256 and tok.decode([*ids, tok.eos_id, tok.pad_id]) == "héllo="
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.vocab_size) == (256, 257, 258, 259)
     assert isinstance(build_tokenizer(ModelConfig()), ByteTokenizer)
     with pytest.raises(ConfigError, match="vocab_size"):
@@ -36,15 +36,15 @@ def test_hf_tokenizer_from_local_file(tmp_path: Path):
     tok = HFTokenizer(path)
     assert (tok.pad_id, tok.eos_id, tok.bos_id) == (0, 1, 2)
     ids = tok.encode("sort 1 2 =")
-    assert ids == [4, 5, 6, 7] and tok.decode(ids + [1]) == "sort 1 2 ="
+    assert ids == [4, 5, 6, 7] and tok.decode([*ids, 1]) == "sort 1 2 ="
     cfg = ModelConfig(tokenizer={"kind": "hf", "path": str(path)})
     assert isinstance(build_tokenizer(cfg), HFTokenizer)
 
 
 def test_hf_tokenizer_errors_name_the_field(tmp_path: Path):
-    with pytest.raises(ConfigError, match="model.tokenizer.path.*no such file"):
+    with pytest.raises(ConfigError, match=r"model\.tokenizer\.path.*no such file"):
         HFTokenizer(tmp_path / "missing.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(ConfigError, match="not a tokenizer.json"):
+    with pytest.raises(ConfigError, match=r"not a tokenizer\.json"):
         HFTokenizer(bad)

@@ -46,7 +46,8 @@ def test_load_errors_name_the_spec(spec, match):
 
 
 @pytest.mark.parametrize("name,match", [
-    ("raises", "raised KeyError"), ("returns_nan", "returned nan"), ("returns_text", "returned str '1.0', not a number"),
+    ("raises", "raised KeyError"), ("returns_nan", "returned nan"),
+    ("returns_text", "returned str '1.0', not a number"),
 ])
 def test_bad_results_name_the_function_and_the_prompt(name, match):
     fn = RuleReward.load(f"tests.unit.rewards.test_rule:{name}")

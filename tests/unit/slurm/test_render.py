@@ -159,8 +159,8 @@ def test_array_on_a_hetjob_is_refused_but_not_on_a_plain_job():
     prof = load_profile("local-slurm", ["components.critic.sbatch_extra.array=1-2"])
     with pytest.raises(ConfigError, match=r"components.critic.sbatch_extra.array"):
         render_script(load_run_config(EXAMPLE), prof, RUN_DIR, Entry("report"))
-    text = render_script(load_run_config(EXAMPLE, ["algorithm=sft"]), load_profile("local-slurm", ["sbatch_extra.array=0-3"]),
-                         RUN_DIR, Entry("report"))
+    text = render_script(load_run_config(EXAMPLE, ["algorithm=sft"]),
+                         load_profile("local-slurm", ["sbatch_extra.array=0-3"]), RUN_DIR, Entry("report"))
     assert "#SBATCH --array=0-3\n" in text
 
 
@@ -214,7 +214,8 @@ def test_srun_gets_cpus_binding_wait_and_extras():
     header = text.split("set -eo")[0]
     assert header.count("#SBATCH --reservation=maint") == 1 and \
         header.index("#SBATCH hetjob") < header.index("#SBATCH --reservation=maint")
-    with pytest.raises(ConfigError, match=r"srun_extra entry '-c4'.*set by slurm-align|srun_extra entry '--cpus-per-task=4'"):
+    with pytest.raises(ConfigError,
+                       match=r"srun_extra entry '-c4'.*set by slurm-align|srun_extra entry '--cpus-per-task=4'"):
         load_profile("local-slurm", ["components.actor.srun_extra=['--cpus-per-task=4']"])
     # the profile's own OMP_NUM_THREADS wins over cpus_per_task
     text = render_script(load_run_config(EXAMPLE), load_profile("local-slurm", ["components.actor.cpus_per_task=4"]),
@@ -231,7 +232,8 @@ def test_container_sees_the_run_and_its_inputs_at_their_own_paths():
     text = render_script(run, load_profile("example-gpu-cluster", ["container.setup=['source /opt/env.sh']"]),
                          RUN_DIR, Entry("report"))
     # inputs in the config's field order (data, then model), then the profile's own mounts
-    mounts = (f"--container-mounts={RUN_DIR}:{RUN_DIR},/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,"
+    mounts = (f"--container-mounts={RUN_DIR}:{RUN_DIR},"
+              "/lustre/datasets/prompts.jsonl:/lustre/datasets/prompts.jsonl:ro,"
               "/lustre/ckpt/sft:/lustre/ckpt/sft:ro,/lustre/datasets:/data:ro,/lustre/users/me:/work")
     for comp in ("actor", "critic"):
         flags = f"--container-name=slurm-align-{comp} --container-workdir={RUN_DIR} {mounts} --no-container-mount-home"

@@ -222,7 +222,7 @@ def test_schema_errors_name_the_key(tmp_path):
     store = RolloutStore.create(tmp_path / "r.zarr")
     b = make_batch(0, 3)
     del b["reward"]
-    with pytest.raises(RolloutStoreError, match="lacks key.*reward"):
+    with pytest.raises(RolloutStoreError, match=r"lacks key.*reward"):
         store.append_step(0, b)
     b = make_batch(0, 3)
     b["values"][1] = np.zeros(len(b["response_tokens"][1]) + 1)
