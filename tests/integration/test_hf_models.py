@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 
 WORKER = Path(__file__).parents[1] / "programs" / "hf_worker.py"
 PLAN_WORKER = Path(__file__).parents[1] / "programs" / "plan_worker.py"
-ROOT = WORKER.parent.parent
+ROOT = WORKER.parents[2]   # the repo: tests/programs/x.py -> tests -> repo
 TOL = 1e-4
 SHAPE = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, vocab_size=260, max_position_embeddings=64)

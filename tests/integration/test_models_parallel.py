@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 WORKER = Path(__file__).parents[1] / "programs" / "models_worker.py"
-ROOT = WORKER.parent.parent
+ROOT = WORKER.parents[2]   # the repo: tests/programs/x.py -> tests -> repo
 
 
 def mpirun(n: int, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
