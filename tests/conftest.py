@@ -282,23 +282,40 @@ def grpo_learning_run(tmp_path_factory: pytest.TempPathFactory, sft_checkpoint: 
     return build_once(tmp_path_factory, "grpo-learning", build) / "run"
 
 
+class PpoReference:
+    """The shared reference PPO run (fixture `ppo_reference`): `overrides` is its config on top of
+    tests/integration/test_ppo.py `tiny_run` (a run that must end as it does starts with `tiny_run(*overrides)`),
+    and calling it waits for the run and returns its run directory."""
+
+    def __init__(self, overrides: tuple[str, ...], wait: Callable[[], Path]):
+        self.overrides, self._wait = overrides, wait
+
+    def __call__(self) -> Path:
+        return self._wait()
+
+
 @pytest.fixture(scope="session")
-def ppo_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path]:
+def ppo_reference(tmp_path_factory: pytest.TempPathFactory, sft_checkpoint: Path) -> PpoReference:
     """The uninterrupted tiny PPO run with static prompts (tests/integration/test_ppo.py `tiny_run` with
     tests/support/preempt_support.py DETERMINISTIC: 4 steps, a checkpoint after each, on the local
-    profile). Every run of that config that was stopped, killed, requeued or resumed must end
-    with its rollouts and final weights (preempt_support.assert_same_final_state).
+    profile), its actor from the session's SFT policy: its responses end, so every step trains
+    (from a random init none ends, the gradient is 0 and a resume that never loaded the
+    checkpoint's weights or optimizer state would end the same). Every run of that config that
+    was stopped, killed, requeued or resumed must end with its rollouts and final weights
+    (preempt_support.assert_same_final_state).
 
-    Started in the background when a test first asks for the fixture; the fixture's value is a
-    function that waits for the run and returns its run directory. Built once per session for all
-    workers (the other workers' calls wait for it)."""
+    Started in the background when a test first asks for the fixture (once the SFT policy is
+    there); the fixture's value (a PpoReference) gives the overrides, and waits for the run when
+    called. Built once per session for all workers (the other workers' calls wait for it)."""
     from slurm_align.config import load_profile
     from slurm_align.slurm.launch import launch_run
     from tests.integration.test_ppo import tiny_run
     from tests.support.preempt_support import DETERMINISTIC, logs_text
 
+    overrides = (*DETERMINISTIC, f"model.init_checkpoint={sft_checkpoint}")
+
     def build(folder: Path) -> None:
-        job = launch_run(tiny_run(*DETERMINISTIC), load_profile("local"), folder / "run")
+        job = launch_run(tiny_run(*overrides), load_profile("local"), folder / "run")
         state = job.wait(timeout_s=900)
         if state != "COMPLETED":
             raise AssertionError(f"the reference PPO run ended {state}\n{logs_text(folder / 'run')}")
@@ -320,4 +337,4 @@ def ppo_reference(tmp_path_factory: pytest.TempPathFactory) -> Callable[[], Path
             raise result["error"]
         assert "dir" in result, "the reference PPO run did not end within 1200 s"
         return result["dir"]
-    return wait
+    return PpoReference(overrides, wait)

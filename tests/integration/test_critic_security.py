@@ -31,7 +31,6 @@ from slurm_align.slurm.launch import launch_run
 from slurm_align.store.traces import read_traces
 from tests.integration.test_ppo import tiny_run
 from tests.support.critic_support import CriticProcess, client_for, critic_address, random_batch, write_run_dir
-from tests.support.preempt_support import DETERMINISTIC
 
 OTHER = "o" * 43   # a well-formed secret of nobody
 
@@ -289,9 +288,10 @@ def test_two_critics_share_a_node_and_a_taken_port_fails_at_once(critic, tmp_pat
 FLOOD = 1000
 
 
-def tiny_ppo(run_dir: Path):
-    """The shared reference run's config (conftest `ppo_reference`): static prompts, 4 steps."""
-    return launch_run(tiny_run(*DETERMINISTIC), load_profile("local"), run_dir)
+def tiny_ppo(run_dir: Path, overrides: tuple[str, ...]):
+    """The shared reference run's config (conftest `ppo_reference`: static prompts, 4 steps, from
+    the SFT policy): `overrides` are its `ppo_reference.overrides`."""
+    return launch_run(tiny_run(*overrides), load_profile("local"), run_dir)
 
 
 def flood(rd: RunDir, stop: threading.Event, outcomes: list, interval_s: float) -> None:
@@ -366,7 +366,7 @@ def test_flood_of_bad_requests_leaves_the_run_as_it_would_have_been(tmp_path, pp
     serving_s = (spans["end_ns"].max() - spans["start_ns"].min()) / 1e9
 
     rd = RunDir(tmp_path / "flooded")
-    job = tiny_ppo(rd.root)
+    job = tiny_ppo(rd.root, ppo_reference.overrides)
     stop, outcomes = threading.Event(), []
     # Spread over about the calm run's duration, so that the flood covers the critic's work.
     attacker = threading.Thread(target=flood, args=(rd, stop, outcomes, serving_s * 8 / FLOOD))

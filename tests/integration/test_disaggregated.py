@@ -5,11 +5,15 @@ rollout.max_off_policy_steps.
 Four tiny end-to-end runs on the local profile, shared by the tests below: colocated (one actor
 rank), and disaggregated with k=0 (one actor rank, TP 1 -> generator), k=1 (actor TP 2 ->
 generator) and k=2 with a fixed lag (actor PP 2 -> generator), all at the same seed with static
-prompt shards.
+prompt shards. They start from the session's SFT policy with the sort task's partial reward, so
+every step trains (a random init never ends a response nor earns a reward: its weights would never
+change, and a generator that never applied new weights would pass every test here);
+`test_every_shared_run_trains_at_every_step` guards that.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import signal
 import threading
@@ -31,20 +35,26 @@ from tests.integration.test_grpo import grpo_config, launch, metrics
 STEPS = {"colocated": 2, "k0": 2, "k1": 3, "k2": 4}
 SMALL = ["switches.dynamic_prompts=false", "eval.interval=0", "ppo.num_rollout_samples=4", "ppo.global_batch_size=16",
          "rl.n_samples_per_prompt=4", "ppo.train_micro_batch_size=4"]
+# The partial reward (up to 0.5 for the right digits in order, 1 for the exact sort) varies inside
+# nearly every group of the SFT policy's samples, so GRPO's advantages and the gradients are
+# nonzero at every step (a group whose samples all get one reward teaches nothing, and under the
+# exact reward all-wrong groups are common).
+TRAINS = ["reward.rule=slurm_align.rewards.sort:partial"]
 DISAGGREGATED = ["rollout.mode=disaggregated", "rollout.record_weight_digests=true",
                  "rollout.weight_bucket_mb=0.1"]   # several buckets per version
 
 
-def run_configs() -> dict[str, tuple[RunConfig, int]]:
-    """Each shared run's config and its number of actor ranks."""
+def run_configs(sft: Path) -> dict[str, tuple[RunConfig, int]]:
+    """Each shared run's config (from the SFT policy `sft`) and its number of actor ranks."""
     one = ["actor.data_parallel=1"]   # the fewest processes: each costs seconds of start-up on 2 cores
+    small = [*SMALL, *TRAINS, f"model.init_checkpoint={sft}"]
     return {
-        "colocated": (grpo_config(*SMALL, *one, f"ppo.num_steps={STEPS['colocated']}"), 1),
-        "k0": (grpo_config(*SMALL, *one, *DISAGGREGATED, "rollout.max_off_policy_steps=0",
+        "colocated": (grpo_config(*small, *one, f"ppo.num_steps={STEPS['colocated']}"), 1),
+        "k0": (grpo_config(*small, *one, *DISAGGREGATED, "rollout.max_off_policy_steps=0",
                            f"ppo.num_steps={STEPS['k0']}"), 1),
-        "k1": (grpo_config(*SMALL, *DISAGGREGATED, "rollout.max_off_policy_steps=1", f"ppo.num_steps={STEPS['k1']}",
+        "k1": (grpo_config(*small, *DISAGGREGATED, "rollout.max_off_policy_steps=1", f"ppo.num_steps={STEPS['k1']}",
                            "actor.tensor_parallel=2", "actor.data_parallel=1", "rollout.weight_transport=collective"), 2),
-        "k2": (grpo_config(*SMALL, *DISAGGREGATED, "rollout.max_off_policy_steps=2", "rollout.lag=fixed",
+        "k2": (grpo_config(*small, *DISAGGREGATED, "rollout.max_off_policy_steps=2", "rollout.lag=fixed",
                            f"ppo.num_steps={STEPS['k2']}", "actor.pipeline_parallel=2", "actor.data_parallel=1"), 2),
     }
 
@@ -54,9 +64,9 @@ def actor_ranks(n: int) -> ClusterProfile:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory, sft_checkpoint) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("disaggregated")
-    configs = run_configs()
+    configs = run_configs(sft_checkpoint)
     for name, (run, ranks) in configs.items():
         launch(root, run, profile=actor_ranks(ranks), name=name)
     return {name: root / name for name in configs}
@@ -74,6 +84,21 @@ def digests(run_dir: Path, side: str) -> list[dict]:
 
 def training_rows(run_dir: Path) -> list[dict]:
     return [m for m in metrics(run_dir) if "timers/step" in m]
+
+
+@pytest.mark.parametrize("name", list(STEPS))
+def test_every_shared_run_trains_at_every_step(runs, name):
+    """The guard of the tests below: every step's gradient is nonzero, and every weight version
+    the trainer sent differs from the one before (else a generator that applied nothing, or
+    applied a version late, would be caught by none of them)."""
+    rows = training_rows(runs[name])
+    assert [m["step"] for m in rows] == list(range(1, STEPS[name] + 1))
+    assert all(m["train_optim/grad_norm"] > 0 for m in rows), [m["train_optim/grad_norm"] for m in rows]
+    if name != "colocated":
+        sent = sorted(digests(runs[name], "trainer"), key=lambda r: r["version"])
+        for before, after in itertools.pairwise(sent):
+            changed = [k for k in after["sha256"] if after["sha256"][k] != before["sha256"][k]]
+            assert len(changed) > len(after["sha256"]) // 2, (after["version"], changed)
 
 
 def test_k0_gives_the_colocated_rollouts_and_metrics(runs):
@@ -110,7 +135,7 @@ def test_never_trains_on_a_sample_older_than_k_versions(runs, name, k):
         assert m["train_rollouts/max_staleness"] == staleness.max() and m["train_rollouts/dropped_stale"] == 0
         seen.append(int(d["version"][0]))
     assert seen == sorted(seen) and seen[0] == 0         # versions only advance
-    if run_configs()[name][0].rollout.lag == "fixed":     # step s: version s - 1 - k exactly
+    if name == "k2":   # rollout.lag fixed: step s gets version s - 1 - k exactly
         assert seen == [max(step - 1 - k, 0) for step in data], seen
 
 
@@ -128,7 +153,7 @@ def test_generator_weights_equal_the_trainers_after_each_sync(runs, name):
         assert r["sha256"] == sent[r["version"]], r["version"]
 
 
-def test_a_usr2_stop_then_resume_trains_each_sample_once_as_the_uninterrupted_run(runs, tmp_path):
+def test_a_usr2_stop_then_resume_trains_each_sample_once_as_the_uninterrupted_run(runs, tmp_path, sft_checkpoint):
     """USR2 to the job script once step 1 is done (the actor holds there until the stop request
     came, tests/programs/preempt_hold_actor.py, so the run cannot finish first): the actor saves, the
     generator stops with it, the job ends STOPPED. The resumed run's generator regenerates step 2
@@ -137,7 +162,7 @@ def test_a_usr2_stop_then_resume_trains_each_sample_once_as_the_uninterrupted_ru
     uninterrupted k0 run's: no sample trained twice, none lost."""
     from tests.support.preempt_support import assert_same_final_actor_checkpoint, stop_by_usr2_after_the_first_step
 
-    run, ranks = run_configs()["k0"]
+    run, ranks = run_configs(sft_checkpoint)["k0"]
     run_dir = tmp_path / "run"
     stop_by_usr2_after_the_first_step(run, actor_ranks(ranks), run_dir)
     assert list(store(run_dir)) == [1]

@@ -115,14 +115,21 @@ def check_single_component_run(run_dir: Path, filtered: bool = False) -> None:
     assert [m["step"] for m in records] == [0, 1, 2]          # step 0: the initial policy's evaluation
     assert set(val_score(run_dir)) == {0, 2}
     assert all(0.0 <= v <= 1.0 for v in val_score(run_dir).values())
+    store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
+    tied = []
     for m in records[1:]:
         assert {"train_rollouts/rewards", "train_optim/loss", "train_optim/ppo_ratio",
                 "train_optim/optimizer_steps"} <= set(m) and "train_optim/critic_loss" not in m
         assert "train_rollouts/kl" not in m                 # no KL term: no reference pass
         assert m["train_optim/optimizer_steps"] == 2        # 32 rollouts in global batches of 16
-        if filtered:   # dynamic sampling: groups of 4 with equal rewards (e.g. all wrong) are dropped
-            assert 0 <= m["train_rollouts/dropped_groups"] <= 8
-            assert m["train_rollouts/dropped_group_fraction"] == m["train_rollouts/dropped_groups"] / 8
+        if filtered:   # dynamic sampling: the groups of 4 whose rewards are all equal are dropped
+            rewards = store.read(m["step"])["reward"].reshape(8, 4)   # stored in index order: group i = rows 4i..4i+3
+            tied.append(int((rewards.min(1) == rewards.max(1)).sum()))
+            assert m["train_rollouts/dropped_groups"] == tied[-1], (m["step"], rewards)
+            assert m["train_rollouts/dropped_group_fraction"] == tied[-1] / 8
+            assert (m["train_optim/grad_norm"] > 0) == (tied[-1] < 8), m   # a step trains iff it kept a group
+    if filtered:   # the run shows both outcomes of the filter (from the SFT policy some groups tie, some not)
+        assert 0 < sum(tied) < 8 * len(tied), tied
     table = read_traces(run_dir / "traces.zarr", {"actor": 2})
     assert table.complete, table.problems()
     assert {P.GENERATE, P.LOGPROBS, P.TRAIN} <= set(table.spans["phase"].tolist())
@@ -130,10 +137,13 @@ def check_single_component_run(run_dir: Path, filtered: bool = False) -> None:
 
 
 @pytest.mark.slurm
-def test_grpo_single_component_as_plain_slurm_job(slurm_cluster, tmp_path):
-    """One component, no critic: a plain (not het) Slurm job; the equal-reward filter on. (The
-    local profile runs GRPO in the rule-error and learning tests.)"""
-    launch(tmp_path, grpo_config("rl.filter_equal_reward_groups=true"), profile="local-slurm")
+def test_grpo_single_component_as_plain_slurm_job(slurm_cluster, tmp_path, sft_checkpoint):
+    """One component, no critic: a plain (not het) Slurm job; the equal-reward filter on, from the
+    session's SFT policy, whose groups sometimes all tie and sometimes not (from a random init
+    every group ties at 0 and is dropped: a filter that dropped nothing, or everything, would
+    pass). (The local profile runs GRPO in the rule-error and learning tests.)"""
+    launch(tmp_path, grpo_config("rl.filter_equal_reward_groups=true", f"model.init_checkpoint={sft_checkpoint}"),
+           profile="local-slurm")
     assert "hetjob" not in (tmp_path / "run" / "job.sbatch").read_text()
     check_single_component_run(tmp_path / "run", filtered=True)
 

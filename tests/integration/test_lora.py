@@ -194,24 +194,50 @@ def test_lora_refused_where_nothing_would_train_it(run: dict, needle: str):
     assert "run.yaml" in str(e.value) and needle in str(e.value), str(e.value)
 
 
+MOE = ["model.num_experts=4", "model.moe_aux_loss_coeff=0.01", "model.add_bias_linear=false", "model.activation=swiglu",
+       "model.normalization=RMSNorm", "model.position_embedding=rope"]
+MOE_SFT_STEPS = 50
+"""A short SFT of the MoE model on the sort task (about as long as the session's dense SFT policy
+is trained): its responses end and some are right, so GRPO's gradient is not 0 (from a random
+init no response ends within the budget: the loss has no token and the adapters never move)."""
+
+
 @pytest.mark.slow
 def test_grpo_actor_with_lora_on_a_moe_model(tmp_path: Path):
-    """The RL actor (2 ranks, DP=2) with LoRA on qkv/proj of a mixture-of-experts model: the
-    engine generates from the merged refit, the reference is the adapters-off model, the actor's
-    checkpoint holds adapters only, and the update's router statistics are in the metrics."""
+    """The RL actor (2 ranks, DP=2) with LoRA on qkv/proj of a mixture-of-experts model, from a
+    short SFT of that model: the engine generates from the merged refit (once the first update
+    moved the adapters, the engine's log-probs of the tokens it sampled are the trainer's with
+    the adapters on), the reference is the adapters-off model, the actor's checkpoint holds
+    adapters only, and the update's router statistics are in the metrics."""
     from megatron.core import dist_checkpointing
 
+    from slurm_align import REPO_ROOT
+    from slurm_align.config import load_run_config
+    from slurm_align.store.rollouts import RolloutStore
     from tests.integration.test_grpo import grpo_config, launch, metrics
-    run = grpo_config("model.num_experts=4", "model.moe_aux_loss_coeff=0.01", "model.add_bias_linear=false",
-                      "model.activation=swiglu", "model.normalization=RMSNorm", "model.position_embedding=rope",
-                      "model.lora.targets=[qkv,proj]")
+    synth = REPO_ROOT / "examples" / "synthetic"
+    sft = load_run_config(REPO_ROOT / "examples" / "sft_tiny.yaml", [
+        f"data.train_path={synth / 'sft_train.jsonl'}", f"data.val_path={synth / 'sft_val.jsonl'}",
+        "trainer.save_interval=0", f"trainer.num_steps={MOE_SFT_STEPS}", *MOE])
+    launch(tmp_path, sft, name="sft")
+    # the partial reward differs inside nearly every group; a higher rate than GRPO's for adapters
+    base = tmp_path / "sft" / "checkpoints" / "sft"
+    run = grpo_config(*MOE, "model.lora.targets=[qkv,proj]", f"model.init_checkpoint={base}",
+                      "reward.rule=slurm_align.rewards.sort:partial", "ppo.actor_lr=2e-3", "eval.interval=0")
     launch(tmp_path, run)
     rows = metrics(tmp_path / "run")
+    assert [m["step"] for m in rows] == [1, 2] and all(m["train_optim/grad_norm"] > 0 for m in rows), rows
     last = rows[-1]
     loads = [last[f"train_optim/moe/expert_load_{e}"] for e in range(4)]
     assert abs(sum(loads) - 1.0) < 1e-6 and last["train_optim/moe/load_max_over_mean"] >= 1.0
     assert last["train_optim/moe/aux_loss"] > 0
+    # step 2 was generated after the refit of step 1's update: the engine's log-probs (rollout_logprobs)
+    # are the trainer's pi_old, its forward with the adapters on (measured 2e-6 apart; a refit of the
+    # base weights alone: 1.3)
+    d = RolloutStore.open(tmp_path / "run" / "rollouts.zarr", read_only=True).read(2)
+    assert len(d["logprobs"]) > 0 and float(abs(d["rollout_logprobs"] - d["logprobs"]).max()) < 1e-4
     ckpt = tmp_path / "run" / "checkpoints" / "actor" / "iter_0000002"
     keys = list(dist_checkpointing.load_tensors_metadata(str(ckpt)))
     assert keys and all(".lora_" in k for k in keys) and not any(".mlp." in k for k in keys), keys
-    assert dist_checkpointing.load_common_state_dict(str(ckpt))["common"]["lora_base"]["seed"] == run.seed
+    ref = dist_checkpointing.load_common_state_dict(str(ckpt))["common"]["lora_base"]
+    assert ref["init_checkpoint"].startswith(str(base)), ref

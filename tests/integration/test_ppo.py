@@ -18,7 +18,7 @@ from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.render import Entry
 from slurm_align.store.rollouts import RolloutStore
 from slurm_align.store.traces import read_traces
-from tests.support.preempt_support import DETERMINISTIC, STEPS, assert_same_final_state, assert_unchanged, snapshot
+from tests.support.preempt_support import STEPS, assert_same_final_state, assert_unchanged, snapshot
 
 EXAMPLE = REPO_ROOT / "examples" / "ppo_tiny.yaml"
 PROMPTS = REPO_ROOT / "examples" / "synthetic" / "prompts.jsonl"
@@ -142,14 +142,15 @@ def test_resume_goes_on_from_the_checkpoint_and_ends_as_an_uninterrupted_run(tmp
     is gone): the run resumed with more steps says "resuming from step 2", leaves step 1's rollouts
     and spans byte-unchanged (a restart from step 1 would rewrite them), redoes step 2 once, and
     ends with the very rollouts, metrics and final actor/critic state of the uninterrupted 4-step
-    reference (an actor that took the step number but not the checkpoint's weights would not)."""
+    reference (an actor that took the step number but not the checkpoint's weights would not: the
+    reference starts from the SFT policy and trains at every step, assert_same_final_state checks)."""
     run_dir = tmp_path / "run"
-    job = launch_run(tiny_run(*DETERMINISTIC, "ppo.num_steps=2"), load_profile("local"), run_dir)
+    job = launch_run(tiny_run(*ppo_reference.overrides, "ppo.num_steps=2"), load_profile("local"), run_dir)
     assert job.wait(timeout_s=600) == "COMPLETED", job.failed_logs()
     shutil.rmtree(run_dir / "checkpoints" / "actor" / "iter_0000002")
     # (the critic saved step 2 first, as before a real crash of the actor's write: it is not used)
     before = snapshot(run_dir, 1)
-    job = launch_run(tiny_run(*DETERMINISTIC), load_profile("local"), run_dir)
+    job = launch_run(tiny_run(*ppo_reference.overrides), load_profile("local"), run_dir)
     assert job.wait(timeout_s=600) == "COMPLETED", job.failed_logs()
     log = (run_dir / "logs" / "actor" / "rank0.log").read_text()
     assert "resuming from step 2 " in log, log[-3000:]
@@ -259,7 +260,7 @@ def test_async_critic_and_offload_do_not_change_results(tmp_path, ppo_reference)
     device (both switches off) ends as the reference with both on: the same rollouts, metrics
     steps and final actor/critic state (they change when work happens, never what is computed)."""
     off = ["switches.async_critic=false", "switches.offload_optimizer=false"]
-    run_dir = run_ppo(tmp_path, "local", *DETERMINISTIC, *off)
+    run_dir = run_ppo(tmp_path, "local", *ppo_reference.overrides, *off)
     assert_same_final_state(run_dir, ppo_reference(), tmp_path)
 
 
@@ -269,7 +270,8 @@ def test_disaggregated_on_policy_ppo_ends_as_the_colocated_run(tmp_path, ppo_ref
     valuing and scoring the samples the generator streamed to the actor: the same rollouts,
     metrics steps and final actor and critic state as the colocated reference (a value or reward
     of the wrong sample, or a missing one, would change the advantages and so the weights)."""
-    run_dir = run_ppo(tmp_path, "local", *DETERMINISTIC, "rollout.mode=disaggregated", "rollout.max_off_policy_steps=0")
+    run_dir = run_ppo(tmp_path, "local", *ppo_reference.overrides, "rollout.mode=disaggregated",
+                      "rollout.max_off_policy_steps=0")
     assert json.loads((run_dir / "job.json").read_text())["components"] == ["actor", "critic", "generator"]
     assert_same_final_state(run_dir, ppo_reference(), tmp_path)
     store = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)

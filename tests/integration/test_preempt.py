@@ -27,7 +27,6 @@ from slurm_align.slurm.launch import launch_run
 from slurm_align.slurm.render import Entry
 from tests.integration.test_ppo import tiny_run
 from tests.support.preempt_support import (
-    DETERMINISTIC,
     HOLD_ACTOR,
     assert_same_final_state,
     assert_unchanged,
@@ -55,7 +54,7 @@ def test_kill_during_checkpoint_write_then_usr2_and_time_limit_requeues_then_res
     log = run_dir / "logs" / "actor" / "rank0.log"
 
     # 1. Rank 0 of the actor is killed -9 while its second checkpoint is written.
-    job = launch_run(tiny_run(*DETERMINISTIC), load_profile("local-slurm"), run_dir,
+    job = launch_run(tiny_run(*ppo_reference.overrides), load_profile("local-slurm"), run_dir,
                      entry=Entry(scripts={"actor": FAULTY_ACTOR}))
     wait_for(lambda: log.exists() and "killing rank 0" in log.read_text(), "the kill", job=job)
     # Ceiling for a loaded 2-core machine; without failure handling the other ranks hang in a
@@ -77,7 +76,7 @@ def test_kill_during_checkpoint_write_then_usr2_and_time_limit_requeues_then_res
     # --signal=B:USR2 sends it) once its first step is done (the actor holds there until then).
     (run_dir / "test_hold").write_text("stop")
     profile = load_profile("local-slurm", ["requeue=true", "max_requeues=1", "time=10", "signal_grace_s=110"])
-    job = launch_run(tiny_run(*DETERMINISTIC), profile, run_dir, entry=Entry(scripts={"actor": HOLD_ACTOR}))
+    job = launch_run(tiny_run(*ppo_reference.overrides), profile, run_dir, entry=Entry(scripts={"actor": HOLD_ACTOR}))
     wait_for(lambda: f"holding after step {kept + 1} " in log.read_text(), "the resumed job's first step", job=job)
     subprocess.run(["scancel", "--signal=USR2", "--batch", job.job_id], check=True, timeout=30)
     # 3. Once it requeued, the job's time limit drops to 3 minutes: the requeued job gets Slurm's

@@ -4,6 +4,10 @@
   (a real megatron-core GPT, under mpirun; tests/programs/rollout_logprobs_worker.py);
 - each mode's weights, and the policy loss they enter, equal a hand computation of the formulas;
   equal log-probs give weights of exactly 1; the weights carry no gradient;
+- the actor's update applies the weights: one PolicyUpdate step on rollouts whose engine
+  log-probs are not the trainer's, micro-batched by sample count, token budget and packed, equals
+  the corrected step written out by hand (tests/packing_worker.py `corrected`) and not the
+  uncorrected one;
 - one real tiny GRPO run with token_truncate: its metrics and its rollout store.
 """
 
@@ -171,6 +175,26 @@ def test_the_policy_loss_with_weights_equals_the_hand_computation(mode, agg):
     else:
         expect = sum(sum(s) / len(s) for s in per_seq) / len(per_seq)
     assert abs(float(loss) - expect) < 1e-5
+
+
+# -- the actor's update -------------------------------------------------------------------------------
+@pytest.mark.mpi
+def test_the_policy_update_applies_the_correction_however_micro_batched(tmp_path):
+    """One optimizer step (SGD, lr 1: the weights move by the gradient) of PolicyUpdate with
+    token_truncate, on rollouts whose engine log-probs differ from pi_old (weights from about 0.2
+    to C, some truncated), through sample-count, token-budget and packed micro-batches: the
+    weights after it equal the step computed by hand with the TIS weights (one padded forward,
+    the surrogate written out), and differ from the same step without them."""
+    import json
+
+    from tests.integration.test_packing import mpirun
+    mpirun(1, "corrected", "1", "1", str(tmp_path), timeout=600)
+    res = json.loads((tmp_path / "corrected_0.json").read_text())
+    assert res["correction_moves_the_step"] > 1e-4, res   # the weights are far from 1: the steps differ
+    for way in ("samples", "budget", "packed"):
+        assert res[f"{way}/weight_min"] < 0.5 and res[f"{way}/weight_max"] == pytest.approx(2.0), res
+        assert res[f"{way}/vs_corrected"] <= 1e-6, f"{way}: {res}"
+        assert res[f"{way}/vs_uncorrected"] > 1e-4, f"{way}: {res}"
 
 
 # -- apply: the batch column and the step's metrics --------------------------------------------------

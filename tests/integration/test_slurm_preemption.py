@@ -29,7 +29,6 @@ from slurm_align.slurm.render import Entry
 from tests.integration.test_ppo import tiny_run
 from tests.support.critic_support import client_for, write_run_dir
 from tests.support.preempt_support import (
-    DETERMINISTIC,
     assert_same_final_state,
     assert_unchanged,
     cli,
@@ -199,7 +198,7 @@ def test_partition_preemption_finishes_the_step_in_flight_stops_then_requeues_an
 
     # 1. requeue false
     profile = load_profile("local-slurm", ["partition=preemptible", "requeue=false", GRACE])
-    job = launch_run(tiny_run(*DETERMINISTIC), profile, run_dir, entry=hold)
+    job = launch_run(tiny_run(*ppo_reference.overrides), profile, run_dir, entry=hold)
     (run_dir / "test_hold").write_text("term")   # read at the first step, long after the submit
     wait_for(lambda: log.exists() and "holding in step 1 " in log.read_text(), "the first step", job=job)
     first_urgent = _preempt(job, tmp_path)
@@ -219,7 +218,7 @@ def test_partition_preemption_finishes_the_step_in_flight_stops_then_requeues_an
 
     # 2. resumed (the hold actor, as `submit --resume` would start the stock one) with requeue true
     profile = load_profile("local-slurm", ["partition=preemptible", "requeue=true", "max_requeues=1", GRACE])
-    job = launch_run(tiny_run(*DETERMINISTIC), profile, run_dir, entry=hold)
+    job = launch_run(tiny_run(*ppo_reference.overrides), profile, run_dir, entry=hold)
     wait_for(lambda: "holding in step 2 " in log.read_text(), "the resumed job's first step", job=job)
     urgent_id = _preempt(job, tmp_path)
     saved = wait_for(lambda: events(run_dir, "saved")[1:], "the save after Slurm's SIGTERM", timeout=120, job=job)

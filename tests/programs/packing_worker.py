@@ -8,12 +8,16 @@ padded vs packed; writes the largest differences per rank.
 step: one PolicyUpdate optimizer step (clipped surrogate) from the same weights and rollouts,
 micro-batched by sample count, by token budget and packed, for each loss aggregation; writes
 the final weights' largest differences.
+corrected (TP 1, PP 1): the same step with rollout correction (token_truncate) on rollouts whose
+engine log-probs are not the trainer's, the three micro-batchings against the step written out
+here by hand with and without the correction's weights; writes the largest differences.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -83,19 +87,37 @@ def forward(pctx, out: Path) -> None:
     (out / f"forward_{dist.get_rank()}.json").write_text(json.dumps(result))
 
 
+def sequences() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """8 prompts and responses of long-tailed lengths (token ids)."""
+    g = torch.Generator().manual_seed(5)
+    plen = [3, 5, 2, 4, 6, 3, 2, 5]
+    rlen = [20, 2, 9, 1, 30, 4, 12, 3]
+    return [torch.randint(1, 250, (p,), generator=g) for p in plen], [torch.randint(1, 250, (r,), generator=g) for r in rlen]
+
+
+def rollouts():
+    """The step's RolloutBatch: `sequences()`, the last response cut (not ended), pi_old and
+    advantages drawn at random, every sample kept."""
+    from slurm_align.algorithms.rollout_batch import RolloutBatch
+    prompts, responses = sequences()
+    b = RolloutBatch.from_sequences(prompts, responses, pad_id=0, index=list(range(8)),
+                                    group=[i // 2 for i in range(8)], is_end=[True] * 7 + [False])
+    T = b.max_response
+    gen = torch.Generator().manual_seed(9)
+    b.set_tokens("logprobs", -torch.rand(8, T, generator=gen) * 3 * b.mask)
+    b.set_tokens("ref_logprobs", b["logprobs"])
+    b.set_tokens("advantages", torch.randn(8, T, generator=gen) * b.mask)
+    b.set_samples("train", torch.ones(8))
+    return b
+
+
 def step(pctx, out: Path) -> None:
     """One optimizer step of the policy, three micro-batchings, each loss aggregation."""
     from slurm_align.algorithms.policy_gradient import PolicyUpdate
-    from slurm_align.algorithms.rollout_batch import RolloutBatch
     from slurm_align.config.run import RunConfig
     from slurm_align.models.gpt import build_gpt
     from slurm_align.models.weights import full_state_dict
     cfg = SHAPES["llama"]
-    g = torch.Generator().manual_seed(5)
-    plen = [3, 5, 2, 4, 6, 3, 2, 5]
-    rlen = [20, 2, 9, 1, 30, 4, 12, 3]
-    prompts = [torch.randint(1, 250, (p,), generator=g) for p in plen]
-    responses = [torch.randint(1, 250, (r,), generator=g) for r in rlen]
     result = {}
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
         finals = {}
@@ -115,14 +137,7 @@ def step(pctx, out: Path) -> None:
             # SGD, lr 1: the weights move by exactly the gradient (AdamW's first step is
             # sign-like and would hide or blow up tiny differences).
             opt = torch.optim.SGD([p for c in policy for p in c.parameters()], lr=1.0)
-            b = RolloutBatch.from_sequences(prompts, responses, pad_id=0, index=list(range(8)),
-                                            group=[i // 2 for i in range(8)], is_end=[True] * 7 + [False])
-            T = b.max_response
-            gen = torch.Generator().manual_seed(9)
-            b.set_tokens("logprobs", -torch.rand(8, T, generator=gen) * 3 * b.mask)
-            b.set_tokens("ref_logprobs", b["logprobs"])
-            b.set_tokens("advantages", torch.randn(8, T, generator=gen) * b.mask)
-            b.set_samples("train", torch.ones(8))
+            b = rollouts()
             before = full_state_dict(policy, pctx)
             PolicyUpdate(run, policy, opt, pctx).train(b, 1, NoTracer())
             finals[way] = full_state_dict(policy, pctx)
@@ -133,10 +148,99 @@ def step(pctx, out: Path) -> None:
     (out / f"step_{dist.get_rank()}.json").write_text(json.dumps(result))
 
 
+C = 2.0
+"""The correction's threshold in `corrected`."""
+
+
+def engine_logprobs(b) -> torch.Tensor:
+    """log pi_rollout: pi_old moved by up to about +-1.5 per token (an engine off the trainer's
+    policy), so the TIS weights min(exp(log pi_old - log pi_rollout), C) spread over (0.2, C]."""
+    gen = torch.Generator().manual_seed(13)
+    return (b["logprobs"] + torch.randn(b["logprobs"].shape, generator=gen) * 0.6) * b.mask
+
+
+def step_by_hand(cfg, pctx, correct: bool) -> dict[str, torch.Tensor]:
+    """The weights after the corrected (or the uncorrected) step, written out without the
+    product's loss, batching or correction code: one forward of the whole right-padded batch,
+    log p of each response token, w = min(exp(log pi_old - log pi_rollout), C) (or 1),
+    -w min(r A, clip(r, 0.8, 1.2) A) per token, mean over the tokens of the responses that ended,
+    backward, SGD with lr 1."""
+    from slurm_align.models.gpt import build_gpt
+    from slurm_align.models.weights import full_state_dict
+    policy = build_gpt(cfg, pctx, seed=31)
+    prompts, responses = sequences()
+    b = rollouts()
+    seqs = [torch.cat([p, r]) for p, r in zip(prompts, responses)]
+    L = max(len(q) for q in seqs)
+    tokens = torch.zeros(len(seqs), L, dtype=torch.int64)
+    for i, q in enumerate(seqs):
+        tokens[i, :len(q)] = q
+    causal = torch.triu(torch.ones(L, L, dtype=torch.bool), diagonal=1)[None, None]   # True: masked out
+    logits = policy[0](input_ids=tokens, position_ids=torch.arange(L)[None].expand(len(seqs), L),
+                       attention_mask=causal)[..., :cfg.vocab_size]
+    next_lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None])[..., 0]
+    old, adv, rollout = b["logprobs"], b["advantages"], engine_logprobs(b)
+    loss, count = 0.0, 0
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        if i == 7:      # cut at max_new_tokens (is_end False): teaches nothing
+            continue
+        for t in range(len(r)):
+            logp = next_lp[i, len(p) - 1 + t]        # the position that predicts response token t
+            w = min(math.exp(float(old[i, t]) - float(rollout[i, t])), C) if correct else 1.0
+            ratio = torch.exp(logp - float(old[i, t]))
+            a = float(adv[i, t])
+            loss = loss - w * torch.minimum(ratio * a, ratio.clamp(0.8, 1.2) * a)
+            count += 1
+    (loss / count).backward()
+    with torch.no_grad():
+        for chunk in policy:
+            for param in chunk.parameters():
+                if param.grad is not None:
+                    param -= param.grad
+    return full_state_dict(policy, pctx)
+
+
+def corrected(pctx, out: Path) -> None:
+    """PolicyUpdate with rollout_correction token_truncate through sample-count, token-budget and
+    packed micro-batches (the weights column rides in the micro-batches), against step_by_hand."""
+    from slurm_align.algorithms import rollout_correction as rc
+    from slurm_align.algorithms.policy_gradient import PolicyUpdate
+    from slurm_align.config.run import RunConfig
+    from slurm_align.models.gpt import build_gpt
+    from slurm_align.models.weights import full_state_dict
+    cfg = SHAPES["llama"]
+    want = {"corrected": step_by_hand(cfg, pctx, True), "uncorrected": step_by_hand(cfg, pctx, False)}
+    def diff(a: dict, b: dict) -> float:
+        return max(float((a[k] - b[k]).abs().max()) for k in b)
+    result = {"correction_moves_the_step": diff(want["corrected"], want["uncorrected"])}
+    for way, micro in (("samples", {"train_micro_batch_size": 3}), ("budget", {"max_tokens": 40}),
+                       ("packed", {"max_tokens": 40, "pack": True})):
+        run = RunConfig(algorithm="grpo", model=cfg, rl={"n_samples_per_prompt": 2},
+                        reward={"rule": "slurm_align.rewards.arithmetic:exact_answer"},
+                        ppo={"num_rollout_samples": 4, "train_micro_batch_size": micro.get("train_micro_batch_size", 4),
+                             "grad_clip": 0.0},
+                        actor={"max_tokens_per_micro_batch": micro.get("max_tokens")},
+                        switches={"sequence_packing": micro.get("pack", False),
+                                  "token_budget_micro_batches": "max_tokens" in micro},
+                        rollout_correction={"mode": "token_truncate", "threshold": C})
+        policy = build_gpt(cfg, pctx, seed=31)
+        opt = torch.optim.SGD([p for c in policy for p in c.parameters()], lr=1.0)
+        b = rollouts()
+        b.set_tokens("rollout_logprobs", engine_logprobs(b))
+        m = rc.apply(run.rollout_correction, b, None)   # the column estimate_advantages sets
+        result[f"{way}/weight_min"] = float(b[rc.WEIGHTS][b.mask > 0].min())
+        result[f"{way}/weight_max"] = m["rollout_correction_weight_max"]
+        PolicyUpdate(run, policy, opt, pctx).train(b, 1, NoTracer())
+        got = full_state_dict(policy, pctx)
+        for name, weights in want.items():
+            result[f"{way}/vs_{name}"] = diff(got, weights)
+    (out / f"corrected_{dist.get_rank()}.json").write_text(json.dumps(result))
+
+
 def main(argv: list[str]) -> int:
     action, tp, pp, out = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
     pctx = init_parallel(tp, pp)
-    {"forward": forward, "step": step}[action](pctx, out)
+    {"forward": forward, "step": step, "corrected": corrected}[action](pctx, out)
     dist.barrier()
     pctx.destroy()
     return 0

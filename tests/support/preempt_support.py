@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from slurm_align.config import load_run_config
 from slurm_align.rundir import RunDir
 from slurm_align.slurm.preemption import read_events
 from slurm_align.store.rollouts import RolloutStore
@@ -26,7 +27,9 @@ from slurm_align.store.traces import read_traces
 HOLD_ACTOR = Path(__file__).parents[1] / "programs" / "preempt_hold_actor.py"
 STEPS = 4
 DETERMINISTIC = ("switches.dynamic_prompts=false", f"ppo.num_steps={STEPS}", "ppo.save_interval=1")
-"""Static sharding: every start gives each rank the same prompts, so resumed == uninterrupted."""
+"""Static sharding: every start gives each rank the same prompts, so resumed == uninterrupted.
+The shared reference run (conftest `ppo_reference`) adds its SFT start: runs compared with it
+use `tiny_run(*ppo_reference.overrides)`."""
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -108,22 +111,53 @@ def _actor_weights(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and "_extra_state" not in k}
 
 
+def key_bias_positions(run_dir: Path) -> torch.Tensor:
+    """Where the key projection's bias sits in linear_qkv.bias (megatron's layout: per query group,
+    its query heads, then its key head, then its value head), as a bool mask over the last dim.
+
+    Its gradient is 0 in exact arithmetic (a key bias adds q . b to every score of a query, and
+    softmax ignores a shift), so it is float noise, and AdamW divides that noise by its own root
+    mean square: those entries take steps of about lr with signs set by the last bits of the
+    step. Two runs equal up to float rounding (the critic batches requests as they arrive) end
+    up to several 1e-5 apart there, while every weight with a real gradient stays within 1e-6."""
+    model = load_run_config(RunDir(Path(run_dir)).config).model
+    per_group = model.num_attention_heads // model.query_groups
+    layout = torch.tensor(([0] * per_group + [1] + [2]) * model.query_groups)   # 0 query, 1 key, 2 value (heads)
+    return layout.repeat_interleave(model.head_dim) == 1
+
+
 def assert_same_final_actor_checkpoint(run_dir: Path, reference: Path, tmp: Path, tol: float = 1e-5) -> str:
     """The run's newest actor checkpoint (weights and AdamW state) equals the reference's of the
-    same step within tol; returns its name."""
+    same step within tol, but for the key bias's entries (key_bias_positions: noise that AdamW
+    scales up); returns its name."""
     last = sorted(p.name for p in (run_dir / "checkpoints" / "actor").glob("iter_*") if (p / "manifest.json").is_file())[-1]
     a = _actor_weights(run_dir / "checkpoints" / "actor" / last, tmp / "run.pt")
     b = _actor_weights(reference / "checkpoints" / "actor" / last, tmp / "ref.pt")
     assert a.keys() == b.keys() and any(k.startswith("optimizer") for k in a)
+    key_bias = key_bias_positions(reference)
     for k in a:
-        assert torch.allclose(a[k].float(), b[k].float(), rtol=0, atol=tol), k
+        x, y = a[k].float(), b[k].float()
+        if k.endswith("linear_qkv.bias") and x.shape[-1] == key_bias.numel():
+            x, y = x[..., ~key_bias], y[..., ~key_bias]
+        assert torch.allclose(x, y, rtol=0, atol=tol), (k, float((x - y).abs().max()))
     return last
+
+
+def assert_trains_every_step(run_dir: Path) -> None:
+    """Every training step's actor gradient was nonzero: its weights and AdamW moments moved, so
+    a run that lost or skipped a step's update (or a resume that did not load them) ends
+    elsewhere. (A policy whose responses never end has a zero gradient at every step.)"""
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+    norms = {m["step"]: m["train_optim/grad_norm"] for m in rows if "timers/step" in m}
+    assert norms and all(n > 0 for n in norms.values()), f"{run_dir}: actor grad norm per step {norms}"
 
 
 def assert_same_final_state(run_dir: Path, reference: Path, tmp: Path, tol: float = 1e-5) -> None:
     """The run's rollouts and metrics steps match the reference's, each step once; its final actor
-    checkpoint (weights and AdamW state) and critic weights equal the reference's within tol."""
+    checkpoint (weights and AdamW state) and critic weights equal the reference's within tol. The
+    reference must have trained at every step (else equal weights prove nothing)."""
     run_dir, reference = Path(run_dir), Path(reference)
+    assert_trains_every_step(reference)
     mine = RolloutStore.open(run_dir / "rollouts.zarr", read_only=True)
     ref = RolloutStore.open(reference / "rollouts.zarr", read_only=True)
     assert mine.steps.tolist() == ref.steps.tolist()            # every step exactly once
