@@ -9,8 +9,14 @@ import math
 import numpy as np
 import pytest
 
-from slurm_align.analysis.significance import (paired_counts, pooled_correct, rank_sum_test, read_results, same_prompts,
-                                               sign_test)
+from slurm_align.analysis.significance import (
+    paired_counts,
+    pooled_correct,
+    rank_sum_test,
+    read_results,
+    same_prompts,
+    sign_test,
+)
 
 
 @pytest.mark.parametrize("b,c,p", [
