@@ -131,6 +131,10 @@ def main() -> int:
               f"(10^7-step loop now {loop_seconds():.2f} s); log {out / path / 'pytest.log'}", flush=True)
         for record in records:
             table.append(rows_of(record, path))
+            if record.get("versus"):   # the async example against grpo_tiny's end: prompts lost net
+                v = record["versus"]
+                table.append([f"{record['test']} vs grpo", path, f"{v['acc_before']:.3f} -> {v['acc_after']:.3f}",
+                              f"b={v['b']} c={v['c']}: c-b={v['c'] - v['b']} (at most {0.05 * v['n']:.0f})", "", ""])
             worst["a"] = max(worst["a"], record["gain"]["p_better"])
             if record.get("over_twin"):
                 worst["b"] = max(worst["b"], record["over_twin"]["p_better"])

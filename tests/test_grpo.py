@@ -8,6 +8,7 @@ must fail the same check; they decide with exact sign tests (tests/support/learn
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -307,7 +308,8 @@ def test_async_example_learns_as_grpo_tiny_does_and_its_broken_twin_does_not(tmp
     # ... and as grpo_tiny does: the prompts where the two ends differ, paired
     sync = paired_counts(pooled_correct(grpo_learning_run, learning.end_steps(grpo_learning_run)),
                          pooled_correct(good_dir, verdict.end))
-    print(f"{verdict}\n  grpo_tiny end -> async end: {sync}")
+    verdict = dataclasses.replace(verdict, versus=sync)
+    print(verdict)
     verdict.check()
     assert sync.c - sync.b <= ASYNC_SLACK * sync.n, \
         f"the async example ended {sync.c - sync.b} prompts below grpo_tiny " \

@@ -80,6 +80,7 @@ class Verdict:
     twin: PairedCounts          # (c) the twin: start -> pooled end
     end: list[int]              # the run's pooled steps
     twin_end: list[int]         # the twin's
+    versus: PairedCounts | None = None   # another run's pooled end -> this run's (the async example's grpo_tiny)
 
     def record(self) -> dict:
         """What benchmarks/learning_spread.py tabulates (one JSON line)."""
@@ -88,13 +89,14 @@ class Verdict:
                     "p_better": c.p_better}
         return {"test": self.name, "alpha": ALPHA, "twin_alpha": TWIN_ALPHA, "end_steps": self.end,
                 "twin_end_steps": self.twin_end, "gain": counts(self.gain), "over_twin": counts(self.over_twin),
-                "twin": counts(self.twin)}
+                "twin": counts(self.twin), "versus": counts(self.versus) if self.versus else None}
 
     def __str__(self) -> str:
         return (f"{self.name} (end pooled over steps {self.end}, twin's over {self.twin_end}):\n"
                 f"  (a) start -> end:       {self.gain}\n"
                 f"  (b) twin end -> end:    {self.over_twin}\n"
-                f"  (c) twin start -> end:  {self.twin}")
+                f"  (c) twin start -> end:  {self.twin}"
+                + (f"\n  other run's end -> end: {self.versus}" if self.versus else ""))
 
     def check(self) -> None:
         print(VERDICT_PREFIX + json.dumps(self.record()))
