@@ -36,6 +36,7 @@ from slurm_align.analysis.significance import (
     read_results,
     same_prompts,
 )
+from slurm_align.rewards import sort
 from slurm_align.rundir import RunDir
 from slurm_align.store.rollouts import RolloutStore
 
@@ -57,8 +58,10 @@ def end_steps(run_dir: Path, pooled: int = POOLED) -> list[int]:
 
 
 def check_eval_files(run_dir: Path) -> None:
-    """Every val/score in metrics.jsonl is the mean score of its step's per-prompt file, and
-    every file scores the same prompts (a file of another step or of a part of the set would not)."""
+    """Every val/score in metrics.jsonl is the mean score of its step's per-prompt file, every
+    row's score is the sort task's exact score of its own response and prompt (rows whose scores
+    were shuffled against their prompts would keep the mean), and every file scores the same
+    prompts (a file of another step or of a part of the set would not)."""
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     scores = {m["step"]: m["val/score"] for m in records if "val/score" in m}
     assert sorted(scores) == RunDir(run_dir).eval_steps(), (sorted(scores), RunDir(run_dir).eval_steps())
@@ -67,6 +70,8 @@ def check_eval_files(run_dir: Path) -> None:
         assert [r["index"] for r in rows] == list(range(len(rows)))
         assert abs(np.mean([r["score"] for r in rows]) - score) < 1e-9, (step, score)
         assert all(r["correct"] == int(r["score"] >= 1.0) for r in rows)
+        wrong = [r for r in rows if sort.exact(r["response"], r["prompt"]) != r["score"]]
+        assert not wrong, f"{run_dir} step {step}: {len(wrong)} rows whose score is not their response's: {wrong[:3]}"
         assert same_prompts(run_dir, step, run_dir, 0)
 
 
