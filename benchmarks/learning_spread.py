@@ -1,14 +1,19 @@
 """The learning tests under several float paths: does each verdict hold on any machine of this kind?
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/learning_spread.py [--paths default,avx2] [--tests grpo,ppo]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/learning_spread.py [--paths avx2,default] [--tests grpo,ppo]
                                                                    [--out DIR]
 
 A new machine gives other float results than the one a test was written on: other CPU kernels
-(AVX2 against AVX-512; ATen picks them at start, `ATEN_CPU_CAPABILITY` forces one), so every run
-takes another trajectory. For each float path this runs the learning tests (tests/test_grpo.py,
-tests/test_ppo.py: each a good run and its broken twin, from an SFT policy and reward model built
-in the same session, so under the same path) in one pytest session, reads the verdict line each
-test prints (tests/support/learning.py) and tabulates, per test and path: the start, end and twin
+(AVX2 against AVX-512), so every run takes another trajectory. Two libraries pick their kernels
+from the CPU at start, and a path forces both: ATen's own (elementwise, softmax, norms:
+`ATEN_CPU_CAPABILITY`) and MKL's matrix products (`MKL_ENABLE_INSTRUCTIONS`; oneDNN's
+`ONEDNN_MAX_CPU_ISA` too). Measured: ATEN_CPU_CAPABILITY alone leaves every matmul bit-identical
+(MKL still runs AVX-512), so `avx2` sets all three, as an AVX2-only host would; `aten-avx2` and
+`aten-default` are the ATen-only variants. For each float path this runs the learning tests
+(tests/test_grpo.py, tests/test_ppo.py: each a good run and its broken twin, from an SFT policy
+and reward model built in the same session, so under the same path) in one pytest session, reads
+the verdict line each test prints (tests/support/learning.py) and tabulates, per test and path:
+the start, end and twin
 end accuracies (PPO: mean rewards), the counts b (wrong -> right) and c (right -> wrong) of each
 comparison and its p-value, the smallest b that would still pass (the bound) and whether the
 test passed. A test whose p-value misses alpha under any path is not done.
@@ -43,8 +48,16 @@ TESTS = {
     "ppo": "tests/test_ppo.py::test_ppo_raises_its_reward_and_a_flipped_advantage_does_not",
     "ppo_all_off": "tests/test_ppo.py::test_ppo_learns_with_every_switch_off",
 }
-PATHS = ("default", "avx2", "avx512", "native")
-"""ATEN_CPU_CAPABILITY values (ATen's kernels), and `native` (the variable unset: this CPU's best)."""
+PATHS = {
+    "native": {},                                                     # this CPU's best kernels
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "default": {"ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+    "aten-avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
+    "aten-default": {"ATEN_CPU_CAPABILITY": "default"},
+}
+"""Float paths: the environment each forces on every process of the session (ranks inherit it).
+`avx2` is an AVX2-only host (the issue's failing machine), `default` one without AVX at all."""
+FORCED = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
 def loop_seconds() -> float:
@@ -57,10 +70,8 @@ def loop_seconds() -> float:
 def run_session(path: str, nodeids: list[str], out: Path) -> tuple[list[dict], dict[str, str], float]:
     """One pytest session of the learning tests under float path `path`: the verdict records, each
     test's outcome (passed/failed/error/skipped) and the wall seconds."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    env.pop("ATEN_CPU_CAPABILITY", None)
-    if path != "native":
-        env["ATEN_CPU_CAPABILITY"] = path
+    env = {k: v for k, v in os.environ.items() if k not in FORCED}
+    env.update(PYTHONPATH=str(REPO_ROOT), **PATHS[path])
     folder = out / path
     folder.mkdir(parents=True, exist_ok=True)
     xml = folder / "junit.xml"
@@ -108,7 +119,7 @@ def rows_of(record: dict, path: str) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--paths", default="default,avx2", help=f"comma-separated, of {', '.join(PATHS)}")
+    ap.add_argument("--paths", default="avx2,default", help=f"comma-separated, of {', '.join(PATHS)}")
     ap.add_argument("--tests", default=",".join(TESTS), help=f"comma-separated, of {', '.join(TESTS)}")
     ap.add_argument("--out", type=Path, default=Path("runs/learning-spread"))
     args = ap.parse_args()
