@@ -11,9 +11,10 @@ slurm_align.analysis.significance):
   (a) the run's end beats its start:           p(better) < ALPHA
   (b) the run's end beats the broken twin's end: p(better) < ALPHA
   (c) the twin's end does not beat its start:   p(better) > TWIN_ALPHA
-A float path of another CPU (AVX2 against AVX-512 kernels, other thread counts) changes a run's
-trajectory, and so its exact scores; these verdicts are about the learning, which it does not
-change (benchmarks/learning_spread.py measures them under several float paths).
+Another CPU's float path (AVX2 against AVX-512 kernels in ATen and MKL) changes a run's
+trajectory, and so its exact scores, but must not change these verdicts:
+benchmarks/learning_spread.py runs every learning test under several float paths and reports each
+verdict's counts and p-values.
 
 PPO's claim is about its reward (the reward model it optimises can be pleased without sorting):
 `reward_verdict` compares the per-sample rewards of an early and a late window of steps.
