@@ -7,6 +7,7 @@
     RUN_DIR/logs/<component>/rank<N>.log
     RUN_DIR/rollouts.zarr          rollout store (PPO)
     RUN_DIR/traces.zarr            per-rank span traces
+    RUN_DIR/eval/step_<N>.jsonl    per-prompt outcome of the held-out evaluation after step N (algorithms/evaluation.py)
     RUN_DIR/checkpoints/<name>/iter_<step>
     RUN_DIR/reports/<component>/rank<N>.json   what each rank reports about itself
     RUN_DIR/logs/<component>/exit_code, launcher.log; logs/first_failure
@@ -63,6 +64,15 @@ class RunDir:
     @property
     def traces(self) -> Path:
         return self.root / "traces.zarr"
+
+    def eval_results(self, step: int) -> Path:
+        """The per-prompt outcome of the held-out evaluation after `step` training steps (0: the
+        initial policy); its rows are described in slurm_align/algorithms/evaluation.py."""
+        return self.root / "eval" / f"step_{step}.jsonl"
+
+    def eval_steps(self) -> list[int]:
+        """The steps that have a per-prompt evaluation file, ascending."""
+        return sorted(int(p.stem.removeprefix("step_")) for p in (self.root / "eval").glob("step_*.jsonl"))
 
     def checkpoints(self, name: str) -> Path:
         return self.root / "checkpoints" / name

@@ -275,10 +275,10 @@ def grpo_learning_run(tmp_path_factory: pytest.TempPathFactory, sft_checkpoint: 
     """grpo_tiny's learning run from the shared SFT policy (tests/integration/test_grpo.py `learning_config`):
     GRPO's own learning test and the asynchronous example's comparison with it read the same run.
     Built once per session for all workers; its run directory. Read-only."""
-    from tests.integration.test_grpo import learning_config
+    from tests.integration.test_grpo import launch_learning, learning_config
 
     def build(folder: Path) -> None:
-        _launch_and_wait(learning_config(sft_checkpoint, "algorithm=grpo"), folder / "run", "the shared GRPO learning run")
+        launch_learning(folder / "run", learning_config(sft_checkpoint, "algorithm=grpo"))   # one actor rank
     return build_once(tmp_path_factory, "grpo-learning", build) / "run"
 
 

@@ -6,14 +6,32 @@ mean) and `val/response_length` in metrics.jsonl. Multi-turn runs (run.multi_tur
 rollouts' loop greedily with the environment and score the model's last turn; the length counts
 the model's tokens only, and `val/tool_calls` is the mean number of tool calls per answer.
 
+Each evaluation also keeps its per-prompt outcome, RUN_DIR/eval/step_<N>.jsonl (N: the steps
+trained before it, 0 for the initial policy; RunDir.eval_results), one JSON line per held-out
+prompt in index order:
+
+    {"index": 17, "prompt": "7391=", "response": "1379", "score": 1.0, "correct": 1}
+
+`index` is the prompt's place in the evaluated set (the first eval.num_prompts rows of
+eval.val_path, in file order), `response` the greedy answer as scored (multi-turn: the model's
+last turn), `score` the scorer's value and `correct` 1 where it gave its full mark (score >= 1;
+the shipped exact scorers give 0 or 1), else 0. The mean of `score` is that step's val/score.
+Two evaluations of the same set pair prompt by prompt (`slurm_align.analysis.significance`: which
+prompts changed, and an exact sign test of whether a change is more than chance). The file is
+written whole (temp file, then os.replace), so a reader never sees part of one; a resumed run
+rewrites the steps it redoes.
+
 Runs in the generation layout after a refit: each generation replica takes a strided share of
 the prompts (all its ranks in lock-step, as for rollouts), its requester scores them, and one
-all-reduce over the component gives every rank the means.
+all-reduce over the component gives every rank the means; the per-prompt rows are gathered on
+the component's rank 0, which writes them.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,6 +40,10 @@ import torch
 from slurm_align.config.run import RunConfig
 from slurm_align.data.datasets import PromptDataset
 from slurm_align.rewards.rule import RuleReward
+from slurm_align.rundir import write_atomic
+
+FULL_MARK = 1.0
+"""A prompt is `correct` where its score reaches this (the exact scorers' 1)."""
 
 
 @dataclass
@@ -51,12 +73,25 @@ class EvalSet:
         return step % run.eval.interval == 0 or step == run.ppo.num_steps
 
 
+def write_results(path: Path, rows: list[dict[str, Any]]) -> None:
+    """One evaluation's per-prompt rows (see the module's docstring) to `path`
+    (RunDir.eval_results), written whole; analysis/significance.py reads them."""
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+
+
+@dataclass
+class EvalResult:
+    metrics: dict[str, float]                 # val/* means, on every rank
+    rows: list[dict[str, Any]] | None         # per-prompt rows in index order; on comm rank 0 only
+
+
 @torch.no_grad()
-def evaluate(collector, layout, comm, evalset: EvalSet, max_new_tokens: int, batch_size: int) -> dict[str, float]:
+def evaluate(collector, layout, comm, evalset: EvalSet, max_new_tokens: int, batch_size: int) -> EvalResult:
     """Collective over `comm` (the component's world), inside `generation_layout`, the
     collector's engine refitted (algorithms/rollout_collector.py: its greedy engine call)."""
     mine = list(range(layout.dp_rank, len(evalset.rows), layout.dp_size))
     total = np.zeros(4)          # score sum, response tokens, responses, tool calls
+    scored: list[tuple[int, str, float]] = []    # (index, response, score) of the prompts this rank scored
     for a in range(0, len(mine), batch_size):
         idx = mine[a:a + batch_size]
         if collector.env is not None:   # multi-turn: the same loop as the rollouts, greedy
@@ -65,6 +100,7 @@ def evaluate(collector, layout, comm, evalset: EvalSet, max_new_tokens: int, bat
             scores = evalset.scorer.many(texts, [evalset.rows[i] for i in idx])
             total += [sum(scores), sum(len(t.tokens) for c in convs for t in c.turns if t.role == "model"),
                       len(idx), sum(c.metrics.get("tool_calls", 0.0) for c in convs)]
+            scored += zip(idx, texts, scores)
             continue
         out = collector.greedy([evalset.prompts[i] for i in idx], max_new_tokens)
         if not layout.is_requester:
@@ -74,9 +110,17 @@ def evaluate(collector, layout, comm, evalset: EvalSet, max_new_tokens: int, bat
         lengths = [len(r) for r in responses]
         scores = evalset.scorer.many(texts, [evalset.rows[i] for i in idx])
         total += [sum(scores), sum(lengths), len(idx), 0.0]
+        scored += zip(idx, texts, scores)
     score, tokens, count, calls = comm.allreduce(total)
     count = max(count, 1.0)
     out = {"val/score": score / count, "val/response_length": tokens / count}
     if collector.env is not None:
         out["val/tool_calls"] = calls / count
-    return out
+    # Multi-turn: every rank of a replica ran the loop; its requester's rows are the replica's.
+    parts = comm.gather(scored if layout.is_requester else [], root=0)
+    rows = None
+    if parts is not None:
+        rows = [{"index": i, "prompt": evalset.rows[i]["prompt"], "response": text, "score": float(s),
+                 "correct": int(s >= FULL_MARK)} for i, text, s in sorted(p for part in parts for p in part)]
+        assert [r["index"] for r in rows] == list(range(len(evalset.rows))), "every held-out prompt scored once"
+    return EvalResult(out, rows)

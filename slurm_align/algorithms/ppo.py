@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from rich.progress import Progress
 
-from slurm_align.algorithms.evaluation import EvalSet, evaluate
+from slurm_align.algorithms.evaluation import EvalSet, evaluate, write_results
 from slurm_align.algorithms.generator import RemoteRollouts, stale_mask
 from slurm_align.algorithms.policy_gradient import PolicyUpdate, Rewards, combine_rewards, estimate_advantages
 from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
@@ -211,15 +211,19 @@ class PPOActor:
 
     def evaluate(self, step: int) -> dict[str, float]:
         """The held-out task score of the policy after `step` steps (refit, greedy answers); a
-        span of step `step` (none for the initial policy, step 0, which is not a training step)."""
+        span of step `step` (none for the initial policy, step 0, which is not a training step).
+        Rank 0 writes the per-prompt outcome to RUN_DIR/eval/step_<step>.jsonl (evaluation.py)."""
         run = self.run
         span = self.tracer.span(P.EVALUATE, step) if step > 0 else contextlib.nullcontext()
         with span, generation_phase(self.engine, self.offload, free_engine_after=False):
             refit_from_training(self.engine, self.policy, self.pctx, refold=run.switches.refold)
             assert self.evalset is not None, "EvalSet.due: evaluation is on"
             with self.pctx.generation_layout(run.switches.refold) as layout:
-                return evaluate(self.collector, layout, self.env.comm, self.evalset, run.generation.max_new_tokens,
-                                run.generation.prompt_batch_size * run.rl.n_samples_per_prompt)
+                got = evaluate(self.collector, layout, self.env.comm, self.evalset, run.generation.max_new_tokens,
+                               run.generation.prompt_batch_size * run.rl.n_samples_per_prompt)
+            if got.rows is not None:
+                write_results(self.rd.eval_results(step), got.rows)
+        return got.metrics
 
     def rollout_metrics(self, shard: RolloutBatch) -> dict:
         """Means over the whole step (sums all-reduced over DP)."""

@@ -204,6 +204,48 @@ def cmd_sweep(args) -> int:
     return 1 if failed else 0
 
 
+def cmd_heldout(args) -> int:
+    """Held-out accuracy at each evaluation of a run (RUN_DIR/eval/step_<N>.jsonl), each against
+    the initial policy's on the same prompts: the prompts that changed (b wrong -> right, c right
+    -> wrong) and the exact one-sided sign test's p-value; then the end (the last --pool
+    evaluations, a prompt solved where most of them solved it) against the start, and against
+    another run's end (--against)."""
+    from slurm_align.analysis.significance import paired_counts, pooled_correct, same_prompts
+    from slurm_align.rundir import RunDir
+
+    def steps_of(run_dir: Path) -> list[int]:
+        steps = RunDir(run_dir).eval_steps()
+        if not steps:
+            raise ConfigError.at("RUN_DIR", str(run_dir), "has no per-prompt evaluation (eval/step_<N>.jsonl): "
+                                 "a rollout run with eval.interval > 0 writes them")
+        return steps
+
+    run = Path(args.run_dir)
+    steps = steps_of(run)
+    start = pooled_correct(run, [steps[0]])
+    t = Table(title=f"{run}: held-out accuracy against step {steps[0]} ({len(start)} prompts)")
+    for col in ("step", "accuracy", "b wrong->right", "c right->wrong", "p(better)", "p(worse)"):
+        t.add_column(col, justify="right")
+    for step in steps:
+        c = paired_counts(start, pooled_correct(run, [step]))
+        t.add_row(str(step), f"{c.acc_after:.3f}", str(c.b), str(c.c), f"{c.p_better:.2e}", f"{c.p_worse:.2e}")
+    _stdout().print(t)
+    end_steps = [s for s in steps if s != steps[0]][-args.pool:]
+    if end_steps:
+        print(f"end (steps {end_steps}, pooled) against step {steps[0]}: "
+              f"{paired_counts(start, pooled_correct(run, end_steps))}")
+    if args.against:
+        other = Path(args.against)
+        other_steps = steps_of(other)
+        if not same_prompts(run, steps[0], other, other_steps[0]):
+            raise ConfigError.at("--against", str(other), f"evaluated other prompts than {run}: no pairing")
+        other_end = [s for s in other_steps if s != other_steps[0]][-args.pool:] or other_steps[-1:]
+        mine = end_steps or steps[-1:]
+        print(f"end of {other} (steps {other_end}) against the end of {run} (steps {mine}): "
+              f"{paired_counts(pooled_correct(other, other_end), pooled_correct(run, mine))}")
+    return 0
+
+
 def register(sub) -> None:
     analyze = sub.add_parser("analyze", help="analyse runs and sweeps from their Zarr traces")
     asub = analyze.add_subparsers(dest="analysis", required=True, metavar="ANALYSIS")
@@ -235,6 +277,12 @@ def register(sub) -> None:
     p.add_argument("sweep_dir", metavar="SWEEP_DIR")
     common(p)
     p.set_defaults(func=cmd_scaling)
+
+    p = asub.add_parser("heldout", help="held-out accuracy per evaluation, paired per prompt, with exact sign tests")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.add_argument("--pool", type=int, default=3, help="the end point: a prompt's majority over the last N evaluations")
+    p.add_argument("--against", metavar="RUN", help="another run of the same held-out prompts: its end against this")
+    p.set_defaults(func=cmd_heldout)
 
     p = sub.add_parser("sweep", help="one job per node count, a manifest and live progress")
     p.add_argument("config", metavar="CONFIG")

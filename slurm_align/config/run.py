@@ -467,7 +467,8 @@ class EvalConfig(StrictModel):
     interval: int = Field(0, ge=0)
     """Evaluate the initial policy (a record with step 0), then after every step k that is a
     multiple of this, and after the last step (0: never). Logged as val/score (the scorer's
-    mean) and val/response_length in metrics.jsonl, in the record of the step evaluated after."""
+    mean) and val/response_length in metrics.jsonl, in the record of the step evaluated after;
+    each prompt's response and score in RUN_DIR/eval/step_<N>.jsonl (algorithms/evaluation.py)."""
     val_path: Path | None = None
     """JSONL prompts {"prompt", ...} to evaluate on (other fields reach the scorer)."""
     scorer: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")

@@ -68,3 +68,17 @@ def preference_rows(rng: random.Random, n: int) -> list[dict]:
 
 def prompt_rows(rng: random.Random, n: int) -> list[dict]:
     return [{"prompt": make_prompt(rng)[0]} for _ in range(n)]
+
+
+def heldout_prompt_rows(rng: random.Random, n: int, seen: set[str]) -> list[dict]:
+    """`n` distinct prompts, none of them in `seen` (the prompts of every training file): a
+    held-out set measures the task, not recall. The task has about 11 million prompts, so
+    thousands are drawn from the same stream as prompt_rows, skipping repeats."""
+    rows: list[dict] = []
+    taken = set(seen)
+    while len(rows) < n:
+        prompt = make_prompt(rng)[0]
+        if prompt not in taken:
+            taken.add(prompt)
+            rows.append({"prompt": prompt})
+    return rows

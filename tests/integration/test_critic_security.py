@@ -247,7 +247,7 @@ def test_secret_file_is_private_and_never_elsewhere(critic):
     # A secret others can read is refused.
     os.chmod(rd.secret, 0o644)
     try:
-        with pytest.raises(Exception, match="mode 0644.*must be 0600"):
+        with pytest.raises(Exception, match=r"mode 0644.*must be 0600"):
             read_run_secret(rd)
     finally:
         os.chmod(rd.secret, 0o600)

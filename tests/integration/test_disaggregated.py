@@ -52,8 +52,9 @@ def run_configs(sft: Path) -> dict[str, tuple[RunConfig, int]]:
         "colocated": (grpo_config(*small, *one, f"ppo.num_steps={STEPS['colocated']}"), 1),
         "k0": (grpo_config(*small, *one, *DISAGGREGATED, "rollout.max_off_policy_steps=0",
                            f"ppo.num_steps={STEPS['k0']}"), 1),
-        "k1": (grpo_config(*small, *DISAGGREGATED, "rollout.max_off_policy_steps=1", f"ppo.num_steps={STEPS['k1']}",
-                           "actor.tensor_parallel=2", "actor.data_parallel=1", "rollout.weight_transport=collective"), 2),
+        "k1": (grpo_config(*small, *DISAGGREGATED, "rollout.max_off_policy_steps=1",
+                           f"ppo.num_steps={STEPS['k1']}", "actor.tensor_parallel=2", "actor.data_parallel=1",
+                           "rollout.weight_transport=collective"), 2),
         "k2": (grpo_config(*small, *DISAGGREGATED, "rollout.max_off_policy_steps=2", "rollout.lag=fixed",
                            f"ppo.num_steps={STEPS['k2']}", "actor.pipeline_parallel=2", "actor.data_parallel=1"), 2),
     }
@@ -323,7 +324,8 @@ def test_a_killed_generator_rank_fails_the_three_component_hetjob_naming_it(slur
     rank_process(tmp_path / "run", "generator", 1).send_signal(signal.SIGKILL)
     assert job.wait(timeout_s=180, poll_s=0.2) == "FAILED", logs_text(tmp_path / "run")
     status = json.loads(cli("status", str(tmp_path / "run"), "--json", timeout=60).stdout)
-    assert (status["state"], status["failed"]["component"], status["failed"]["rank"]) == ("FAILED", "generator", 1), status
+    failed = (status["state"], status["failed"]["component"], status["failed"]["rank"])
+    assert failed == ("FAILED", "generator", 1), status
 
 
 def test_the_trainer_zeroes_samples_older_than_k_and_counts_them():

@@ -25,11 +25,16 @@ import pytest
 from slurm_align import REPO_ROOT
 from slurm_align.config import load_run_config
 from slurm_align.slurm.render import Entry
-from tests.integration.test_grpo import BROKEN_ACTOR, BROKEN_STEPS, MARGIN, accuracy_gain, launch, val_score
+from tests.integration.test_grpo import BROKEN_ACTOR, BROKEN_STEPS, accuracy_gain, launch, val_score
 
 EXAMPLE = REPO_ROOT / "examples" / "arithmetic"
 RULE = "slurm_align.rewards.arithmetic:exact_answer"
 SFT_STEPS = 120
+MARGIN = 0.06
+"""Held-out accuracy gain the GRPO run must exceed (its twin: half of it). A margin on one
+trajectory of 200 prompts, which are not held out (the one-digit task has about 190 distinct
+problems, all of them in the training files): not yet decided like the sort task's learning tests
+(tests/support/learning.py), which need a larger held-out set than this task has."""
 
 
 def generate(folder: Path, example: Path = EXAMPLE, *args: str) -> Path:

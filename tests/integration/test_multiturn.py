@@ -68,7 +68,8 @@ class CalculatorFirst(ToolEnvironment):
                 raise KeyError(f"calculator lost row {row['prompt']!r}")
         first = [sum(m["role"] == "assistant" for m in msgs) == 1 for msgs, _ in items]
         rest = super().step_batch([it for it, f in zip(items, first) if not f]) if not all(first) else []
-        calls = [ToolCall("calculator", {"expression": row["prompt"].rstrip("=")}) for (_, row), f in zip(items, first) if f]
+        calls = [ToolCall("calculator", {"expression": row["prompt"].rstrip("=")})
+                 for (_, row), f in zip(items, first) if f]
         outs = iter(self.runner.run_all([self._job(c) for c in calls]))
         rest = iter(rest)
         return [StepResult([{"role": "tool", "name": "calculator", "content": next(outs).text}],
@@ -212,7 +213,7 @@ def test_masked_tokens_are_skipped_by_gae_and_the_score_lands_on_the_last_model_
     values = torch.tensor([[0.5, 0.4, 9.0, 9.0, 0.2, 0.0]])
     r = kl_penalized_rewards(torch.tensor([1.0]), torch.zeros(1, 6), torch.zeros(1, 6), mask, 0.0)
     assert r.tolist() == [[0, 0, 0, 0, 1.0, 0]]
-    adv, ret = gae(r, values, mask, gamma=1.0, lam=1.0)
+    adv, _ = gae(r, values, mask, gamma=1.0, lam=1.0)
     alone_adv, _ = gae(r[:, [0, 1, 4]], values[:, [0, 1, 4]], torch.ones(1, 3), 1.0, 1.0)
     torch.testing.assert_close(adv[:, [0, 1, 4]], alone_adv)
     assert adv[0, 2:4].tolist() == [0, 0] and adv[0, 5] == 0

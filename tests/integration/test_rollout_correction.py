@@ -206,7 +206,7 @@ def batch_with(old: torch.Tensor, rollout: torch.Tensor) -> RolloutBatch:
 
 
 def test_apply_sets_the_column_and_the_metrics_by_hand():
-    old, rollout, mask = fixed_inputs()
+    old, rollout, _ = fixed_inputs()
     b = batch_with(old, rollout)
     m = rc.apply(RolloutCorrectionConfig(mode="token_mask", threshold=C), b, None)
     hw = hand_weights("token_mask")
@@ -230,7 +230,7 @@ def test_apply_without_engine_logprobs():
     b = batch_with(old, torch.full_like(old, float("nan")))
     assert rc.apply(RolloutCorrectionConfig(), b, None) == {}            # mode none: weights 1, no metrics
     assert torch.equal(b[rc.WEIGHTS], mask)
-    with pytest.raises(RuntimeError, match="token_truncate.*log-probs"):
+    with pytest.raises(RuntimeError, match=r"token_truncate.*log-probs"):
         rc.apply(RolloutCorrectionConfig(mode="token_truncate"), b, None)
 
 
@@ -287,7 +287,7 @@ def test_grpo_run_with_token_truncate_logs_the_correction_and_stores_the_engine_
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
-        get = lambda k: r[f"train_rollouts/rollout_correction_{k}"]  # noqa: E731
+        get = lambda k, r=r: r[f"train_rollouts/rollout_correction_{k}"]  # noqa: E731
         kl = get("kl_k3")
         assert math.isfinite(kl) and 0.0 <= kl < 1e-4, kl
         assert abs(get("weight_mean") - 1.0) < 1e-2 and 0.99 < get("weight_max") <= 2.0

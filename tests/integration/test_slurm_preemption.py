@@ -8,6 +8,7 @@ the previous start published may be trusted by the next.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -261,10 +262,8 @@ def test_a_job_killed_while_its_components_end_after_the_actors_stop_reads_stopp
         wait_for(lambda: "ending the other components" in out.read_text(), "the actor's stop", job=job)
     finally:
         for p in [script, *script.children(recursive=True)]:   # the time limit's kill, of all at once
-            try:
+            with contextlib.suppress(psutil.NoSuchProcess):
                 p.kill()
-            except psutil.NoSuchProcess:
-                pass
         job.wait(timeout_s=60)
     codes = {c: p.read_text().strip() if (p := run_dir / "logs" / c / "exit_code").exists() else None
              for c in job.record.components}

@@ -92,7 +92,8 @@ def sequences() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     g = torch.Generator().manual_seed(5)
     plen = [3, 5, 2, 4, 6, 3, 2, 5]
     rlen = [20, 2, 9, 1, 30, 4, 12, 3]
-    return [torch.randint(1, 250, (p,), generator=g) for p in plen], [torch.randint(1, 250, (r,), generator=g) for r in rlen]
+    prompts = [torch.randint(1, 250, (p,), generator=g) for p in plen]
+    return prompts, [torch.randint(1, 250, (r,), generator=g) for r in rlen]
 
 
 def rollouts():
@@ -128,8 +129,8 @@ def step(pctx, out: Path) -> None:
                                      ("packed_small", True, {"max_tokens": 20})):
             run = RunConfig(algorithm="grpo", model=cfg, rl={"n_samples_per_prompt": 2, "loss_agg": agg},
                             reward={"rule": "slurm_align.rewards.arithmetic:exact_answer"},
-                            ppo={"num_rollout_samples": 4, "train_micro_batch_size": micro.get("train_micro_batch_size", 4),
-                                 "grad_clip": 0.0},
+                            ppo={"num_rollout_samples": 4, "grad_clip": 0.0,
+                                 "train_micro_batch_size": micro.get("train_micro_batch_size", 4)},
                             actor={"max_tokens_per_micro_batch": micro.get("max_tokens")},
                             switches={"sequence_packing": switches,
                                       "token_budget_micro_batches": "max_tokens" in micro})

@@ -76,7 +76,8 @@ def stop_by_usr2_after_the_first_step(run, profile, run_dir: Path) -> None:
 
 def logs_text(run_dir: Path, chars: int = 3000) -> str:
     return "\n".join(f"--- {p}\n{p.read_text(errors='replace')[-chars:]}"
-                     for p in sorted((Path(run_dir) / "logs").rglob("*.log")) + sorted(Path(run_dir).glob("logs/job-*")))
+                     for p in [*sorted((Path(run_dir) / "logs").rglob("*.log")),
+                               *sorted(Path(run_dir).glob("logs/job-*"))])
 
 
 def events(run_dir: Path, kind: str) -> list[dict]:
@@ -130,7 +131,8 @@ def assert_same_final_actor_checkpoint(run_dir: Path, reference: Path, tmp: Path
     """The run's newest actor checkpoint (weights and AdamW state) equals the reference's of the
     same step within tol, but for the key bias's entries (key_bias_positions: noise that AdamW
     scales up); returns its name."""
-    last = sorted(p.name for p in (run_dir / "checkpoints" / "actor").glob("iter_*") if (p / "manifest.json").is_file())[-1]
+    last = sorted(p.name for p in (run_dir / "checkpoints" / "actor").glob("iter_*")
+                  if (p / "manifest.json").is_file())[-1]
     a = _actor_weights(run_dir / "checkpoints" / "actor" / last, tmp / "run.pt")
     b = _actor_weights(reference / "checkpoints" / "actor" / last, tmp / "ref.pt")
     assert a.keys() == b.keys() and any(k.startswith("optimizer") for k in a)
