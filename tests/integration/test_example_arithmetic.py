@@ -1,21 +1,23 @@
-"""The arithmetic example (examples/arithmetic) learns with its own rule reward and scorer.
+"""The arithmetic example (examples/arithmetic): its answers ride in the data, and its rule reward
+and scorer read them.
 
 The task's answer rides in each prompt row (`{"prompt": "7-3=", "answer": "4"}`), reaches
 `slurm_align.rewards.arithmetic:exact_answer` as a keyword argument in training (reward.rule)
-and in evaluation (eval.scorer), and val/score is the held-out exact-answer accuracy of greedy
-answers. The data comes from the example's own generator at one-digit operands
-(`--max-operand 9`): the two-digit default is beyond this tiny model on CPU (measured: 150 SFT
-steps reach 4% held-out). The one-digit task has 155 distinct prompts: 51 are held out
-(prompts_val, sft_val), and SFT and GRPO train on the other 104 only.
+and in evaluation (eval.scorer). The test checks both against an independent scorer (the sum or
+difference computed from the prompt's text): every stored rollout's reward and every held-out
+row's score.
 
-Measured (held-out every 20 steps): from the 120-step SFT policy's 0.115, GRPO at lr 2e-3
-reaches 0.19, 0.195, 0.19; at 1e-3 0.18, 0.165, 0.18; at GRPO's 5e-4 of the sort task it stays
-at 0.115. From a 40-step SFT policy (also 0.115) it does not rise at any of these rates.
+What it no longer claims: that GRPO raises this example's held-out accuracy. Its held-out set was
+not held out (all of its prompts were in the training files); held out for real, the one-digit
+task has 51 distinct held-out prompts, too few for a decided claim, and the measured gain was 0
+(0.137 -> 0.137; on the training prompts 0.35 -> 0.29). The sort task's learning tests
+(tests/support/learning.py, 2,000 held-out prompts) carry the learning claim.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,18 +25,16 @@ from pathlib import Path
 import pytest
 
 from slurm_align import REPO_ROOT
+from slurm_align.analysis.significance import read_results
 from slurm_align.config import load_run_config
-from slurm_align.slurm.render import Entry
-from tests.integration.test_grpo import BROKEN_ACTOR, BROKEN_STEPS, accuracy_gain, launch, val_score
+from slurm_align.models.tokenizer import ByteTokenizer
+from slurm_align.rundir import RunDir
+from slurm_align.store.rollouts import RolloutStore
+from tests.integration.test_grpo import launch
 
 EXAMPLE = REPO_ROOT / "examples" / "arithmetic"
 RULE = "slurm_align.rewards.arithmetic:exact_answer"
 SFT_STEPS = 120
-MARGIN = 0.06
-"""Held-out accuracy gain the GRPO run must exceed (its twin: half of it). A margin on one
-trajectory of 200 prompts, which are not held out (the one-digit task has about 190 distinct
-problems, all of them in the training files): not yet decided like the sort task's learning tests
-(tests/support/learning.py), which need a larger held-out set than this task has."""
 
 
 def generate(folder: Path, example: Path = EXAMPLE, *args: str) -> Path:
@@ -75,23 +75,47 @@ def grpo_config(data: Path, sft: Path, *overrides: str):
         "ppo.global_batch_size=128", "ppo.actor_lr=2e-3", "eval.interval=60", *overrides])
 
 
+def arithmetic_answer(prompt: str) -> str:
+    """The answer to 'a+b=' or 'a-b=', computed here from the text (not the row's answer field)."""
+    a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)=", prompt).groups()
+    return str(int(a) + int(b) if op == "+" else int(a) - int(b))
+
+
+def independent_score(prompt: str, response: str) -> float:
+    return float(response.strip() == arithmetic_answer(prompt))
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(1500)   # three end-to-end runs: a hang guard sized for a loaded 2-core machine
-def test_arithmetic_example_learns_with_its_rule_reward_and_its_broken_twin_does_not(tmp_path):
+def test_arithmetic_rewards_and_scores_come_from_the_rows_answers(tmp_path):
+    """SFT, then 2 GRPO steps with the example's rule reward and scorer: each stored rollout's
+    reward and each held-out row's score equal the independent scorer's, and both runs have
+    right and wrong answers (so a reward or scorer that ignored the answer, or scored another
+    row's, would differ)."""
     data = generate(tmp_path / "data", EXAMPLE, "--max-operand", "9")
     assert_held_out(data)
     sft = load_run_config(REPO_ROOT / "examples" / "sft_tiny.yaml", [
         f"data.train_path={data / 'sft_train.jsonl'}", f"data.val_path={data / 'sft_val.jsonl'}",
         "trainer.save_interval=0", f"trainer.num_steps={SFT_STEPS}"])
     launch(tmp_path, sft, name="sft")
-    weak = tmp_path / "sft" / "checkpoints" / "sft"
-    launch(tmp_path, grpo_config(data, weak), name="good")
-    launch(tmp_path, grpo_config(data, weak, *BROKEN_STEPS), name="broken",
-           entry=Entry(scripts={"actor": BROKEN_ACTOR}))
-    good, broken = accuracy_gain(tmp_path / "good"), accuracy_gain(tmp_path / "broken")
-    print(f"arithmetic: held-out exact-answer gain {good:+.3f}, broken twin {broken:+.3f}")
-    start = val_score(tmp_path / "good")[0]
-    assert 0.0 < start < 0.8, f"the SFT policy must be weak but not blank: held-out {start:.3f}"
-    assert good > MARGIN, f"GRPO raised held-out accuracy by {good:+.3f} only (scores {val_score(tmp_path / 'good')})"
-    assert broken < MARGIN / 2, f"the broken twin must not learn, yet gained {broken:+.3f} " \
-                                f"(scores {val_score(tmp_path / 'broken')})"
+    launch(tmp_path, grpo_config(data, tmp_path / "sft" / "checkpoints" / "sft", "ppo.num_steps=2", "eval.interval=2"),
+           name="grpo")
+    run = tmp_path / "grpo"
+    rows = [json.loads(line) for line in (data / "prompts.jsonl").open()]
+    assert all(r["answer"] == arithmetic_answer(r["prompt"]) for r in rows)
+    store = RolloutStore.open(run / "rollouts.zarr", read_only=True)
+    tok = ByteTokenizer()
+    rewards, mine = [], []
+    for step in (1, 2):
+        got = store.read(step)
+        po, ro = got["prompt_offsets"], got["response_offsets"]
+        for i in range(len(got["reward"])):
+            prompt = tok.decode(got["prompt_tokens"][po[i]:po[i + 1]].tolist())
+            response = tok.decode(got["response_tokens"][ro[i]:ro[i + 1]].tolist())
+            rewards.append(float(got["reward"][i]))
+            mine.append(independent_score(prompt, response))
+    assert rewards == mine
+    assert 0 < sum(mine) < len(mine), f"every answer right or every answer wrong ({sum(mine)} of {len(mine)})"
+    for step in RunDir(run).eval_steps():
+        results = read_results(run, step)
+        assert [r["score"] for r in results] == [independent_score(r["prompt"], r["response"]) for r in results]
+        assert 0 < sum(r["correct"] for r in results) < len(results), step
