@@ -176,14 +176,15 @@ def sft_and_rm(sft_checkpoint, rm_checkpoint):
 
 
 LEARN_STEPS = 30
-REWARD_WINDOW = 5
+REWARD_WINDOW = 10
 """PPO's reward is decided on the per-sample rewards of its first and last REWARD_WINDOW steps
-(160 samples each; tests/support/learning.py, a one-sided rank-sum test at p < 1e-3). Measured on
-one rank: 15 steps in windows of 3 were not enough (p = 0.04: a step's mean reward swings by
-2 with the 5-point exact-sort term), 30 steps in windows of 5 gave p = 8e-7."""
-TWIN_STEPS = 10
-"""The flipped twin's run (windows of REWARD_WINDOW steps at its start and end): its reward falls
-by several points within a few steps."""
+(320 samples each; tests/support/learning.py, a one-sided rank-sum test at p < 1e-3). A step's
+mean reward swings by 2 with the 5-point exact-sort term, so short windows are weak. Measured on
+one rank under four float paths (benchmarks/learning_spread.py): 15 steps in windows of 3,
+p = 0.04 (this host); 30 steps in windows of 5, p = 8e-7 to 6e-4 (the AVX2 path: too close);
+in windows of 10, p = 3e-9 to 5e-8."""
+TWIN_STEPS, TWIN_WINDOW = 10, 5
+"""The flipped twin's run and its windows: its reward falls by several points within a few steps."""
 
 
 def learning_run(sft: Path, rm: Path, steps: int = LEARN_STEPS) -> list[str]:
@@ -241,7 +242,7 @@ def test_ppo_raises_its_reward_and_a_flipped_advantage_does_not(tmp_path, sft_an
     # The same run with the advantage sign flipped (tests/programs/ppo_flipped_actor.py) must not learn.
     flipped_dir = launch_learning(tmp_path / "flipped", learning_run(*sft_and_rm, steps=TWIN_STEPS),
                                   entry=Entry(scripts={"actor": FLIPPED_PPO_ACTOR}))
-    verdict = learning.reward_verdict("ppo", good_dir, LEARN_STEPS, flipped_dir, TWIN_STEPS, REWARD_WINDOW)
+    verdict = learning.reward_verdict("ppo", good_dir, LEARN_STEPS, REWARD_WINDOW, flipped_dir, TWIN_STEPS, TWIN_WINDOW)
     print(f"{verdict}\n  held-out accuracy gain {val_gain(good_dir, LEARN_STEPS):+.3f} "
           f"(flipped {val_gain(flipped_dir, TWIN_STEPS):+.3f}): printed, not asserted")
     verdict.check()

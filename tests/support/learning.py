@@ -166,12 +166,14 @@ class RewardVerdict:
             f"{self.name}'s broken twin raised its reward (p <= {TWIN_ALPHA}): the twin learns:\n{self}"
 
 
-def reward_verdict(name: str, run_dir: Path, steps: int, twin_dir: Path, twin_steps: int, window: int) -> RewardVerdict:
-    """The run's first and last `window` steps, the twin's likewise (a twin of `twin_steps`)."""
+def reward_verdict(name: str, run_dir: Path, steps: int, window: int, twin_dir: Path, twin_steps: int,
+                   twin_window: int) -> RewardVerdict:
+    """The run's first and last `window` steps, the twin's first and last `twin_window` (a twin
+    of `twin_steps` steps)."""
     early = step_rewards(run_dir, range(1, window + 1))
     late = step_rewards(run_dir, range(steps - window + 1, steps + 1))
-    twin_early = step_rewards(twin_dir, range(1, window + 1))
-    twin_late = step_rewards(twin_dir, range(twin_steps - window + 1, twin_steps + 1))
+    twin_early = step_rewards(twin_dir, range(1, twin_window + 1))
+    twin_late = step_rewards(twin_dir, range(twin_steps - twin_window + 1, twin_steps + 1))
     return RewardVerdict(name, gain=rank_sum_test(early, late), over_twin=rank_sum_test(twin_late, late),
                          twin=rank_sum_test(twin_early, twin_late))
 
