@@ -19,9 +19,11 @@ from pathlib import Path
 import pytest
 
 from slurm_align import REPO_ROOT
+from slurm_align.analysis.significance import paired_counts, pooled_correct, same_prompts
 from slurm_align.config import load_run_config
 from tests.integration.test_example_arithmetic import assert_held_out, generate
 from tests.integration.test_grpo import launch, metrics, val_score
+from tests.support.learning import ALPHA
 
 EXAMPLE = REPO_ROOT / "examples" / "tool_arithmetic"
 GAIN = 0.15
@@ -66,3 +68,12 @@ def test_grpo_with_the_calculator_gains_15_points_over_sft_and_more_than_without
     assert gain >= GAIN, f"GRPO with the calculator gained {gain:+.3f} only (scores {tool})"
     assert gain > control_gain, f"GRPO with the tool gained {gain:+.3f}, the no-tool control {control_gain:+.3f}"
     assert calls[max(calls)] > calls[0], f"tool calls per answer did not rise: {calls}"
+    # Decided per prompt too (the 200 held-out prompts, paired): the gain and the lead over the
+    # control are exact one-sided sign tests, not only differences of two means.
+    end, control_end = max(tool), max(control)
+    assert same_prompts(tmp_path / "tool", end, tmp_path / "no_tool", control_end)
+    over_start = paired_counts(pooled_correct(tmp_path / "tool", [0]), pooled_correct(tmp_path / "tool", [end]))
+    over_control = paired_counts(pooled_correct(tmp_path / "no_tool", [control_end]),
+                                 pooled_correct(tmp_path / "tool", [end]))
+    assert over_start.p_better < ALPHA, f"the gain over SFT is not significant: {over_start}"
+    assert over_control.p_better < ALPHA, f"the lead over the no-tool control is not significant: {over_control}"
