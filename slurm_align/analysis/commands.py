@@ -204,12 +204,17 @@ def cmd_sweep(args) -> int:
     return 1 if failed else 0
 
 
+def _odd(n: int) -> int:
+    """The largest odd count <= n (at least 1): a majority needs one."""
+    return max(1, n if n % 2 else n - 1)
+
+
 def cmd_heldout(args) -> int:
     """Held-out accuracy at each evaluation of a run (RUN_DIR/eval/step_<N>.jsonl), each against
     the initial policy's on the same prompts: the prompts that changed (b wrong -> right, c right
     -> wrong) and the exact one-sided sign test's p-value; then the end (the last --pool
-    evaluations, a prompt solved where most of them solved it) against the start, and against
-    another run's end (--against)."""
+    evaluations, an odd number of them, a prompt solved where most of them solved it) against the
+    start, and against another run's end (--against)."""
     from slurm_align.analysis.significance import paired_counts, pooled_correct, same_prompts
     from slurm_align.rundir import RunDir
 
@@ -230,7 +235,8 @@ def cmd_heldout(args) -> int:
         c = paired_counts(start, pooled_correct(run, [step]))
         t.add_row(str(step), f"{c.acc_after:.3f}", str(c.b), str(c.c), f"{c.p_better:.2e}", f"{c.p_worse:.2e}")
     _stdout().print(t)
-    end_steps = [s for s in steps if s != steps[0]][-args.pool:]
+    later = [s for s in steps if s != steps[0]]
+    end_steps = later[-_odd(min(args.pool, len(later))):] if later else []
     if end_steps:
         print(f"end (steps {end_steps}, pooled) against step {steps[0]}: "
               f"{paired_counts(start, pooled_correct(run, end_steps))}")
@@ -239,7 +245,8 @@ def cmd_heldout(args) -> int:
         other_steps = steps_of(other)
         if not same_prompts(run, steps[0], other, other_steps[0]):
             raise ConfigError.at("--against", str(other), f"evaluated other prompts than {run}: no pairing")
-        other_end = [s for s in other_steps if s != other_steps[0]][-args.pool:] or other_steps[-1:]
+        other_later = [s for s in other_steps if s != other_steps[0]]
+        other_end = other_later[-_odd(min(args.pool, len(other_later))):] if other_later else other_steps[-1:]
         mine = end_steps or steps[-1:]
         print(f"end of {other} (steps {other_end}) against the end of {run} (steps {mine}): "
               f"{paired_counts(pooled_correct(other, other_end), pooled_correct(run, mine))}")
@@ -280,7 +287,8 @@ def register(sub) -> None:
 
     p = asub.add_parser("heldout", help="held-out accuracy per evaluation, paired per prompt, with exact sign tests")
     p.add_argument("run_dir", metavar="RUN_DIR")
-    p.add_argument("--pool", type=int, default=3, help="the end point: a prompt's majority over the last N evaluations")
+    p.add_argument("--pool", type=int, default=3,
+                   help="the end point: a prompt's majority over the last N evaluations (an even N pools N - 1)")
     p.add_argument("--against", metavar="RUN", help="another run of the same held-out prompts: its end against this")
     p.set_defaults(func=cmd_heldout)
 

@@ -102,10 +102,12 @@ def read_results(run_dir: str | Path, step: int) -> list[dict]:
 
 
 def pooled_correct(run_dir: str | Path, steps: Sequence[int]) -> np.ndarray:
-    """Per prompt, 1 where it was correct in more than half of the evaluations after `steps`
-    (one step: that evaluation's outcome). Every evaluation must be of the same prompts."""
-    if not steps:
-        raise ValueError("pooled_correct needs at least one step")
+    """Per prompt, 1 where it was correct in most of the evaluations after `steps` (one step:
+    that evaluation's outcome). An odd number of them: with an even one a tie would have to count
+    one way, and the pooled accuracy would sit below (or above) every evaluation pooled. Every
+    evaluation must be of the same prompts."""
+    if len(steps) % 2 == 0:
+        raise ValueError(f"pooled_correct pools an odd number of evaluations (a majority), got steps {list(steps)}")
     outcomes, prompts = [], None
     for step in steps:
         rows = read_results(run_dir, step)

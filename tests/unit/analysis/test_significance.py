@@ -86,21 +86,23 @@ def test_pooled_correct_is_the_majority_of_the_evaluations(tmp_path):
     write_eval(tmp_path, 60, [0, 1, 1, 0, 0])
     assert pooled_correct(tmp_path, [40, 50, 60]).tolist() == [1, 1, 1, 0, 0]
     assert pooled_correct(tmp_path, [60]).tolist() == [0, 1, 1, 0, 0]
-    assert pooled_correct(tmp_path, [40, 50]).tolist() == [1, 0, 0, 0, 0]   # more than half: both
+    with pytest.raises(ValueError, match="odd number of evaluations"):   # a tie has no majority
+        pooled_correct(tmp_path, [40, 50])
     assert read_results(tmp_path, 40)[2] == {"index": 2, "prompt": "2222=", "response": "", "score": 0.0,
                                              "correct": 0}
 
 
 def test_pooling_or_pairing_other_prompts_is_refused(tmp_path):
     write_eval(tmp_path / "a", 0, [1, 0])
+    write_eval(tmp_path / "a", 5, [1, 1])
     write_eval(tmp_path / "a", 10, [1, 0], prompts=["12=", "21="])
     with pytest.raises(ValueError, match="other prompts than step 0's"):
-        pooled_correct(tmp_path / "a", [0, 10])
+        pooled_correct(tmp_path / "a", [0, 5, 10])
     write_eval(tmp_path / "b", 10, [0, 0])
     assert same_prompts(tmp_path / "a", 0, tmp_path / "b", 10)
     assert not same_prompts(tmp_path / "a", 10, tmp_path / "b", 10)
-    with pytest.raises(FileNotFoundError, match=r"no evaluation after step 5 \(this run has \[0, 10\]"):
-        read_results(tmp_path / "a", 5)
+    with pytest.raises(FileNotFoundError, match=r"no evaluation after step 7 \(this run has \[0, 5, 10\]"):
+        read_results(tmp_path / "a", 7)
     assert np.array_equal(pooled_correct(tmp_path / "b", [10]), [0, 0])
 
 
