@@ -72,6 +72,35 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+# --- CPU accounting (opt-in) ---------------------------------------------------------
+# SLURM_ALIGN_CPU_REPORT=FILE appends one JSON line per test phase: the CPU seconds (user + sys)
+# this pytest process and every child it waited for (mpirun and its ranks, local jobs, CLI calls)
+# spent in it. Unlike wall time it hardly changes with the load beside the run, so it is what
+# tells which tests cost a slow 2-core host most (Slurm jobs run under slurmd: sacct's TotalCPU).
+def _cpu_seconds() -> float:
+    import resource
+
+    me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    report = os.environ.get("SLURM_ALIGN_CPU_REPORT")
+    if not report:
+        yield
+        return
+    import json
+    import time
+
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    yield
+    line = json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - cpu, 2),
+                       "wall_s": round(time.monotonic() - wall, 2)})
+    with open(report, "a") as f:   # one short line per write: O_APPEND keeps the workers' lines whole
+        f.write(line + "\n")
+
+
 # --- xdist groups ------------------------------------------------------------------
 def _shared_fixtures(item: pytest.Item) -> set[str]:
     """Keys of the module/session fixtures of test files (not pytest's own) that `item` uses."""
