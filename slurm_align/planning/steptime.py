@@ -20,7 +20,8 @@ efficiency (a default, or fitted from a finished run: planning/calibration.py):
   with the value and the reward model, two forwards; a reward-only critic with one).
 - refit: the rank's weight copy into the engine over memory bandwidth, plus with refold and PP > 1
   the other stages' weights over the actor's link. weight_sync (disaggregated): the weights over
-  the inter-node link. rebalance: the step's per-token columns over the actor's link.
+  the inter-node link. rebalance: the step's per-token columns, a DP rank's share rebuilt in
+  memory and the rest over the actor's link.
 - store and anything else without a work model: a constant (the calibration's measurement).
 
 The combination (colocated): refit, generate, rebalance, logprobs, init_logprobs, critic_wait,
@@ -309,7 +310,11 @@ def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype:
     else:
         out["generate"], _ = generation_s(run, profile, work, dtype)   # on the generator
         out["weight_sync"] = shape.params * wbytes / a_hw.inter_node_bandwidth
-    out["rebalance"] = (work.tokens * 4 * 8 * (a_par.data_parallel - 1) / a_par.data_parallel
+    # the step's per-token columns (8 of 4 bytes): a DP rank's share rebuilt in memory, the rest
+    # moved over the link (the alltoall)
+    columns = work.tokens * 4 * 8
+    out["rebalance"] = (columns / a_par.data_parallel / (a_hw.memory_bandwidth * a_rate)
+                        + columns * (a_par.data_parallel - 1) / a_par.data_parallel
                         / link_bandwidth(profile, "actor", a_par.world_size))
     out["logprobs"] = forward_pass_s(shape, a_par, lengths, a_hw, dtype, mb, a_rate)
     out["init_logprobs"] = out["logprobs"] if run.uses_reference else 0.0
