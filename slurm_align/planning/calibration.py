@@ -10,7 +10,10 @@ own config and profile:
     efficiency(phase) = ideal time(phase) / measured time(phase)
 
 (train and critic_train: measured less the modelled gradient all-reduce), and each phase without
-a work model (store) keeps its measured time as a constant. A prediction for another layout or
+a work model (store) keeps its measured time as a constant. Two more figures come from the run:
+the share of rebalance before the log-prob passes (the first rebalance span of a step against
+all of them) and `other`, the measured step less the step the fitted phases combine to (time
+outside every span); both are kept as they are for other layouts. A prediction for another layout or
 node count reuses these efficiencies and the length distribution (steptime.predict). critic_wait
 is never fitted: it is what the combination derives from the critic's and the actor's phases.
 """
@@ -88,6 +91,18 @@ def fit(run: RunConfig, profile: ClusterProfile, measured: dict[str, float], wor
     return costs
 
 
+def rebalance_share(spans: np.ndarray, steps: list[int]) -> float | None:
+    """Share of the actor's rebalance time in the first rebalance span of each (step, rank)."""
+    sel = spans[(spans["component"] == "actor") & (spans["phase"] == "rebalance") & np.isin(spans["step"], steps)]
+    first = total = 0
+    for key in {(int(s), int(r)) for s, r in zip(sel["step"], sel["rank"])}:
+        mine = sel[(sel["step"] == key[0]) & (sel["rank"] == key[1])]
+        mine = mine[np.argsort(mine["start_ns"])]
+        d = mine["end_ns"] - mine["start_ns"]
+        first, total = first + int(d[0]), total + int(d.sum())
+    return first / total if total else None
+
+
 def measured_workload(run_dir: Path, steps: list[int], samples: int) -> Workload:
     """Prompt and response lengths of `steps` from the run's rollout store."""
     store = RolloutStore.open(RunDir(run_dir).rollouts, read_only=True)
@@ -124,4 +139,22 @@ def calibrate(run_dir: str | Path, *, profile: ClusterProfile | None = None, ski
     steps = [int(s) for s in b.steps]
     work = work or measured_workload(rd.root, steps, run.rollouts_per_step)
     costs = fit(run, profile, measured, work, dtype)
-    return Calibration(rd.root, run, profile, costs, work, measured, step_s, steps, dtype)
+    split = rebalance_share(traces.spans, steps)
+    if split is not None:
+        costs.rebalance_before_wait = split
+    cal = Calibration(rd.root, run, profile, costs, work, measured, step_s, steps, dtype)
+    costs.constant_s["other"] = max(0.0, step_s - cal.predict().step_s)
+    return cal
+
+
+def predict_scaling(report, cal: Calibration) -> None:
+    """Each point of a scaling report (analysis/scaling.py) gets its predicted step and phases,
+    from the config and profile its run was submitted with (points never launched get none)."""
+    for point in report.points:
+        rd = RunDir(point.run_dir)
+        if not (rd.config.is_file() and rd.profile.is_file()):
+            continue
+        run = validate(RunConfig, read_yaml(rd.config), rd.config)
+        profile = validate(ClusterProfile, read_yaml(rd.profile), rd.profile)
+        got = cal.predict(run, profile)
+        point.predicted_step_s, point.predicted_phase_s = got.step_s, got.phases

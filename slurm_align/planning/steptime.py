@@ -25,7 +25,7 @@ efficiency (a default, or fitted from a finished run: planning/calibration.py):
 - store and anything else without a work model: a constant (the calibration's measurement).
 
 The combination (colocated): refit, generate, rebalance, logprobs, init_logprobs, critic_wait,
-store, train, critic_wait, in turn on the actor. The critic scores each generation micro-batch as
+store, train, critic_wait, other, in turn on the actor. The critic scores each generation micro-batch as
 it comes, so after generation it has left max(one micro-batch, its total minus what it did while
 generation ran); the actor's first critic_wait is what is left of that after rebalance and its
 log-prob passes (a faster critic adds no wait). The critic's update is sent before the actor
@@ -58,8 +58,9 @@ DEFAULT_EFFICIENCY: dict[str, float] = {
 }
 """Fraction of peak each phase reaches without a calibration (typical large-model figures)."""
 MODELLED = tuple(DEFAULT_EFFICIENCY)
-CONSTANT_PHASES = ("store",)
-"""Phases without a work model: their time is a calibrated constant (default 0)."""
+CONSTANT_PHASES = ("store", "other")
+"""Phases without a work model: their time is a calibrated constant (default 0). `other` is the
+actor's step time outside every span (metrics, the critic's update request, ...)."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,9 @@ class Costs:
 
     efficiency: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     constant_s: dict[str, float] = field(default_factory=dict)
+    rebalance_before_wait: float = 0.5
+    """Share of rebalance before the log-prob passes (the route and the tokens' alltoall); the rest
+    (values and rewards along the route, advantages, the gather) comes after the critic's wait."""
 
     def eff(self, phase: str) -> float:
         return self.efficiency.get(phase, DEFAULT_EFFICIENCY[phase])
@@ -349,20 +353,22 @@ def phase_times(ideal: dict[str, float], costs: Costs) -> dict[str, float]:
 
 
 def combine(t: dict[str, float], *, engine_batches: int, disaggregated: bool = False,
-            max_off_policy_steps: int = 1) -> tuple[float, dict[str, float], dict[str, float]]:
+            max_off_policy_steps: int = 1,
+            rebalance_before_wait: float = 0.5) -> tuple[float, dict[str, float], dict[str, float]]:
     """The step from phase times, as PPOActor.step runs them. Returns (step seconds, the phases
     as the breakdown reports them, each phase's contribution to the critical path)."""
     g = lambda p: t.get(p, 0.0)  # noqa: E731  (a phase the run has not)
     n = max(1, engine_batches)
     # The critic scored micro-batches while generation ran; what is left after it:
     left = max(g("critic_infer") / n, g("critic_infer") - g("generate") * (1 - 1 / n))
-    before_wait = g("rebalance") / 2 + g("logprobs") + g("init_logprobs")
+    before_wait = g("rebalance") * rebalance_before_wait + g("logprobs") + g("init_logprobs")
     wait1 = max(0.0, left - before_wait)
     wait2 = max(0.0, g("critic_train") - g("train"))
     crit = {"refit": g("refit"), "generate": g("generate"), "rebalance": g("rebalance"),
             "logprobs": g("logprobs"), "init_logprobs": g("init_logprobs"), "critic_infer": wait1,
             "store": g("store"), "train": g("train") if wait2 == 0 else 0.0,
-            "critic_train": g("train") + wait2 if wait2 > 0 else 0.0, "weight_sync": g("weight_sync")}
+            "critic_train": g("train") + wait2 if wait2 > 0 else 0.0, "weight_sync": g("weight_sync"),
+            "other": g("other")}
     if disaggregated:
         gen = g("generate") + g("weight_sync")   # the generator applies each version before generating
         trainer = sum(v for k, v in crit.items() if k not in ("generate", "refit"))
@@ -400,6 +406,7 @@ def predict(run: RunConfig, profile: ClusterProfile, *, costs: Costs | None = No
     times = phase_times(ideal_phases(run, profile, work, dtype), costs)
     step, phases, crit = combine(times, engine_batches=len(engine_batches(run, work)),
                                  disaggregated=run.rollout.mode == "disaggregated",
-                                 max_off_policy_steps=run.rollout.max_off_policy_steps)
+                                 max_off_policy_steps=run.rollout.max_off_policy_steps,
+                                 rebalance_before_wait=costs.rebalance_before_wait)
     bounding = max(crit, key=lambda k: crit[k])
     return StepPrediction(phases, step, bounding, crit, describe(run, profile))

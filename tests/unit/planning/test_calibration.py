@@ -30,7 +30,7 @@ def synthetic_run(run_dir: Path, run: RunConfig, profile: ClusterProfile, steps:
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(run.model_dump(mode="json")))
     (run_dir / "profile.yaml").write_text(yaml.safe_dump(profile.model_dump(mode="json")))
-    ns = lambda s: int(round(s * 1e9))  # noqa: E731
+    ns = lambda s: round(s * 1e9)  # noqa: E731
     with Tracer(run_dir, "actor", 0) as actor, Tracer(run_dir, "critic", 0) as critic:
         t = 0
         for step in range(1, steps + 1):
