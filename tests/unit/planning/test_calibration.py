@@ -89,3 +89,44 @@ def test_predict_uses_the_response_length_distribution():
     short = predict(RUN, PROFILE, work=Workload(8, (5,), (4,)))
     long = predict(RUN, PROFILE, work=Workload(8, (5,), (4, 4, 4, 30)))
     assert long.phases["generate"] > short.phases["generate"]
+
+
+def test_scaling_report_shows_the_calibrated_prediction_beside_the_measurement(tmp_path, capsys):
+    from slurm_align.analysis.scaling import compute_scaling
+    from slurm_align.cli import main
+    from slurm_align.planning.calibration import predict_scaling
+    from slurm_align.slurm.sweep import Manifest, ManifestPoint
+
+    synthetic_run(tmp_path / "calibration", RUN, PROFILE)
+    cal = calibrate(tmp_path / "calibration")
+    sweep = tmp_path / "sweep"
+    wide_run = RUN.model_copy(update={"actor": RUN.actor.model_copy(update={"data_parallel": 2}),
+                                      "ppo": RUN.ppo.model_copy(update={"num_rollout_samples": 16})})
+    wide_profile = PROFILE.model_copy(update={"components": {**PROFILE.components, "actor": PROFILE.components[
+        "actor"].model_copy(update={"tasks_per_node": 2})}})
+    synthetic_run(sweep / "nodes1", RUN, PROFILE)
+    synthetic_run(sweep / "nodes2", wide_run, wide_profile)
+    Manifest(sweep, "cfg.yaml", "local", "weak", [ManifestPoint(1, 1, 8, "nodes1", "COMPLETED"),
+                                                  ManifestPoint(2, 1, 16, "nodes2", "COMPLETED")]).save()
+    report = compute_scaling(sweep, skip_steps=1)
+    predict_scaling(report, cal)
+    p1, p2 = report.points
+    assert p1.predicted_step_s == pytest.approx(cal.predict().step_s)
+    assert p2.predicted_step_s == pytest.approx(cal.predict(wide_run, wide_profile).step_s)
+    assert p2.predicted_phase_s == pytest.approx(cal.predict(wide_run, wide_profile).phases)
+    assert main(["analyze", "scaling", str(sweep), "--calibration", str(tmp_path / "calibration"), "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted s" in out and f"{p2.predicted_step_s:.3f}" in out
+
+
+def test_sweep_predict_only_prints_the_points_and_submits_nothing(tmp_path, capsys):
+    from slurm_align.cli import main
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("algorithm: ppo\ndata: {train_path: x.jsonl}\n")
+    sweep = tmp_path / "sweep"
+    assert main(["sweep", str(cfg), "--profile", "local-slurm", "--nodes", "1,2,4", "--predict", "--predict-only",
+                 "--sweep-dir", str(sweep)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step time" in out and "4 actor node(s)" in out and "actor 4n" in out
+    assert not sweep.exists()
