@@ -33,7 +33,7 @@ from tests.cluster import LocalSlurmCluster
 
 NODES = "1,2,4"
 SETTINGS = {
-    "ppo": [str(REPO_ROOT / "examples" / "ppo_tiny.yaml"), "sweep.actor_to_critic_nodes=4:1",
+    "ppo": [str(REPO_ROOT / "examples" / "ppo_tiny.yaml"), 'sweep.actor_to_critic_nodes="4:1"',
             "ppo.num_rollout_samples=8", "generation.max_new_tokens=16", "generation.prompt_batch_size=2",
             "ppo.train_micro_batch_size=4"],
     "grpo": [str(REPO_ROOT / "examples" / "grpo_tiny.yaml"), "ppo.num_rollout_samples=4", "rl.n_samples_per_prompt=4",

@@ -66,11 +66,12 @@ class Calibration:
         return predict(run or self.run, profile or self.profile, costs=self.costs, work=self.workload, dtype=self.dtype)
 
 
-def measured_phases(b: Breakdown) -> tuple[dict[str, float], float]:
-    """Median seconds per phase (from the component that runs it) and the median step time."""
+def measured_phases(b: Breakdown, engine_component: str = "actor") -> tuple[dict[str, float], float]:
+    """Median seconds per phase (from the component that runs it: generate from the engine's)
+    and the median step time."""
     out: dict[str, float] = {}
     for j, phase in enumerate(b.phases):
-        comp = "critic" if phase in CRITIC_PHASES else "actor"
+        comp = "critic" if phase in CRITIC_PHASES else engine_component if phase == "generate" else "actor"
         table = b.component_phase_s.get(comp, b.phase_s)
         out[phase] = float(np.median(table[:, j]))
     return out, float(np.median(b.step_s))
@@ -135,7 +136,7 @@ def calibrate(run_dir: str | Path, *, profile: ClusterProfile | None = None, ski
     b = compute_breakdown(traces.spans, name=rd.root.name, skip_steps=skip_steps)
     if not len(b.steps):
         raise ConfigError.at("skip_steps", skip_steps, f"leaves no step of the run's {skip_steps} or fewer", rd.root)
-    measured, step_s = measured_phases(b)
+    measured, step_s = measured_phases(b, run.engine_component)
     steps = [int(s) for s in b.steps]
     work = work or measured_workload(rd.root, steps, run.rollouts_per_step)
     costs = fit(run, profile, measured, work, dtype)

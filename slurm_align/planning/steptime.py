@@ -45,6 +45,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
+from slurm_align.config.errors import ConfigError
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import ModelConfig, ParallelConfig, RunConfig
 from slurm_align.planning.hardware import Hardware, profile_hardware
@@ -399,6 +400,9 @@ def describe(run: RunConfig, profile: ClusterProfile) -> str:
 def predict(run: RunConfig, profile: ClusterProfile, *, costs: Costs | None = None, work: Workload | None = None,
             dtype: str = "fp32") -> StepPrediction:
     """Predicted step time of `run` on `profile` (its components' nodes and ranks as given)."""
+    if not run.spec.rollout:
+        raise ConfigError.at("algorithm", run.algorithm, "the step-time plan covers the rollout algorithms "
+                             "(ppo, grpo, rloo, reinforce_pp, rejection_sampling), whose step it models")
     costs = costs or Costs()
     work = work or Workload.default(run)
     if work.samples != run.rollouts_per_step:

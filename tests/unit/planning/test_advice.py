@@ -80,3 +80,10 @@ def test_bad_nodes_are_refused(capsys, tmp_path, bad):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("algorithm: ppo\ndata: {train_path: x.jsonl}\n")
     assert main(["predict", str(cfg), "--profile", "local-slurm", "--nodes", bad]) == 2
+
+
+def test_the_trainers_have_no_step_to_predict(capsys, tmp_path):
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("algorithm: sft\ndata: {train_path: x.jsonl}\nactor: {data_parallel: 2}\n")
+    assert main(["predict", str(cfg), "--profile", "local-slurm"]) == 2
+    assert "field 'algorithm': got 'sft'" in capsys.readouterr().err
