@@ -13,6 +13,7 @@ from slurm_align.analysis import commands as analysis_commands
 from slurm_align.config import commands as config_commands
 from slurm_align.config.errors import ConfigError
 from slurm_align.models.hf import commands as hf_commands
+from slurm_align.planning import commands as planning_commands
 from slurm_align.slurm import commands as slurm_commands
 
 console = Console(stderr=True)
@@ -24,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Slurm-native RLHF: PPO as one actor+critic heterogeneous job, SFT/RM/DPO jobs, "
                     "step-time breakdowns and scaling sweeps.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for area in (slurm_commands, algorithm_commands, analysis_commands, hf_commands, config_commands):
+    for area in (slurm_commands, algorithm_commands, analysis_commands, hf_commands, config_commands,
+                 planning_commands):
         area.register(sub)   # each area owns its subcommands
     return parser
 

@@ -19,6 +19,7 @@ from slurm_align.analysis.scaling import compute_scaling
 from slurm_align.analysis.trace_export import write_chrome_trace
 from slurm_align.config import load_run_config
 from slurm_align.config.errors import ConfigError
+from slurm_align.planning.commands import add_prediction_arguments
 from slurm_align.profiling.phases import phase_order
 from slurm_align.rundir import new_run_dir
 from slurm_align.slurm.choose import choose_profile, default_run_root
@@ -157,16 +158,22 @@ def cmd_trace(args) -> int:
 
 def _scaling_table(report) -> Table:
     t = Table(title=f"{report.mode} scaling: {report.sweep_dir}")
-    for col in ("actor nodes", "critic nodes", "state", "step s", "samples/s", "tokens/s", "efficiency",
-                "phase split (mean s)"):
+    predicted = any(p.predicted_step_s is not None for p in report.points)
+    for col in ("actor nodes", "critic nodes", "state", "step s", *(("predicted s", "error") if predicted else ()),
+                "samples/s", "tokens/s", "efficiency", "phase split (mean s)"):
         t.add_column(col, justify="right" if col not in ("state", "phase split (mean s)") else "left")
     for p in report.points:
+        pred: tuple[str, ...] = ()
+        if predicted:
+            err = "-" if p.predicted_step_s is None or p.breakdown is None else \
+                f"{100 * (p.predicted_step_s / p.step_s - 1):+.0f}%"
+            pred = ("-" if p.predicted_step_s is None else f"{p.predicted_step_s:.3f}", err)
         if p.breakdown is None:
-            t.add_row(str(p.nodes), str(p.critic_nodes), f"[red]{p.state}", "-", "-", "-", "-",
+            t.add_row(str(p.nodes), str(p.critic_nodes), f"[red]{p.state}", "-", *pred, "-", "-", "-",
                       (p.error or "")[:60])
             continue
         split = ", ".join(f"{ph} {v:.3f}" for ph, v in zip(p.breakdown.phases, p.breakdown.mean_phase_s) if v > 0)
-        t.add_row(str(p.nodes), str(p.critic_nodes), p.state, f"{p.step_s:.3f}", f"{p.samples_per_s:.1f}",
+        t.add_row(str(p.nodes), str(p.critic_nodes), p.state, f"{p.step_s:.3f}", *pred, f"{p.samples_per_s:.1f}",
                   "-" if p.tokens_per_s is None else f"{p.tokens_per_s:.0f}", f"{100 * p.efficiency:.0f}%", split)
     return t
 
@@ -174,6 +181,11 @@ def _scaling_table(report) -> Table:
 def cmd_scaling(args) -> int:
     report = compute_scaling(args.sweep_dir, allow_incomplete=args.allow_incomplete,
                              skip_steps=args.skip_steps, console=console)
+    if args.calibration:   # predicted beside measured
+        from slurm_align.planning.calibration import calibrate, predict_scaling
+
+        predict_scaling(report, calibrate(Path(args.calibration), skip_steps=args.calibration_skip_steps,
+                                          dtype=args.dtype))
     if args.format == "json":
         print(json.dumps(report.to_dict(), indent=1))
     elif args.format == "csv":
@@ -191,6 +203,15 @@ def cmd_sweep(args) -> int:
     run = load_run_config(args.config, args.overrides)
     profile = choose_profile(args.profile)   # --profile, else the hostname_pattern match (or refused)
     nodes = parse_nodes(args.nodes)
+    if args.predict or args.calibration:   # the predicted table first, so a bad plan can be stopped
+        from slurm_align.planning.commands import load_calibration, prediction_table, sweep_predictions
+
+        cal = load_calibration(args.calibration, args.skip_steps, args.dtype)
+        rows = sweep_predictions(run, profile, nodes, args.mode, cal, args.dtype)
+        source = f"calibrated on {cal.run_dir}" if cal else "default efficiencies"
+        _stdout().print(prediction_table(f"predicted step time ({source})", rows))
+        if args.predict_only:
+            return 0
     sweep_dir = Path(args.sweep_dir) if args.sweep_dir else new_run_dir(default_run_root(profile), "sweep")
     limit = args.max_concurrent or (1 if profile.kind == "local" else None)
     manifest = start_sweep(run, profile, nodes, args.mode, sweep_dir, args.config,
@@ -282,6 +303,10 @@ def register(sub) -> None:
 
     p = asub.add_parser("scaling", help="scaling table and chart of a sweep directory")
     p.add_argument("sweep_dir", metavar="SWEEP_DIR")
+    p.add_argument("--calibration", default=None, metavar="RUN_DIR",
+                   help="show each point's step time predicted from this run's calibration beside the measured")
+    p.add_argument("--calibration-skip-steps", type=int, default=1, help="warm-up steps of the calibration run")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32"), default="fp32")
     common(p)
     p.set_defaults(func=cmd_scaling)
 
@@ -303,4 +328,8 @@ def register(sub) -> None:
     p.add_argument("--max-concurrent", type=int, default=None,
                    help="points running at once (default: 1 on a local profile, all on Slurm)")
     p.add_argument("--poll-s", type=float, default=2.0, help="seconds between state checks")
+    p.add_argument("--predict", action="store_true",
+                   help="print each point's predicted step time before submitting (slurm-align predict)")
+    p.add_argument("--predict-only", action="store_true", help="with --predict: print it and submit nothing")
+    add_prediction_arguments(p)
     p.set_defaults(func=cmd_sweep)

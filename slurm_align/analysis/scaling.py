@@ -46,6 +46,9 @@ class ScalingPoint:
     efficiency: float = float("nan")
     breakdown: Breakdown | None = None
     error: str | None = None
+    predicted_step_s: float | None = None
+    """The step time predicted from a calibration (planning/calibration.py predict_scaling)."""
+    predicted_phase_s: dict[str, float] | None = None
 
     @property
     def samples_per_s(self) -> float:
@@ -60,7 +63,8 @@ class ScalingPoint:
                 "run_dir": str(self.run_dir), "step_s": self.step_s, "samples_per_s": self.samples_per_s,
                 "tokens_per_s": self.tokens_per_s, "efficiency": self.efficiency, "error": self.error,
                 "phase_s": (dict(zip(self.breakdown.phases, self.breakdown.mean_phase_s.tolist()))
-                            if self.breakdown else None)}
+                            if self.breakdown else None),
+                "predicted_step_s": self.predicted_step_s, "predicted_phase_s": self.predicted_phase_s}
 
 
 @dataclass

@@ -159,6 +159,34 @@ class NetworkConfig(StrictModel):
     (unless `env` sets them)."""
 
 
+Dtype = Literal["bf16", "fp16", "fp32"]
+
+
+class HardwareConfig(StrictModel):
+    """Speeds of one rank's device and of the links between ranks, for the step-time plan
+    (`slurm-align predict`, slurm_align/planning/steptime.py). Every field is optional: what is
+    left out comes from the defaults of `accelerator` (planning/hardware.py documents them and
+    where each figure comes from). Peak figures are dense (no sparsity), per rank: one GPU, or
+    on CPU one rank with its cpus_per_task cores."""
+
+    accelerator: Literal["H100", "H200", "A100", "cpu"] = "cpu"
+    """Whose defaults fill the fields below (H100/H200/A100 SXM, or this project's CPU)."""
+    peak_tflops: dict[Dtype, float] = Field(default_factory=dict)
+    """Peak matmul TFLOP/s per rank by dtype, e.g. {bf16: 989}; missing dtypes: the defaults."""
+    memory_bandwidth_gbs: float | None = Field(None, gt=0)
+    """Device memory bandwidth per rank, GB/s (decode reads weights and KV cache at this rate)."""
+    memory_gib: float | None = Field(None, gt=0)
+    """Device memory per rank, GiB (a layout whose state does not fit never ranks)."""
+    intra_node_gbs: float | None = Field(None, gt=0)
+    """Bandwidth between two ranks of one node, GB/s per direction (NVLink; shared memory on CPU)."""
+    inter_node_gbs: float | None = Field(None, gt=0)
+    """Bandwidth between ranks of different nodes, GB/s per direction per rank (the NIC's share)."""
+    shared_host: bool = False
+    """All nodes of this profile are the machine that makes the plan (the local test cluster: its
+    'nodes' are slurmd processes on one host), so ranks running at once share its cores
+    (os.cpu_count()) rather than each getting cpus_per_task of its own."""
+
+
 def _every_component() -> dict[Literal["actor", "critic", "generator"], ComponentResources]:
     """ClusterProfile.components' default: default resources for each component."""
     return {"actor": ComponentResources(), "critic": ComponentResources(), "generator": ComponentResources()}
@@ -255,6 +283,9 @@ class ClusterProfile(StrictModel):
     max_requeues: int = Field(3, ge=0)
     """Requeues allowed per submission (counted in RUN_DIR/requeue_count); past it the job ends
     as with requeue false."""
+    hardware: HardwareConfig = HardwareConfig()
+    """Device and network speeds for the step-time plan (`slurm-align predict`); default: this
+    project's CPU figures."""
 
     @field_validator("time", mode="before")
     @classmethod

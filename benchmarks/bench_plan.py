@@ -1,0 +1,128 @@
+"""The step-time plan against measurement: calibrate on the 1-node point of a weak-scaling sweep on
+the local Slurm cluster, predict the 2- and 4-node points, and compare with their measured step
+time (median of the steps after the first), for PPO and for GRPO.
+
+Starts its own local Slurm cluster (tests/cluster, 6 nodes: PPO's 4 actor nodes and its critic);
+every point is a real job (one at a time). The local cluster's nodes are slurmd processes on this
+one host, so the ranks of a point share its cores: the local-slurm profile says so
+(hardware.shared_host) and the model counts it. Per point and phase it prints predicted and
+measured; last line `plan_time_error_max= plan_phase_error_max= plan_mem_error_max=` (relative
+errors over the predicted points; the phase error over the phases above 5% of the step; the memory
+plan is not part of this branch: n/a). Goals: <= 0.15, <= 0.25, <= 0.15.
+
+    PYTHONPATH=$PWD python benchmarks/bench_plan.py [--steps 5] [--algorithms ppo,grpo] [--out DIR]
+
+Measured on this project's 2-core machine shared with other jobs (2026-12-04; tiny models, 16-32
+rollouts per step at 1 node), step time predicted vs measured at 2 / 4 actor nodes:
+  --steps 4: PPO +68% / +19% (its 1-node calibration point was slower than the 2-node point:
+             noise), GRPO -0% / +2%; plan_time_error_max=0.682 plan_phase_error_max=4.707
+             (10^7-step loop 0.95 s)
+  --steps 8, PPO only: +4% / -59% (4 actor + 1 critic ranks on 2 cores are 2.4x slower than the
+             core share predicts); plan_time_error_max=0.591 plan_phase_error_max=0.883 (loop 0.65 s)
+The goals are not met here: per-call overheads (Python, HTTP, MPI polling) dominate these tiny
+models, and the machine's load varies 2-4x between steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from slurm_align import REPO_ROOT
+from slurm_align.analysis.breakdown import compute_breakdown
+from slurm_align.analysis.runs import load_run
+from slurm_align.planning.calibration import calibrate, measured_phases
+from slurm_align.slurm.sweep import Manifest
+from tests.cluster import LocalSlurmCluster
+
+NODES = "1,2,4"
+SETTINGS = {
+    "ppo": [str(REPO_ROOT / "examples" / "ppo_tiny.yaml"), 'sweep.actor_to_critic_nodes="4:1"',
+            "ppo.num_rollout_samples=8", "generation.max_new_tokens=16", "generation.prompt_batch_size=2",
+            "ppo.train_micro_batch_size=4"],
+    "grpo": [str(REPO_ROOT / "examples" / "grpo_tiny.yaml"), "ppo.num_rollout_samples=4", "rl.n_samples_per_prompt=4",
+             "ppo.global_batch_size=16", "generation.max_new_tokens=12", "eval.interval=0",
+             "ppo.train_micro_batch_size=8"],
+}
+
+
+def run_sweep(algorithm: str, steps: int, out: Path) -> Path:
+    config, *overrides = SETTINGS[algorithm]
+    sweep = out / algorithm
+    cmd = [sys.executable, "-m", "slurm_align.cli", "sweep", config, *overrides, f"ppo.num_steps={steps}",
+           "--profile", "local-slurm", "--nodes", NODES, "--mode", "weak", "--sweep-dir", str(sweep),
+           "--max-concurrent", "1", "--poll-s", "0.5"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode:
+        raise SystemExit(f"{algorithm} sweep failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return sweep
+
+
+def compare(algorithm: str, sweep: Path) -> tuple[list[float], list[float]]:
+    manifest = Manifest.load(sweep)
+    points = sorted(manifest.points, key=lambda p: p.nodes)
+    cal = calibrate(manifest.run_path(points[0]), skip_steps=1)
+    time_errors, phase_errors = [], []
+    for pt in points:
+        run_dir = manifest.run_path(pt)
+        b = compute_breakdown(load_run(run_dir).spans, skip_steps=1)
+        measured, step_s = measured_phases(b)
+        own = calibrate(run_dir, skip_steps=1)   # only for the point's config and profile
+        pred = cal.predict(own.run, own.profile)
+        err = pred.step_s / step_s - 1
+        label = "calibration" if pt is points[0] else "predicted"
+        print(f"{algorithm} {pt.nodes} actor node(s) [{label}]: step predicted {pred.step_s:.3f} s, measured "
+              f"{step_s:.3f} s ({err:+.0%}); bound by {pred.bounding}")
+        for phase, t in sorted(pred.phases.items()):
+            got = measured.get(phase, float("nan"))
+            perr = t / got - 1 if got > 0 else float("nan")
+            print(f"    {phase:14s} predicted {t:8.4f}  measured {got:8.4f}  ({perr:+.0%})")
+            if pt is not points[0] and got > 0.05 * step_s:
+                phase_errors.append(abs(perr))
+        if pt is not points[0]:
+            time_errors.append(abs(err))
+    return time_errors, phase_errors
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--algorithms", default="ppo,grpo")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    out = args.out or Path(tempfile.mkdtemp(prefix="bench-plan-"))
+    cluster = LocalSlurmCluster(Path(tempfile.mkdtemp(prefix="sa-cluster-", dir="/tmp")), n_nodes=6, cpus_per_node=2)
+    cluster.start()
+    os.environ["SLURM_CONF"] = str(cluster.conf_path)
+    times: list[float] = []
+    phases: list[float] = []
+    try:
+        for algorithm in args.algorithms.split(","):
+            t, p = compare(algorithm, run_sweep(algorithm, args.steps, out))
+            times += t
+            phases += p
+    finally:
+        cluster.stop()
+    loop = _loop_s()
+    print(f"runs under {out}; 10^7-step Python loop {loop:.2f} s")
+    print(f"plan_time_error_max={max(times):.3f} plan_phase_error_max={np.nanmax(phases):.3f} plan_mem_error_max=n/a")
+    return 0
+
+
+def _loop_s() -> float:
+    import time
+
+    t0 = time.perf_counter()
+    for _ in range(10**7):
+        pass
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

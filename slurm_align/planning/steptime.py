@@ -1,0 +1,416 @@
+"""Step time predicted before submitting: a cost per phase from the architecture and the layout,
+combined as `PPOActor.step` (algorithms/ppo.py) orders and overlaps the phases.
+
+Each phase's ideal time is its work at the hardware's peak (planning/hardware.py), divided by an
+efficiency (a default, or fitted from a finished run: planning/calibration.py):
+
+- generate: the engine batches (generation.prompt_batch_size prompts x rl.n_samples_per_prompt)
+  handed out by the prompt server. A batch costs its prefill, FLOPs of the prompts at the FLOP
+  peak, and its decode: per decode step max(FLOPs / peak FLOPs, bytes / memory bandwidth), the
+  bytes being the weights once plus the KV cache of every sequence still decoding; the batch
+  decodes until its longest response ends. Work-stealing (switches.dynamic_prompts) is simulated
+  as list scheduling (the next batch goes to the replica free first), static sharding as
+  contiguous shards. Replicas: DP x PP with refold, else DP (the stages of a replica work in
+  turn), each of TP ranks (TP's all-reduces are not modelled).
+- logprobs, init_logprobs, train: forward FLOPs (train: 3 x forward per epoch) of a DP rank's
+  share of the step's sequences over its TP x PP ranks, times the pipeline bubble
+  (1 + (PP - 1) / micro-batches); train adds the gradient ring all-reduce per optimizer step,
+  2 (DP - 1) / DP x the rank's gradient bytes over the DP group's link (intra- or inter-node).
+- critic_infer / critic_train: the same on the critic's layout and hardware (a PPO critic scores
+  with the value and the reward model, two forwards; a reward-only critic with one).
+- refit: the rank's weight copy into the engine over memory bandwidth, plus with refold and PP > 1
+  the other stages' weights over the actor's link. weight_sync (disaggregated): the weights over
+  the inter-node link. rebalance: the step's per-token columns, a DP rank's share rebuilt in
+  memory and the rest over the actor's link.
+- store and anything else without a work model: a constant (the calibration's measurement).
+
+The combination (colocated): refit, generate, rebalance, logprobs, init_logprobs, critic_wait,
+store, train, critic_wait, other, in turn on the actor. The critic scores each generation micro-batch as
+it comes, so after generation it has left max(one micro-batch, its total minus what it did while
+generation ran); the actor's first critic_wait is what is left of that after rebalance and its
+log-prob passes (a faster critic adds no wait). The critic's update is sent before the actor
+trains; the second critic_wait is the critic's update time beyond the actor's. Disaggregated, the
+generator generates the next step while the actor trains (max_off_policy_steps >= 1): the step
+is the slower of the two; on-policy (0) their sum.
+
+Known to be wrong: TP/PP activation traffic, the optimizer step, Python overheads per call (on
+small models these dominate; the calibration folds them into the efficiencies, so a fitted
+efficiency transfers best to layouts of the same model), memory-bound training, contention of
+concurrent components on a shared host (only a component's own ranks are counted).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from slurm_align.config.errors import ConfigError
+from slurm_align.config.profile import ClusterProfile
+from slurm_align.config.run import ModelConfig, ParallelConfig, RunConfig
+from slurm_align.planning.hardware import Hardware, profile_hardware
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GRAD_BYTES = 4   # fp32 gradients (the trainers' and megatron's main_grad)
+
+DEFAULT_EFFICIENCY: dict[str, float] = {
+    "generate": 0.5, "logprobs": 0.5, "init_logprobs": 0.5, "train": 0.4, "critic_infer": 0.5,
+    "critic_train": 0.4, "refit": 0.7, "rebalance": 0.7, "weight_sync": 0.7,
+}
+"""Fraction of peak each phase reaches without a calibration (typical large-model figures)."""
+MODELLED = tuple(DEFAULT_EFFICIENCY)
+CONSTANT_PHASES = ("store", "other")
+"""Phases without a work model: their time is a calibrated constant (default 0). `other` is the
+actor's step time outside every span (metrics, the critic's update request, ...)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the cost functions need of a transformer (counts of parameters, not of memory)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    mlp_matrices: int
+    """2 for GELU MLPs, 3 for SwiGLU (gate, up, down)."""
+    experts: int
+    """Routed experts per layer (1: dense)."""
+    topk: int
+    """Experts a token passes through (1: dense)."""
+    output: int
+    """Output layer width: the vocabulary, or 1 for a value head."""
+    tied: bool
+    position_rows: int
+    """Learned position embedding rows (0 with RoPE)."""
+
+    @classmethod
+    def of(cls, m: ModelConfig, *, value_head: bool = False) -> ModelShape:
+        moe = m.num_experts is not None
+        return cls(layers=m.num_layers, hidden=m.hidden_size, heads=m.num_attention_heads, groups=m.query_groups,
+                   head_dim=m.head_dim, ffn=m.ffn, vocab=m.padded_vocab_size,
+                   mlp_matrices=3 if m.activation == "swiglu" else 2, experts=m.num_experts or 1,
+                   topk=m.moe_router_topk if moe else 1, output=1 if value_head else m.padded_vocab_size,
+                   tied=m.tie_embeddings and not value_head,
+                   position_rows=m.max_seq_len if m.position_embedding == "learned" else 0)
+
+    def _attention_params(self) -> int:
+        return self.hidden * (self.heads + 2 * self.groups) * self.head_dim + self.heads * self.head_dim * self.hidden
+
+    def _router(self) -> int:
+        return self.hidden * self.experts if self.experts > 1 else 0
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights one token multiplies through (active experts only, output layer included)."""
+        per_layer = self._attention_params() + self.mlp_matrices * self.hidden * self.ffn * self.topk + self._router()
+        return self.layers * per_layer + self.hidden * self.output
+
+    @property
+    def params(self) -> int:
+        """Every weight (all experts, embeddings; norms and biases left out)."""
+        mlp = self.mlp_matrices * self.hidden * self.ffn * self.experts
+        per_layer = self._attention_params() + mlp + self._router()
+        output = 0 if self.tied else self.hidden * self.output
+        return self.layers * per_layer + self.vocab * self.hidden + output + self.position_rows * self.hidden
+
+    @property
+    def attention_width(self) -> int:
+        return self.heads * self.head_dim
+
+    def forward_flops(self, length: int) -> float:
+        """One causal forward over a sequence: 2 x matmul params per token, plus QK^T and AV,
+        4 x layers x heads x head_dim per (query, key) pair, L^2 / 2 pairs."""
+        return 2.0 * self.matmul_params * length + 2.0 * self.layers * self.attention_width * length**2
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.layers * self.groups * self.head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The step's sequences: per sample its prompt and response length (sample i of the step gets
+    prompt_lengths[i % len] and response_lengths[i % len]: a measured distribution replayed)."""
+
+    samples: int
+    prompt_lengths: tuple[int, ...]
+    response_lengths: tuple[int, ...]
+
+    @classmethod
+    def default(cls, run: RunConfig) -> Workload:
+        """Before any run: prompts half of what the context leaves, every response at its limit."""
+        new = run.generation.max_new_tokens
+        return cls(run.rollouts_per_step, (max(1, (run.model.max_seq_len - new) // 2),), (new,))
+
+    def with_samples(self, samples: int) -> Workload:
+        return Workload(samples, self.prompt_lengths, self.response_lengths)
+
+    def prompt(self, i: int) -> int:
+        return self.prompt_lengths[i % len(self.prompt_lengths)]
+
+    def response(self, i: int) -> int:
+        return self.response_lengths[i % len(self.response_lengths)]
+
+    def lengths(self) -> list[int]:
+        return [self.prompt(i) + self.response(i) for i in range(self.samples)]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths())
+
+
+@dataclass
+class Costs:
+    """Efficiencies per modelled phase and constants (seconds) per unmodelled one."""
+
+    efficiency: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
+    constant_s: dict[str, float] = field(default_factory=dict)
+    rebalance_before_wait: float = 0.5
+    """Share of rebalance before the log-prob passes (the route and the tokens' alltoall); the rest
+    (values and rewards along the route, advantages, the gather) comes after the critic's wait."""
+
+    def eff(self, phase: str) -> float:
+        return self.efficiency.get(phase, DEFAULT_EFFICIENCY[phase])
+
+
+@dataclass
+class StepPrediction:
+    phases: dict[str, float]
+    """Predicted seconds per phase as the breakdown reports them (a rank's summed spans; the two
+    critic waits summed into critic_wait)."""
+    step_s: float
+    bounding: str
+    """The phase that contributes most to the step's critical path."""
+    critical: dict[str, float]
+    """Each phase's contribution to the critical path (critic waits attributed to the critic)."""
+    layout: str
+
+
+# -- the cost of each phase (ideal: at peak, efficiency 1) -----------------------------------
+def share(hw: Hardware, busy_ranks: int, cpus_per_task: int) -> float:
+    """Fraction of its peak a rank gets: 1, or on a shared host its cores over the busy ranks' cores."""
+    if hw.host_cores is None:
+        return 1.0
+    return min(1.0, hw.host_cores / (busy_ranks * cpus_per_task))
+
+
+def decode_step_s(shape: ModelShape, contexts: list[int], hw: Hardware, dtype: str, tp: int,
+                  rate: float = 1.0) -> float:
+    """One decode step of a batch whose sequences hold `contexts` tokens: FLOPs or bytes, the slower."""
+    flops = sum(2.0 * shape.matmul_params + 4.0 * shape.layers * shape.attention_width * c for c in contexts)
+    nbytes = shape.params * DTYPE_BYTES[dtype] + shape.kv_bytes_per_token(DTYPE_BYTES[dtype]) * sum(contexts)
+    return max(flops / (tp * hw.flops(dtype) * rate), nbytes / (tp * hw.memory_bandwidth * rate))
+
+
+def batch_generation_s(shape: ModelShape, prompts: list[int], responses: list[int], hw: Hardware, dtype: str,
+                       tp: int, rate: float = 1.0) -> float:
+    """Prefill of every prompt, then decode steps until the longest response ended (a sequence's
+    KV cache is read while it decodes)."""
+    t = sum(shape.forward_flops(p) for p in prompts) / (tp * hw.flops(dtype) * rate)
+    for step in range(max(responses, default=0)):
+        live = [p + step for p, r in zip(prompts, responses) if r > step]
+        t += decode_step_s(shape, live, hw, dtype, tp, rate)
+    return t
+
+
+def engine_batches(run: RunConfig, work: Workload) -> list[list[int]]:
+    """Sample indices of each engine batch, in the prompt server's order."""
+    per = run.generation.prompt_batch_size * run.rl.n_samples_per_prompt
+    return [list(range(i, min(i + per, work.samples))) for i in range(0, work.samples, per)]
+
+
+def schedule(durations: list[float], replicas: int, dynamic: bool) -> tuple[float, list[float]]:
+    """Makespan of batches on replicas, and each batch's end time. Dynamic: the next batch goes
+    to the replica free first (work stealing); static: contiguous shards, one per replica."""
+    ends = [0.0] * len(durations)
+    if dynamic:
+        free = [(0.0, r) for r in range(replicas)]
+        for i, d in enumerate(durations):
+            t, r = heapq.heappop(free)
+            ends[i] = t + d
+            heapq.heappush(free, (ends[i], r))
+    else:
+        per = math.ceil(len(durations) / replicas) if durations else 0
+        for r in range(replicas):
+            t = 0.0
+            for i in range(r * per, min((r + 1) * per, len(durations))):
+                t += durations[i]
+                ends[i] = t
+    return max(ends, default=0.0), ends
+
+
+def generation_s(run: RunConfig, profile: ClusterProfile, work: Workload, dtype: str) -> tuple[float, int]:
+    """Ideal generation time of the step and the number of engine batches."""
+    comp = run.engine_component
+    par, res = run.parallel(comp), profile.resources(comp)
+    hw = profile_hardware(profile, comp)
+    if comp == "generator":
+        replicas, tp = par.data_parallel, par.tensor_parallel
+    else:
+        replicas = par.data_parallel * (par.pipeline_parallel if run.switches.refold else 1)
+        tp = par.tensor_parallel
+    rate = share(hw, par.world_size, res.cpus_per_task)
+    shape = ModelShape.of(run.model)
+    batches = engine_batches(run, work)
+    durations = [batch_generation_s(shape, [work.prompt(i) for i in b], [work.response(i) for i in b],
+                                    hw, dtype, tp, rate) for b in batches]
+    makespan, _ = schedule(durations, replicas, run.switches.dynamic_prompts)
+    return makespan, len(batches)
+
+
+def link_bandwidth(profile: ClusterProfile, comp: str, group_size: int) -> float:
+    """A group of ranks of `comp` talks over NVLink/shared memory when one node holds it, else the NIC."""
+    res, hw = profile.resources(comp), profile_hardware(profile, comp)
+    return hw.intra_node_bandwidth if group_size <= res.tasks_per_node else hw.inter_node_bandwidth
+
+
+def forward_pass_s(shape: ModelShape, par: ParallelConfig, lengths: list[int], hw: Hardware, dtype: str,
+                   micro_batch: int, rate: float, passes: float = 1.0) -> float:
+    """`passes` forwards of one DP rank's share of `lengths` on its TP x PP ranks, with the bubble."""
+    dp, mp = par.data_parallel, par.tensor_parallel * par.pipeline_parallel
+    flops = passes * sum(shape.forward_flops(n) for n in lengths) / dp
+    micro_batches = max(1, math.ceil(len(lengths) / dp / micro_batch))
+    bubble = 1.0 + (par.pipeline_parallel - 1) / micro_batches
+    return flops / mp * bubble / (hw.flops(dtype) * rate)
+
+
+def grad_reduce_s(shape: ModelShape, par: ParallelConfig, bandwidth: float, reductions: int) -> float:
+    """Ring all-reduce of a rank's gradients over DP, `reductions` times (one per optimizer step)."""
+    dp = par.data_parallel
+    if dp == 1:
+        return 0.0
+    grad_bytes = shape.params / (par.tensor_parallel * par.pipeline_parallel) * GRAD_BYTES
+    return reductions * 2.0 * (dp - 1) / dp * grad_bytes / bandwidth
+
+
+def optimizer_steps(run: RunConfig) -> int:
+    gbs = run.ppo.global_batch_size or run.rollouts_per_step
+    return run.ppo.epochs * (run.rollouts_per_step // gbs)
+
+
+def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype: str = "fp32") -> dict[str, float]:
+    """Each modelled phase's time at efficiency 1 (seconds); train's gradient all-reduce is
+    returned apart as `grad_reduce` (it runs at the link's speed, not at a compute efficiency)."""
+    out: dict[str, float] = {}
+    lengths = work.lengths()
+    a_par, a_res = run.actor, profile.resources("actor")
+    a_hw = profile_hardware(profile, "actor")
+    a_rate = share(a_hw, a_par.world_size, a_res.cpus_per_task)
+    shape = ModelShape.of(run.model)
+    wbytes = DTYPE_BYTES[dtype]
+    mb = run.ppo.train_micro_batch_size
+    if run.rollout.mode == "colocated":
+        out["generate"], _ = generation_s(run, profile, work, dtype)
+        mp = a_par.tensor_parallel * a_par.pipeline_parallel
+        local = shape.params / mp * wbytes / (a_hw.memory_bandwidth * a_rate)
+        remote = 0.0
+        if run.switches.refold and a_par.pipeline_parallel > 1:
+            pp = a_par.pipeline_parallel
+            remote = (shape.params * (pp - 1) / pp / a_par.tensor_parallel * wbytes
+                      / link_bandwidth(profile, "actor", a_par.world_size))
+        out["refit"] = local + remote
+    else:
+        out["generate"], _ = generation_s(run, profile, work, dtype)   # on the generator
+        out["weight_sync"] = shape.params * wbytes / a_hw.inter_node_bandwidth
+    # the step's per-token columns (8 of 4 bytes): a DP rank's share rebuilt in memory, the rest
+    # moved over the link (the alltoall)
+    columns = work.tokens * 4 * 8
+    out["rebalance"] = (columns / a_par.data_parallel / (a_hw.memory_bandwidth * a_rate)
+                        + columns * (a_par.data_parallel - 1) / a_par.data_parallel
+                        / link_bandwidth(profile, "actor", a_par.world_size))
+    out["logprobs"] = forward_pass_s(shape, a_par, lengths, a_hw, dtype, mb, a_rate)
+    out["init_logprobs"] = out["logprobs"] if run.uses_reference else 0.0
+    out["train"] = forward_pass_s(shape, a_par, lengths, a_hw, dtype, mb, a_rate, passes=3.0 * run.ppo.epochs)
+    dp_group = a_par.data_parallel * a_par.tensor_parallel * a_par.pipeline_parallel
+    out["grad_reduce"] = grad_reduce_s(shape, a_par, link_bandwidth(profile, "actor", dp_group), optimizer_steps(run))
+    if "critic" in run.components:
+        c_par, c_res = run.critic, profile.resources("critic")
+        c_hw = profile_hardware(profile, "critic")
+        c_rate = share(c_hw, c_par.world_size, c_res.cpus_per_task)
+        c_shape = ModelShape.of(run.critic_model_config, value_head=True)
+        models = (1 if run.critic_trains else 0) + (1 if run.reward.use_model else 0)
+        out["critic_infer"] = forward_pass_s(c_shape, c_par, lengths, c_hw, dtype, mb, c_rate, passes=float(models))
+        if run.critic_trains:
+            out["critic_train"] = forward_pass_s(c_shape, c_par, lengths, c_hw, dtype, mb, c_rate,
+                                                 passes=3.0 * run.ppo.epochs)
+            out["critic_grad_reduce"] = grad_reduce_s(
+                c_shape, c_par, link_bandwidth(profile, "critic", c_par.world_size), run.ppo.epochs)
+    return out
+
+
+def phase_times(ideal: dict[str, float], costs: Costs) -> dict[str, float]:
+    """Ideal times at the phases' efficiencies; the gradient all-reduces join their training phase."""
+    out = {p: t / costs.eff(p) for p, t in ideal.items() if p in MODELLED}
+    if "train" in out:
+        out["train"] += ideal.get("grad_reduce", 0.0)
+    if "critic_train" in out:
+        out["critic_train"] += ideal.get("critic_grad_reduce", 0.0)
+    for p in CONSTANT_PHASES:
+        out[p] = costs.constant_s.get(p, 0.0)
+    return out
+
+
+def combine(t: dict[str, float], *, engine_batches: int, disaggregated: bool = False,
+            max_off_policy_steps: int = 1,
+            rebalance_before_wait: float = 0.5) -> tuple[float, dict[str, float], dict[str, float]]:
+    """The step from phase times, as PPOActor.step runs them. Returns (step seconds, the phases
+    as the breakdown reports them, each phase's contribution to the critical path)."""
+    g = lambda p: t.get(p, 0.0)  # noqa: E731  (a phase the run has not)
+    n = max(1, engine_batches)
+    # The critic scored micro-batches while generation ran; what is left after it:
+    left = max(g("critic_infer") / n, g("critic_infer") - g("generate") * (1 - 1 / n))
+    before_wait = g("rebalance") * rebalance_before_wait + g("logprobs") + g("init_logprobs")
+    wait1 = max(0.0, left - before_wait)
+    wait2 = max(0.0, g("critic_train") - g("train"))
+    crit = {"refit": g("refit"), "generate": g("generate"), "rebalance": g("rebalance"),
+            "logprobs": g("logprobs"), "init_logprobs": g("init_logprobs"), "critic_infer": wait1,
+            "store": g("store"), "train": g("train") if wait2 == 0 else 0.0,
+            "critic_train": g("train") + wait2 if wait2 > 0 else 0.0, "weight_sync": g("weight_sync"),
+            "other": g("other")}
+    if disaggregated:
+        gen = g("generate") + g("weight_sync")   # the generator applies each version before generating
+        trainer = sum(v for k, v in crit.items() if k not in ("generate", "refit"))
+        if max_off_policy_steps >= 1 and gen > trainer:
+            crit = {"generate": gen, **{k: 0.0 for k in crit if k != "generate"}}
+            step = gen
+        elif max_off_policy_steps >= 1:
+            crit["generate"] = 0.0
+            step = trainer
+        else:
+            step = gen + trainer
+    else:
+        step = sum(crit.values())
+    phases = {k: v for k, v in t.items() if k in MODELLED or k in CONSTANT_PHASES}
+    if "critic_infer" in t:
+        phases["critic_wait"] = wait1 + wait2
+    return step, phases, crit
+
+
+def describe(run: RunConfig, profile: ClusterProfile) -> str:
+    parts = []
+    for comp in run.components:
+        par, res = run.parallel(comp), profile.resources(comp)
+        parts.append(f"{comp} {res.nodes}n tp{par.tensor_parallel} pp{par.pipeline_parallel} dp{par.data_parallel}")
+    return ", ".join(parts)
+
+
+def predict(run: RunConfig, profile: ClusterProfile, *, costs: Costs | None = None, work: Workload | None = None,
+            dtype: str = "fp32") -> StepPrediction:
+    """Predicted step time of `run` on `profile` (its components' nodes and ranks as given)."""
+    if not run.spec.rollout:
+        raise ConfigError.at("algorithm", run.algorithm, "the step-time plan covers the rollout algorithms "
+                             "(ppo, grpo, rloo, reinforce_pp, rejection_sampling), whose step it models")
+    costs = costs or Costs()
+    work = work or Workload.default(run)
+    if work.samples != run.rollouts_per_step:
+        work = work.with_samples(run.rollouts_per_step)
+    times = phase_times(ideal_phases(run, profile, work, dtype), costs)
+    step, phases, crit = combine(times, engine_batches=len(engine_batches(run, work)),
+                                 disaggregated=run.rollout.mode == "disaggregated",
+                                 max_off_policy_steps=run.rollout.max_off_policy_steps,
+                                 rebalance_before_wait=costs.rebalance_before_wait)
+    bounding = max(crit, key=lambda k: crit[k])
+    return StepPrediction(phases, step, bounding, crit, describe(run, profile))
