@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,8 @@ class JobRecord:
     profile: str
     submitted_at: str = field(default_factory=lambda: dt.datetime.now().isoformat(timespec="seconds"))
     pid: int | None = None       # local backend: the script's process (its own session)
+    after: list[str] = field(default_factory=list)
+    """Slurm jobs this one starts after (afterok): `submit --after`, a pipeline's earlier stages."""
 
     def save(self) -> None:
         write_atomic(RunDir(Path(self.run_dir)).job_record, json.dumps(asdict(self), indent=1))
@@ -208,9 +211,27 @@ def _check_not_running(rd: RunDir) -> None:
                                "choose another --run-dir or cancel it first"], rd.root)
 
 
-def resolve_input_paths(run: RunConfig) -> RunConfig:
+def produced_later(path: Path, after: Sequence[str], produced: Sequence[Path] = ()) -> bool:
+    """Whether a missing input will be written by a job this one starts after: it lies inside one
+    of `produced` (a pipeline's earlier stages' run directories), or inside a run directory whose
+    job.json names one of the `after` job ids (`submit --after JOBID`)."""
+    path = Path(path).absolute()
+    if any(path.is_relative_to(Path(p).absolute()) for p in produced):
+        return True
+    for folder in path.parents:
+        record = RunDir(folder).job_record
+        if record.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                return str(json.loads(record.read_text()).get("job_id")) in after
+            return False
+    return False
+
+
+def resolve_input_paths(run: RunConfig, after: Sequence[str] = (), produced: Sequence[Path] = ()) -> RunConfig:
     """Data, tokenizer and initial checkpoints as absolute paths (relative ones are taken from
-    the directory `slurm-align` runs in), each checked to exist before anything is submitted."""
+    the directory `slurm-align` runs in), each checked to exist before anything is submitted,
+    unless a job this one starts after writes it (`produced_later`): a pipeline's PPO stage reads
+    the SFT stage's checkpoint folder, which exists only once that stage has run."""
     problems, updates = [], {}
     if run.data.train_path is None:
         problems.append(f"field 'data.train_path': required for algorithm '{run.algorithm}' "
@@ -227,7 +248,7 @@ def resolve_input_paths(run: RunConfig) -> RunConfig:
             if value is None:
                 continue
             path = Path(value).expanduser().resolve()
-            if not path.exists():
+            if not path.exists() and not produced_later(path, after, produced):
                 problems.append(f"field '{section}.{name}': got {str(value)!r}; no such file or directory "
                                 f"(relative paths are taken from {Path.cwd()})")
             changed[name] = path
@@ -243,18 +264,33 @@ def resolve_input_paths(run: RunConfig) -> RunConfig:
     return run.model_copy(update=updates)
 
 
-def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow: bool = False,
-               entry: Entry = Entry(), console: Console | None = None) -> Job:
-    """Validate, render, write the run directory and start the job. Nothing is submitted on error."""
+def prepare_launch(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, entry: Entry = Entry(),
+                   after: Sequence[str] = (), produced: Sequence[Path] = ()) -> tuple[RunConfig, RunDir, str]:
+    """Every check launch_run makes before it writes or submits anything: (the run with its paths
+    resolved, its run directory, the rendered script). A pipeline checks all its stages this way
+    before it queues the first."""
     check_against_profile(run, profile)
     check_run_dir(Path(run_dir))
     rd = RunDir(Path(run_dir).resolve())
-    run = resolve_input_paths(run).model_copy(update={"run_dir": rd.root})
+    run = resolve_input_paths(run, after, produced).model_copy(update={"run_dir": rd.root})
     check_runnable(run, profile)
     script = render_script(run, profile, rd.root, entry)   # raises ConfigError on bad values
     check_shared_paths(profile, rd.root, job_python(profile))
     check_fits_cluster(profile, run.components)            # after render: values are checked then
+    if after and profile.kind == "local":
+        raise ConfigError.at("--after", ":".join(after), f"profile {profile.name!r} is local (no Slurm): "
+                             "dependencies need a Slurm profile")
     _check_not_running(rd)
+    return run, rd, script
+
+
+def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow: bool = False,
+               entry: Entry = Entry(), console: Console | None = None, after: Sequence[str] = (),
+               produced: Sequence[Path] = ()) -> Job:
+    """Validate, render, write the run directory and start the job. Nothing is submitted on error.
+    `after`: Slurm job ids this job starts after, each completed successfully (afterok; Slurm
+    cancels this one when one of them fails); inputs they write (`produced_later`) may be missing now."""
+    run, rd, script = prepare_launch(run, profile, run_dir, entry=entry, after=after, produced=produced)
 
     rd.logs.mkdir(parents=True, exist_ok=True)
     for comp in run.components:   # a resumed run's old exit codes must not be read as new ones
@@ -280,8 +316,9 @@ def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow
         record = JobRecord("local", f"local-{popen.pid}", str(rd.root), list(run.components), profile.name,
                            pid=popen.pid)
     else:
-        job = HetjobExecutor(rd.root / "submitit", script).submit_script()
-        record = JobRecord("slurm", str(job.job_id), str(rd.root), list(run.components), profile.name)
+        job = HetjobExecutor(rd.root / "submitit", script, after=after).submit_script()
+        record = JobRecord("slurm", str(job.job_id), str(rd.root), list(run.components), profile.name,
+                           after=list(after))
     record.save()
     handle = Job(record, popen)
     if follow:
