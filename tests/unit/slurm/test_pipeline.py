@@ -77,7 +77,7 @@ def test_every_stage_is_checked_before_the_first_is_queued(tmp_path, monkeypatch
     config: {EXAMPLES / 'ppo_tiny.yaml'}
     overrides: ["model.init_checkpoint={{sft.checkpoint}}", "data.train_path=/no/such/prompts.jsonl"]
 """)
-    with pytest.raises(ConfigError, match="data.train_path.*/no/such/prompts.jsonl.*no such file"):
+    with pytest.raises(ConfigError, match=r"data.train_path.*/no/such/prompts.jsonl.*no such file"):
         submit_pipeline(spec, load_profile("local-slurm"), tmp_path / "p")
     assert not (tmp_path / "p" / RECORD).exists() and not (tmp_path / "p" / "sft" / "job.json").exists()
     with pytest.raises(ConfigError, match="a pipeline chains Slurm jobs"):
@@ -91,9 +91,9 @@ def test_a_missing_input_is_accepted_only_inside_the_run_of_a_job_it_starts_afte
     (upstream / "job.json").write_text(json.dumps({"job_id": "12"}))
     run = load_run_config(EXAMPLES / "ppo_tiny.yaml", [f"model.init_checkpoint={upstream}/checkpoints/sft"])
     assert resolve_input_paths(run, after=["11", "12"]).model.init_checkpoint == upstream / "checkpoints" / "sft"
-    with pytest.raises(ConfigError, match="model.init_checkpoint.*no such file"):
+    with pytest.raises(ConfigError, match=r"model.init_checkpoint.*no such file"):
         resolve_input_paths(run, after=["13"])
-    with pytest.raises(ConfigError, match="model.init_checkpoint.*no such file"):
+    with pytest.raises(ConfigError, match=r"model.init_checkpoint.*no such file"):
         resolve_input_paths(run)
 
 
