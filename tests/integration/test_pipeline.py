@@ -1,6 +1,7 @@
 """A pipeline on the real local Slurm cluster: SFT -> RM -> PPO queued in one call, each stage
 starting only after the stages it reads from completed; a failing first stage leaves its
-dependents cancelled by Slurm, with the reason in `slurm-align status`."""
+dependents cancelled by Slurm, with the reason in `slurm-align status`, and `pipeline --resume`
+queues both again."""
 
 from __future__ import annotations
 
@@ -87,7 +88,7 @@ def test_pipeline_queues_sft_rm_ppo_at_once_and_runs_each_after_its_inputs(slurm
 
 
 @pytest.mark.slurm
-def test_a_failed_stage_leaves_its_dependents_cancelled_with_the_reason(slurm_cluster, tmp_path):
+def test_a_failed_stage_leaves_its_dependents_cancelled_and_resume_requeues_them(slurm_cluster, tmp_path):
     broken = tmp_path / "broken.jsonl"
     broken.write_text("this is not JSON\n")   # exists (passes the submit checks), fails when read
     root = tmp_path / "pipe"
@@ -103,3 +104,12 @@ def test_a_failed_stage_leaves_its_dependents_cancelled_with_the_reason(slurm_cl
     status = json.loads(_cli("status", str(root), "--json").stdout)["stages"]
     assert [(s["name"], s["state"]) for s in status] == [("sft", "FAILED"), ("ppo", "CANCELLED")]
     assert status[1]["why"].startswith("cancelled by Slurm: stage sft ended FAILED"), status
+    # Once the input is fixed, --resume queues both again (ppo after the new sft job) and they complete.
+    broken.write_text((SYNTH / "sft_train.jsonl").read_text())
+    old = {s["name"]: s["job_id"] for s in status}
+    proc = _cli("pipeline", "--resume", str(root))
+    assert proc.returncode == 0 and "queued again: sft, ppo" in proc.stdout, proc.stdout + proc.stderr
+    stages = _stages(root)
+    assert stages["sft"]["job_id"] != old["sft"] and stages["ppo"]["job_id"] != old["ppo"]
+    for name in ("sft", "ppo"):
+        assert Job(JobRecord.load(root / name)).wait(timeout_s=900) == "COMPLETED", name
