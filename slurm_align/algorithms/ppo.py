@@ -59,6 +59,7 @@ from slurm_align.models.gpt import build_gpt
 from slurm_align.models.lora import attach_configured, lora_base, reference_policy, trainable_parameters
 from slurm_align.models.moe_stats import RouterStats
 from slurm_align.models.packing import run_batching
+from slurm_align.models.retention import apply_retention
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.parallel import quiet
 from slurm_align.parallel.bootstrap import DistEnv, init_distributed
@@ -290,6 +291,10 @@ class PPOActor:
         save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer,
                         {"algorithm": self.run.algorithm,
                          **lora_base(self.run.model, self.run.seed, self.init_checkpoint)})
+        if self.rank == 0:   # committed for both roles: older steps may go, the critic's file with the actor's
+            critic = self.rd.checkpoints("critic")
+            apply_retention(self.run.checkpointing, self.rd.checkpoints("actor"), self.metrics.path,
+                            companions=lambda s: [critic / f"iter_{s:07d}.pt"])
 
     def run_loop(self, stop: StopPoint | None = None) -> bool:
         """Run the remaining steps; True when `stop` ended the run early (after saving)."""

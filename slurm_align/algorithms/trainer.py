@@ -29,6 +29,7 @@ from slurm_align.models.lora import attach_configured, lora_base, trainable_para
 from slurm_align.models.moe_stats import RouterStats
 from slurm_align.models.optimizer import optimizer_step
 from slurm_align.models.packing import Batching, PackedLayout, run_batching
+from slurm_align.models.retention import apply_retention
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.profiling.metrics import MetricsLogger
 from slurm_align.rundir import RunDir
@@ -169,9 +170,12 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------
     def save(self) -> Path:
-        return save_checkpoint(self.ckpt_root, self.step, self.chunks, self.optimizer,
+        path = save_checkpoint(self.ckpt_root, self.step, self.chunks, self.optimizer,
                                {"consumed_samples": self.step * self.run.trainer.global_batch_size,
                                 "algorithm": self.algo.name, **lora_base(self.run.model, self.run.seed)})
+        if self.rank == 0:   # committed on every rank (save_checkpoint's last barrier): older ones may go
+            apply_retention(self.run.checkpointing, self.ckpt_root, self.metrics.path)
+        return path
 
     def resume(self) -> bool:
         latest = find_latest(self.ckpt_root)

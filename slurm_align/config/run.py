@@ -579,6 +579,30 @@ class LoggingConfig(StrictModel):
     """Log to MLflow (needs the mlflow extra)."""
 
 
+class CheckpointingConfig(StrictModel):
+    """Which checkpoints a run keeps (models/retention.py). Pruning runs after each save, once the
+    new checkpoint is committed; the newest one, which a resume loads, is never deleted."""
+
+    keep_last: int = Field(0, ge=0)
+    """Keep the newest K checkpoints (0: keep every checkpoint)."""
+    keep_best: int = Field(0, ge=0)
+    """Also keep the best K by `best_metric` (needs keep_last >= 1 and best_metric)."""
+    best_metric: str | None = None
+    """A metric of metrics.jsonl recorded at the checkpoint's step, e.g. val/score (ppo) or val_loss."""
+    best_mode: Literal["max", "min"] = "max"
+    """Whether a larger (max) or smaller (min) best_metric is better."""
+
+    @model_validator(mode="after")
+    def _best_needs_a_metric(self) -> CheckpointingConfig:
+        if self.keep_best and self.best_metric is None:
+            raise ValueError(f"field 'checkpointing.best_metric': got None; keep_best={self.keep_best} needs "
+                             "the metric to rank checkpoints by (e.g. val/score)")
+        if self.keep_best and not self.keep_last:
+            raise ValueError(f"field 'checkpointing.keep_last': got 0 (keep all); keep_best={self.keep_best} "
+                             "prunes only beside keep_last >= 1")
+        return self
+
+
 class RunConfig(StrictModel):
     """One run: algorithm, models, parallelism per component, hyper-parameters, switches."""
 
@@ -622,6 +646,8 @@ class RunConfig(StrictModel):
     """Reward model, rule reward, or both."""
     rollout: RolloutConfig = RolloutConfig()
     """Colocated or disaggregated generation, and the staleness bound."""
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    """Checkpoint retention (keep the last K, the best K by a metric)."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Importance-weight correction of the policy loss for engine/trainer mismatch."""
     eval: EvalConfig = EvalConfig()
