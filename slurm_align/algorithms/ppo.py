@@ -67,6 +67,7 @@ from slurm_align.parallel.layout import ParallelContext, initialize_model_parall
 from slurm_align.profiling import phases as P
 from slurm_align.profiling.metrics import MetricsLogger
 from slurm_align.profiling.timers import Tracer
+from slurm_align.profiling.watchdog import Watchdog
 from slurm_align.rundir import RunDir
 from slurm_align.slurm.preemption import StopPoint
 from slurm_align.store.rollouts import TOKEN_FIELDS, RolloutStore
@@ -409,6 +410,8 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
         critic = CriticClient.from_run_config(run)
         critic.connect()   # waits (with backoff) while the critic starts; not part of the first step
     tracer = Tracer(rd.root, "actor", env.rank, resume_from_step=start_step)
+    if run.fault_tolerance.hang_timeout_s:   # from here on a phase must end within the timeout
+        tracer.watchdog = Watchdog(run.fault_tolerance.hang_timeout_s, rd.logs / "actor", env.rank).start()
     # A resumed run redoes the steps after its checkpoint: their rollouts and metrics go.
     store = _open_store(rd, start_step) if env.rank == 0 else None
     metrics = MetricsLogger(run, rd.root, enabled=env.rank == 0)

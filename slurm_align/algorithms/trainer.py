@@ -32,6 +32,7 @@ from slurm_align.models.packing import Batching, PackedLayout, run_batching
 from slurm_align.models.retention import apply_retention
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.profiling.metrics import MetricsLogger
+from slurm_align.profiling.watchdog import Watchdog
 from slurm_align.rundir import RunDir
 
 
@@ -195,6 +196,8 @@ class Trainer:
     def fit(self) -> dict:
         tc = self.run.trainer
         self.resume()
+        timeout = self.run.fault_tolerance.hang_timeout_s
+        watchdog = Watchdog(timeout, RunDir(self.run_dir).logs / "actor", self.rank).start() if timeout else None
         last: dict = {}
         with Progress(TextColumn(f"[bold]{self.algo.name}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), TextColumn("{task.description}"),
@@ -214,7 +217,11 @@ class Trainer:
                     f"{k}={v:.4g}" for k, v in record.items() if k not in ("step", "step_time_s")))
                 if (tc.save_interval and self.step % tc.save_interval == 0) or self.step == tc.num_steps:
                     self.save()
+                if watchdog is not None:   # a step (and its save) ended: progress
+                    watchdog.progress()
                 last = record
+        if watchdog is not None:
+            watchdog.stop()
         self.metrics.close()
         self._print(f"{self.algo.name} done: " + " ".join(f"{k}={v:.4g}" for k, v in last.items()))
         return last

@@ -603,6 +603,15 @@ class CheckpointingConfig(StrictModel):
         return self
 
 
+class FaultToleranceConfig(StrictModel):
+    """What ends (and, later, restarts) a job that stopped making progress (profiling/watchdog.py)."""
+
+    hang_timeout_s: float = Field(0.0, ge=0)
+    """End the job when a rank closed no traced span (a phase: generate, train, ...; a trainer:
+    no step) for this long, after dumping every thread's stack into the rank's log; 0: off.
+    Choose it above the longest phase (the first step's included)."""
+
+
 class RunConfig(StrictModel):
     """One run: algorithm, models, parallelism per component, hyper-parameters, switches."""
 
@@ -648,6 +657,8 @@ class RunConfig(StrictModel):
     """Colocated or disaggregated generation, and the staleness bound."""
     checkpointing: CheckpointingConfig = CheckpointingConfig()
     """Checkpoint retention (keep the last K, the best K by a metric)."""
+    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
+    """Hang detection."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Importance-weight correction of the policy loss for engine/trainer mismatch."""
     eval: EvalConfig = EvalConfig()

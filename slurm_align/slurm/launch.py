@@ -295,6 +295,9 @@ def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow
     rd.logs.mkdir(parents=True, exist_ok=True)
     for comp in run.components:   # a resumed run's old exit codes must not be read as new ones
         (rd.logs / comp / "exit_code").unlink(missing_ok=True)
+        for pattern in ("hang_rank*.json", "stacks_rank*.txt", "heartbeat_rank*.json"):   # profiling/watchdog.py
+            for old_file in (rd.logs / comp).glob(pattern):
+                old_file.unlink(missing_ok=True)
     # A new submission: its own requeue count, no stop request or failure of an earlier job.
     for old in (rd.logs / "cancelled", rd.first_failure, rd.requeue_count, rd.stop_requested, rd.stopped_step):
         old.unlink(missing_ok=True)
