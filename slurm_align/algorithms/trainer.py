@@ -204,6 +204,8 @@ class Trainer:
                       console=self.console, disable=self.rank != 0) as progress:
             task = progress.add_task("", total=tc.num_steps, completed=self.step)
             while self.step < tc.num_steps:
+                if watchdog is not None:   # the phase a hang report names
+                    watchdog.enter("step", self.step + 1)
                 t0 = time.perf_counter()
                 metrics = self.train_step(self.step)
                 self.step += 1
@@ -218,7 +220,7 @@ class Trainer:
                 if (tc.save_interval and self.step % tc.save_interval == 0) or self.step == tc.num_steps:
                     self.save()
                 if watchdog is not None:   # a step (and its save) ended: progress
-                    watchdog.progress()
+                    watchdog.progress("step", self.step)
                 last = record
         if watchdog is not None:
             watchdog.stop()

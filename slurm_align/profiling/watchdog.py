@@ -22,6 +22,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -99,7 +100,8 @@ class Watchdog:
         with contextlib.suppress(OSError):   # a full disk must not take the rank down
             _write(heartbeat_path(self.logs, self.rank), {"rank": self.rank, "time": self._last_wall, "phase": phase,
                                                           "step": step, "start": current_start(),
-                                                          "alive": time.time(), "poll_s": self.poll_s})
+                                                          "alive": time.time(), "poll_s": self.poll_s,
+                                                          "pid": os.getpid(), "host": socket.gethostname()})
 
     def _watch(self) -> None:
         while not self._stop.wait(self.poll_s):

@@ -28,8 +28,9 @@ def test_a_rank_stuck_in_a_phase_dumps_its_stacks_and_status_names_the_stopped_p
     rd = RunDir(tmp_path)
     logs = rd.logs / "actor"
     logs.mkdir(parents=True)
-    # Rank 1 stopped (SIGSTOP) in `generate`: its heartbeat's `alive` went stale long ago.
-    heartbeat_path(logs, 1).write_text(json.dumps({"rank": 1, "time": time.time() - 5, "phase": "generate",
+    # Rank 1 stopped (SIGSTOP) in `generate`: its heartbeat's `alive` went stale long ago, though
+    # its last progress is newer than rank 0's (rank 0 waits for it since it starts below).
+    heartbeat_path(logs, 1).write_text(json.dumps({"rank": 1, "time": time.time() + 30, "phase": "generate",
                                                    "step": 3, "start": "", "alive": time.time() - 30, "poll_s": 0.05}))
     ended = _Ended()
     tracer = Tracer(tmp_path, "actor", 0)
