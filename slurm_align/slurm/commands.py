@@ -106,14 +106,31 @@ def resume_inputs(args: argparse.Namespace):
 
 def cmd_submit(args: argparse.Namespace) -> int:
     run, profile, run_dir = resume_inputs(args) if args.resume else load_inputs(args)
-    job = launch_run(run, profile, run_dir, entry=_entry(args), after=parse_after(args.after))
+    job = launch_run(run, profile, run_dir, entry=_entry(args), after=parse_after(args.after), here=args.here)
     out.print(f"submitted job [bold]{job.job_id}[/] ({job.record.backend}, profile {profile.name})"
               + (f", starts after job {', '.join(job.record.after)} completed" if job.record.after else ""))
     out.print(f"run directory: {job.run_dir.root}")
+    if args.here:
+        return _report_final(job, _wait_here(job))
     if args.follow:
         final = job.wait(console=err)
         return _report_final(job, final)
     return 0
+
+
+def _wait_here(job) -> str:
+    """--here runs in this shell: wait for it; a Ctrl-C stops it at a checkpoint, as a preemption
+    would (resume later with submit --resume), and a second one cancels it."""
+    try:
+        return job.wait(console=err)
+    except KeyboardInterrupt:
+        err.print("stopping at the next checkpoint (Ctrl-C again cancels without saving)")
+        job.stop()
+    try:
+        return job.wait(console=err)
+    except KeyboardInterrupt:
+        job.cancel()
+        return job.wait()
 
 
 def _report_final(job, final: str) -> int:
@@ -168,6 +185,9 @@ def register(sub) -> None:
     p.add_argument("--follow", action="store_true", help="show the components' states until the job ends")
     p.add_argument("--entry", default=None,
                    help="launcher to run instead of the algorithm's (e.g. 'report' to check a profile)")
+    p.add_argument("--here", action="store_true",
+                   help="run the job's components as srun steps inside the allocation this shell holds "
+                        "(salloc), not as a new job; waits for it, Ctrl-C stops it at a checkpoint")
     p.add_argument("--after", default=None, metavar="JOBID[:JOBID...]",
                    help="start only once these Slurm jobs completed successfully (afterok; cancelled if one "
                         "fails); inputs inside their run directories may be missing until then")
