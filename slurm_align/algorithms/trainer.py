@@ -31,6 +31,7 @@ from slurm_align.models.optimizer import optimizer_step
 from slurm_align.models.packing import Batching, PackedLayout, run_batching
 from slurm_align.models.retention import apply_retention
 from slurm_align.models.tokenizer import build_tokenizer
+from slurm_align.profiling.device import ProfilerWindow
 from slurm_align.profiling.metrics import MetricsLogger
 from slurm_align.profiling.watchdog import Watchdog
 from slurm_align.rundir import RunDir
@@ -198,6 +199,8 @@ class Trainer:
         self.resume()
         timeout = self.run.fault_tolerance.hang_timeout_s
         watchdog = Watchdog(timeout, RunDir(self.run_dir).logs / "actor", self.rank).start() if timeout else None
+        trace = Path(self.run_dir) / "profile" / f"actor_rank{self.rank}.json"
+        window = ProfilerWindow(self.run.profiling.steps, trace)   # a torch profiler over steps a..b
         last: dict = {}
         with Progress(TextColumn(f"[bold]{self.algo.name}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), TextColumn("{task.description}"),
@@ -206,9 +209,11 @@ class Trainer:
             while self.step < tc.num_steps:
                 if watchdog is not None:   # the phase a hang report names
                     watchdog.enter("step", self.step + 1)
+                window.step_begins(self.step + 1)
                 t0 = time.perf_counter()
                 metrics = self.train_step(self.step)
                 self.step += 1
+                window.step_ends(self.step)
                 record = {"step": self.step, **metrics, "step_time_s": time.perf_counter() - t0}
                 if tc.eval_interval and self.step % tc.eval_interval == 0 and self.step < tc.num_steps:
                     record.update(self.evaluate())
@@ -222,6 +227,7 @@ class Trainer:
                 if watchdog is not None:   # a step (and its save) ended: progress
                     watchdog.progress("step", self.step)
                 last = record
+        window.close()
         if watchdog is not None:
             watchdog.stop()
         self.metrics.close()

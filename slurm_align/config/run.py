@@ -612,6 +612,24 @@ class FaultToleranceConfig(StrictModel):
     Choose it above the longest phase (the first step's included)."""
 
 
+class ProfilingConfig(StrictModel):
+    """GPU profiling hooks (profiling/device.py)."""
+
+    steps: tuple[int, int] | None = None
+    """A torch profiler window over steps [a, b] (both included): a Chrome trace per rank in
+    RUN_DIR/profile/. Default: none."""
+    nvtx: bool = True
+    """NVTX ranges around every traced phase, and device memory per phase in the metrics
+    (memory/<phase>), where CUDA is available (nothing on CPU)."""
+
+    @field_validator("steps")
+    @classmethod
+    def _window(cls, v: tuple[int, int] | None) -> tuple[int, int] | None:
+        if v is not None and not 1 <= v[0] <= v[1]:
+            raise ValueError(f"got {list(v)}; a window [a, b] of steps with 1 <= a <= b")
+        return v
+
+
 class RunConfig(StrictModel):
     """One run: algorithm, models, parallelism per component, hyper-parameters, switches."""
 
@@ -659,6 +677,8 @@ class RunConfig(StrictModel):
     """Checkpoint retention (keep the last K, the best K by a metric)."""
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
     """Hang detection."""
+    profiling: ProfilingConfig = ProfilingConfig()
+    """Torch profiler window, NVTX ranges and device memory per phase."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Importance-weight correction of the policy loss for engine/trainer mismatch."""
     eval: EvalConfig = EvalConfig()

@@ -1,8 +1,10 @@
 """Checkpoint retention inside a real SFT run (one mpirun rank): the last k and the best k by a
-metric are kept after every save, and a run resumed after pruning continues exactly."""
+metric are kept after every save, and a run resumed after pruning continues exactly. The first
+run also has a torch profiler window (profiling.steps), whose trace is checked here too."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,9 +21,12 @@ RETAIN = ["actor.data_parallel=1", "trainer.save_interval=1", "checkpointing.kee
 
 
 def test_retention_keeps_last_and_best_and_a_resume_after_pruning_continues_exactly(tmp_path: Path):
-    a = train(make_run(tmp_path / "a", "sft_tiny.yaml", [*RETAIN, "trainer.num_steps=5"]))
+    a = train(make_run(tmp_path / "a", "sft_tiny.yaml", [*RETAIN, "trainer.num_steps=5", "profiling.steps=[2,3]"]))
     assert max(range(5), key=lambda i: a[i]["loss"]) == 0   # step 1 is the best by max loss
     assert complete_steps(tmp_path / "a" / "checkpoints" / "sft") == [1, 4, 5]
+    # the same run's torch profiler window (profiling.steps): a Chrome trace of the rank
+    trace = json.loads((tmp_path / "a" / "profile" / "actor_rank0.json").read_text())
+    assert any(e.get("name", "").startswith("aten::") for e in trace["traceEvents"])
 
     run_b = make_run(tmp_path / "b", "sft_tiny.yaml", [*RETAIN, "trainer.num_steps=3"])
     train(run_b)
