@@ -59,13 +59,16 @@ from slurm_align.models.gpt import build_gpt
 from slurm_align.models.lora import attach_configured, lora_base, reference_policy, trainable_parameters
 from slurm_align.models.moe_stats import RouterStats
 from slurm_align.models.packing import run_batching
+from slurm_align.models.retention import apply_retention
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.parallel import quiet
 from slurm_align.parallel.bootstrap import DistEnv, init_distributed
 from slurm_align.parallel.layout import ParallelContext, initialize_model_parallel
 from slurm_align.profiling import phases as P
+from slurm_align.profiling.device import ProfilerWindow, device_hooks
 from slurm_align.profiling.metrics import MetricsLogger
 from slurm_align.profiling.timers import Tracer
+from slurm_align.profiling.watchdog import Watchdog
 from slurm_align.rundir import RunDir
 from slurm_align.slurm.preemption import StopPoint
 from slurm_align.store.rollouts import TOKEN_FIELDS, RolloutStore
@@ -278,7 +281,12 @@ class PPOActor:
         return {"step": step, **val, **{f"train_rollouts/{k}": v for k, v in rollouts.items()},
                 **{f"train_optim/{k}": v for k, v in optim.items()},
                 **{f"weight_sync/{k}": v for k, v in sync.items()},
-                **{f"timers/{k}": v for k, v in self.tracer.durations(step).items()}}
+                **{f"timers/{k}": v for k, v in self.tracer.durations(step).items()},
+                # device memory peak per phase (bytes), where CUDA is available (profiling/device.py)
+                **{f"memory/{k}": v for k, v in self._device_memory(step).items()}}
+
+    def _device_memory(self, step: int) -> dict[str, int]:
+        return self.tracer.device.memory(step) if self.tracer.device is not None else {}
 
     def save_checkpoint(self, step: int) -> None:
         if self.store is not None:
@@ -290,6 +298,10 @@ class PPOActor:
         save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer,
                         {"algorithm": self.run.algorithm,
                          **lora_base(self.run.model, self.run.seed, self.init_checkpoint)})
+        if self.rank == 0:   # committed for both roles: older steps may go, the critic's file with the actor's
+            critic = self.rd.checkpoints("critic")
+            apply_retention(self.run.checkpointing, self.rd.checkpoints("actor"), self.metrics.path,
+                            companions=lambda s: [critic / f"iter_{s:07d}.pt"])
 
     def run_loop(self, stop: StopPoint | None = None) -> bool:
         """Run the remaining steps; True when `stop` ended the run early (after saving)."""
@@ -301,12 +313,15 @@ class PPOActor:
                 self.remote.sync(self.policy, self.pctx, version=self.start_step - 1)
             if self.evalset is not None and self.start_step == 1:
                 self.log({"step": 0, **self.evaluate(0)}, progress.console)   # the initial policy
+            window = ProfilerWindow(run.profiling.steps, self.rd.root / "profile" / f"actor_rank{self.rank}.json")
             for step in range(self.start_step, run.ppo.num_steps + 1):
                 if stop is not None:
                     stop.step_begins()
+                window.step_begins(step)
                 t0 = time.perf_counter()
                 metrics = self.step(step)
                 metrics["timers/step"] = time.perf_counter() - t0
+                window.step_ends(step)
                 self.tracer.step_done(step)
                 last = step == run.ppo.num_steps
                 saved = bool((run.ppo.save_interval and step % run.ppo.save_interval == 0) or last)
@@ -317,7 +332,9 @@ class PPOActor:
                     self.save_checkpoint(step)
                 progress.update(task, completed=step)
                 if stop is not None and stop.after_step(step, last=last, saved=saved, save=self.save_checkpoint):
+                    window.close()   # stopped inside the window: its trace so far
                     return True
+            window.close()
         return False
 
     def log(self, metrics: dict, console) -> None:
@@ -404,6 +421,9 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
         critic = CriticClient.from_run_config(run)
         critic.connect()   # waits (with backoff) while the critic starts; not part of the first step
     tracer = Tracer(rd.root, "actor", env.rank, resume_from_step=start_step)
+    if run.fault_tolerance.hang_timeout_s:   # from here on a phase must end within the timeout
+        tracer.watchdog = Watchdog(run.fault_tolerance.hang_timeout_s, rd.logs / "actor", env.rank).start()
+    tracer.device = device_hooks() if run.profiling.nvtx else None   # None on CPU
     # A resumed run redoes the steps after its checkpoint: their rollouts and metrics go.
     store = _open_store(rd, start_step) if env.rank == 0 else None
     metrics = MetricsLogger(run, rd.root, enabled=env.rank == 0)

@@ -29,8 +29,11 @@ from slurm_align.models.lora import attach_configured, lora_base, trainable_para
 from slurm_align.models.moe_stats import RouterStats
 from slurm_align.models.optimizer import optimizer_step
 from slurm_align.models.packing import Batching, PackedLayout, run_batching
+from slurm_align.models.retention import apply_retention
 from slurm_align.models.tokenizer import build_tokenizer
+from slurm_align.profiling.device import ProfilerWindow
 from slurm_align.profiling.metrics import MetricsLogger
+from slurm_align.profiling.watchdog import Watchdog
 from slurm_align.rundir import RunDir
 
 
@@ -169,9 +172,12 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------
     def save(self) -> Path:
-        return save_checkpoint(self.ckpt_root, self.step, self.chunks, self.optimizer,
+        path = save_checkpoint(self.ckpt_root, self.step, self.chunks, self.optimizer,
                                {"consumed_samples": self.step * self.run.trainer.global_batch_size,
                                 "algorithm": self.algo.name, **lora_base(self.run.model, self.run.seed)})
+        if self.rank == 0:   # committed on every rank (save_checkpoint's last barrier): older ones may go
+            apply_retention(self.run.checkpointing, self.ckpt_root, self.metrics.path)
+        return path
 
     def resume(self) -> bool:
         latest = find_latest(self.ckpt_root)
@@ -191,15 +197,23 @@ class Trainer:
     def fit(self) -> dict:
         tc = self.run.trainer
         self.resume()
+        timeout = self.run.fault_tolerance.hang_timeout_s
+        watchdog = Watchdog(timeout, RunDir(self.run_dir).logs / "actor", self.rank).start() if timeout else None
+        trace = Path(self.run_dir) / "profile" / f"actor_rank{self.rank}.json"
+        window = ProfilerWindow(self.run.profiling.steps, trace)   # a torch profiler over steps a..b
         last: dict = {}
         with Progress(TextColumn(f"[bold]{self.algo.name}"), BarColumn(), MofNCompleteColumn(),
                       TimeElapsedColumn(), TextColumn("{task.description}"),
                       console=self.console, disable=self.rank != 0) as progress:
             task = progress.add_task("", total=tc.num_steps, completed=self.step)
             while self.step < tc.num_steps:
+                if watchdog is not None:   # the phase a hang report names
+                    watchdog.enter("step", self.step + 1)
+                window.step_begins(self.step + 1)
                 t0 = time.perf_counter()
                 metrics = self.train_step(self.step)
                 self.step += 1
+                window.step_ends(self.step)
                 record = {"step": self.step, **metrics, "step_time_s": time.perf_counter() - t0}
                 if tc.eval_interval and self.step % tc.eval_interval == 0 and self.step < tc.num_steps:
                     record.update(self.evaluate())
@@ -210,7 +224,12 @@ class Trainer:
                     f"{k}={v:.4g}" for k, v in record.items() if k not in ("step", "step_time_s")))
                 if (tc.save_interval and self.step % tc.save_interval == 0) or self.step == tc.num_steps:
                     self.save()
+                if watchdog is not None:   # a step (and its save) ended: progress
+                    watchdog.progress("step", self.step)
                 last = record
+        window.close()
+        if watchdog is not None:
+            watchdog.stop()
         self.metrics.close()
         self._print(f"{self.algo.name} done: " + " ".join(f"{k}={v:.4g}" for k, v in last.items()))
         return last

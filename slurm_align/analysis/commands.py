@@ -1,4 +1,4 @@
-"""`slurm-align analyze breakdown|trace|scaling` and `slurm-align sweep`."""
+"""`slurm-align analyze breakdown|trace|scaling|settings` and `slurm-align sweep`."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from slurm_align.profiling.phases import phase_order
 from slurm_align.rundir import new_run_dir
 from slurm_align.slurm.choose import choose_profile, default_run_root
 from slurm_align.slurm.render import Entry
-from slurm_align.slurm.sweep import parse_nodes, start_sweep
+from slurm_align.slurm.sweep import parse_nodes, parse_set, start_sweep
 
 console = Console(stderr=True)
 
@@ -200,10 +200,17 @@ def cmd_scaling(args) -> int:
 
 
 def cmd_sweep(args) -> int:
+    if args.nodes is None and not args.set:
+        raise ConfigError.at("--nodes/--set", None, "give node counts (--nodes 1,2,4), settings "
+                             "(--set ppo.actor_lr=1e-6,5e-6, repeatable) or both")
     run = load_run_config(args.config, args.overrides)
     profile = choose_profile(args.profile)   # --profile, else the hostname_pattern match (or refused)
-    nodes = parse_nodes(args.nodes)
+    nodes = parse_nodes(args.nodes) if args.nodes is not None else None
+    sets = [parse_set(s) for s in args.set]
     if args.predict or args.calibration:   # the predicted table first, so a bad plan can be stopped
+        if nodes is None:
+            raise ConfigError.at("--predict/--calibration", None,
+                                 "predictions are per node count: give --nodes too")
         from slurm_align.planning.commands import load_calibration, prediction_table, sweep_predictions
 
         cal = load_calibration(args.calibration, args.skip_steps, args.dtype)
@@ -214,15 +221,36 @@ def cmd_sweep(args) -> int:
             return 0
     sweep_dir = Path(args.sweep_dir) if args.sweep_dir else new_run_dir(default_run_root(profile), "sweep")
     limit = args.max_concurrent or (1 if profile.kind == "local" else None)
-    manifest = start_sweep(run, profile, nodes, args.mode, sweep_dir, args.config,
+    manifest = start_sweep(run, profile, nodes, args.mode if nodes else "strong", sweep_dir, args.config, sets,
                            entry=Entry(name=args.entry) if args.entry else None, max_concurrent=limit,
                            console=console, poll_s=args.poll_s)
     failed = [p for p in manifest.points if p.state != "COMPLETED"]
     for p in failed:
-        console.print(f"[red]point {p.nodes} node(s) {p.state}[/]: {p.error}", highlight=False)
-    console.print(f"sweep directory: {manifest.sweep_dir}  (next: slurm-align analyze scaling "
-                  f"{manifest.sweep_dir})", highlight=False)
+        console.print(f"[red]point {p.run_dir} {p.state}[/]: {p.error}", highlight=False)
+    nxt = (f"analyze settings {manifest.sweep_dir} --metric val/score --metric timers/step:mean" if sets
+           else f"analyze scaling {manifest.sweep_dir}")
+    console.print(f"sweep directory: {manifest.sweep_dir}  (next: slurm-align {nxt})", highlight=False)
     return 1 if failed else 0
+
+
+def cmd_settings(args) -> int:
+    from slurm_align.analysis.settings import plot_settings, settings_report, write_csv
+
+    rows = settings_report(Path(args.sweep_dir), args.metric)
+    t = Table(title=f"settings sweep {args.sweep_dir}")
+    keys = sorted({k for r in rows for k in r.settings})
+    for col in ("point", *keys, "state", *args.metric):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r.point, *(r.settings.get(k, "") for k in keys), r.state,
+                  *(f"{r.values[m]:.4g}" for m in args.metric))
+    _stdout().print(t)
+    write_csv(rows, args.metric, Path(args.sweep_dir) / "settings.csv")
+    if not args.no_plot:
+        png = Path(args.png) if args.png else Path(args.sweep_dir) / "settings.png"
+        plot_settings(rows, args.metric, png)
+        console.print(f"chart: {png}", highlight=False)
+    return 0
 
 
 def _odd(n: int) -> int:
@@ -301,6 +329,14 @@ def register(sub) -> None:
     p.add_argument("--allow-incomplete", action="store_true")
     p.set_defaults(func=cmd_trace)
 
+    p = asub.add_parser("settings", help="chosen metrics of every point of a settings sweep: table, csv, chart")
+    p.add_argument("sweep_dir", metavar="SWEEP_DIR")
+    p.add_argument("--metric", action="append", required=True,
+                   help="a metrics.jsonl key (its last value) or KEY:mean (its mean over the steps); repeatable")
+    p.add_argument("--png", help="chart path (default: SWEEP_DIR/settings.png)")
+    p.add_argument("--no-plot", action="store_true")
+    p.set_defaults(func=cmd_settings)
+
     p = asub.add_parser("scaling", help="scaling table and chart of a sweep directory")
     p.add_argument("sweep_dir", metavar="SWEEP_DIR")
     p.add_argument("--calibration", default=None, metavar="RUN_DIR",
@@ -321,7 +357,9 @@ def register(sub) -> None:
     p.add_argument("config", metavar="CONFIG")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="run config overrides")
     p.add_argument("--profile", default=None)
-    p.add_argument("--nodes", required=True, help="actor node counts, e.g. 1,2,4,8")
+    p.add_argument("--nodes", default=None, help="actor node counts, e.g. 1,2,4,8")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=V1,V2",
+                   help="a grid over a run-config field (repeatable): one point per combination")
     p.add_argument("--mode", choices=("weak", "strong"), default="weak")
     p.add_argument("--sweep-dir", default=None, help="default: a new runs/sweep-<time> folder")
     p.add_argument("--entry", default=None, help="launcher in launchers/ to run instead of the default")

@@ -579,6 +579,57 @@ class LoggingConfig(StrictModel):
     """Log to MLflow (needs the mlflow extra)."""
 
 
+class CheckpointingConfig(StrictModel):
+    """Which checkpoints a run keeps (models/retention.py). Pruning runs after each save, once the
+    new checkpoint is committed; the newest one, which a resume loads, is never deleted."""
+
+    keep_last: int = Field(0, ge=0)
+    """Keep the newest K checkpoints (0: keep every checkpoint)."""
+    keep_best: int = Field(0, ge=0)
+    """Also keep the best K by `best_metric` (needs keep_last >= 1 and best_metric)."""
+    best_metric: str | None = None
+    """A metric of metrics.jsonl recorded at the checkpoint's step, e.g. val/score (ppo) or val_loss."""
+    best_mode: Literal["max", "min"] = "max"
+    """Whether a larger (max) or smaller (min) best_metric is better."""
+
+    @model_validator(mode="after")
+    def _best_needs_a_metric(self) -> CheckpointingConfig:
+        if self.keep_best and self.best_metric is None:
+            raise ValueError(f"field 'checkpointing.best_metric': got None; keep_best={self.keep_best} needs "
+                             "the metric to rank checkpoints by (e.g. val/score)")
+        if self.keep_best and not self.keep_last:
+            raise ValueError(f"field 'checkpointing.keep_last': got 0 (keep all); keep_best={self.keep_best} "
+                             "prunes only beside keep_last >= 1")
+        return self
+
+
+class FaultToleranceConfig(StrictModel):
+    """What ends (and, later, restarts) a job that stopped making progress (profiling/watchdog.py)."""
+
+    hang_timeout_s: float = Field(0.0, ge=0)
+    """End the job when a rank closed no traced span (a phase: generate, train, ...; a trainer:
+    no step) for this long, after dumping every thread's stack into the rank's log; 0: off.
+    Choose it above the longest phase (the first step's included)."""
+
+
+class ProfilingConfig(StrictModel):
+    """GPU profiling hooks (profiling/device.py)."""
+
+    steps: tuple[int, int] | None = None
+    """A torch profiler window over steps [a, b] (both included): a Chrome trace per rank in
+    RUN_DIR/profile/. Default: none."""
+    nvtx: bool = True
+    """NVTX ranges around every traced phase, and device memory per phase in the metrics
+    (memory/<phase>), where CUDA is available (nothing on CPU)."""
+
+    @field_validator("steps")
+    @classmethod
+    def _window(cls, v: tuple[int, int] | None) -> tuple[int, int] | None:
+        if v is not None and not 1 <= v[0] <= v[1]:
+            raise ValueError(f"got {list(v)}; a window [a, b] of steps with 1 <= a <= b")
+        return v
+
+
 class RunConfig(StrictModel):
     """One run: algorithm, models, parallelism per component, hyper-parameters, switches."""
 
@@ -622,6 +673,12 @@ class RunConfig(StrictModel):
     """Reward model, rule reward, or both."""
     rollout: RolloutConfig = RolloutConfig()
     """Colocated or disaggregated generation, and the staleness bound."""
+    checkpointing: CheckpointingConfig = CheckpointingConfig()
+    """Checkpoint retention (keep the last K, the best K by a metric)."""
+    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
+    """Hang detection."""
+    profiling: ProfilingConfig = ProfilingConfig()
+    """Torch profiler window, NVTX ranges and device memory per phase."""
     rollout_correction: RolloutCorrectionConfig = RolloutCorrectionConfig()
     """Importance-weight correction of the policy loss for engine/trainer mismatch."""
     eval: EvalConfig = EvalConfig()

@@ -16,7 +16,12 @@ from __future__ import annotations
 import contextlib
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from slurm_align.profiling.watchdog import Watchdog
+
+if TYPE_CHECKING:   # device.py imports torch; the tracer itself does not need it
+    from slurm_align.profiling.device import DeviceHooks
 from slurm_align.store.traces import TraceWriter
 
 _NULL = contextlib.nullcontext()
@@ -29,11 +34,19 @@ class _Span:
         self.tracer, self.phase, self.step = tracer, phase, step
 
     def __enter__(self):
+        if self.tracer.watchdog is not None:
+            self.tracer.watchdog.enter(self.phase, self.step)
+        if self.tracer.device is not None:
+            self.tracer.device.enter(self.phase, self.step)
         self.start = time.perf_counter_ns()
         return self
 
     def __exit__(self, *exc):
         self.tracer._add(self.step, self.phase, self.start, time.perf_counter_ns())
+        if self.tracer.device is not None:
+            self.tracer.device.exit(self.phase, self.step)
+        if self.tracer.watchdog is not None:   # a closed span is progress (profiling/watchdog.py)
+            self.tracer.watchdog.progress(self.phase, self.step)
         return False
 
 
@@ -50,6 +63,10 @@ class Tracer:
         self._starts: list[int] = []
         self._ends: list[int] = []
         self._writer = None
+        self.watchdog: Watchdog | None = None
+        """Told of every span opened and closed, when the run sets fault_tolerance.hang_timeout_s."""
+        self.device: DeviceHooks | None = None
+        """NVTX ranges and device memory per phase (profiling/device.py), where CUDA is available."""
         if self.enabled and run_dir is not None:   # enabled: there is a run_dir
             self._writer = TraceWriter(Path(run_dir) / "traces.zarr", component, self.rank)
             if resume_from_step is not None:

@@ -20,9 +20,12 @@ from slurm_align.config.loading import (
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig
 from slurm_align.rundir import RunDir, new_run_dir
+from slurm_align.slurm import pipeline_commands
 from slurm_align.slurm import state as job_state
 from slurm_align.slurm.choose import choose_profile, default_run_root
 from slurm_align.slurm.launch import find_job, launch_run
+from slurm_align.slurm.pipeline import is_pipeline_dir
+from slurm_align.slurm.pipeline_commands import print_pipeline_status
 from slurm_align.slurm.render import Entry, render_script
 from slurm_align.slurm.status import run_status
 
@@ -66,6 +69,16 @@ def _entry(args: argparse.Namespace) -> Entry:
     return Entry(args.entry) if getattr(args, "entry", None) else Entry()
 
 
+def parse_after(text: str | None) -> list[str]:
+    """'12:13' -> ['12', '13'] (Slurm job ids, as sbatch --dependency=afterok takes them)."""
+    if text is None:
+        return []
+    ids = text.split(":")
+    if not all(i.isdigit() for i in ids):
+        raise ConfigError.at("--after", text, "Slurm job ids separated by ':', e.g. 1234 or 1234:1235")
+    return ids
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     run, profile, run_dir = load_inputs(args)
     sys.stdout.write(render_script(run, profile, run_dir.resolve(), _entry(args)))
@@ -93,13 +106,31 @@ def resume_inputs(args: argparse.Namespace):
 
 def cmd_submit(args: argparse.Namespace) -> int:
     run, profile, run_dir = resume_inputs(args) if args.resume else load_inputs(args)
-    job = launch_run(run, profile, run_dir, entry=_entry(args))
-    out.print(f"submitted job [bold]{job.job_id}[/] ({job.record.backend}, profile {profile.name})")
+    job = launch_run(run, profile, run_dir, entry=_entry(args), after=parse_after(args.after), here=args.here)
+    out.print(f"submitted job [bold]{job.job_id}[/] ({job.record.backend}, profile {profile.name})"
+              + (f", starts after job {', '.join(job.record.after)} completed" if job.record.after else ""))
     out.print(f"run directory: {job.run_dir.root}")
+    if args.here:
+        return _report_final(job, _wait_here(job))
     if args.follow:
         final = job.wait(console=err)
         return _report_final(job, final)
     return 0
+
+
+def _wait_here(job) -> str:
+    """--here runs in this shell: wait for it; a Ctrl-C stops it at a checkpoint, as a preemption
+    would (resume later with submit --resume), and a second one cancels it."""
+    try:
+        return job.wait(console=err)
+    except KeyboardInterrupt:
+        err.print("stopping at the next checkpoint (Ctrl-C again cancels without saving)")
+        job.stop()
+    try:
+        return job.wait(console=err)
+    except KeyboardInterrupt:
+        job.cancel()
+        return job.wait()
 
 
 def _report_final(job, final: str) -> int:
@@ -114,6 +145,8 @@ def _report_final(job, final: str) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
+    if is_pipeline_dir(Path(args.job)):
+        return print_pipeline_status(Path(args.job).resolve(), args.json)
     job = find_job(args.job)
     st = run_status(job)
     if args.json:
@@ -152,6 +185,12 @@ def register(sub) -> None:
     p.add_argument("--follow", action="store_true", help="show the components' states until the job ends")
     p.add_argument("--entry", default=None,
                    help="launcher to run instead of the algorithm's (e.g. 'report' to check a profile)")
+    p.add_argument("--here", action="store_true",
+                   help="run the job's components as srun steps inside the allocation this shell holds "
+                        "(salloc), not as a new job; waits for it, Ctrl-C stops it at a checkpoint")
+    p.add_argument("--after", default=None, metavar="JOBID[:JOBID...]",
+                   help="start only once these Slurm jobs completed successfully (afterok; cancelled if one "
+                        "fails); inputs inside their run directories may be missing until then")
     p.set_defaults(func=cmd_submit)
 
     p = sub.add_parser("render", help="print the job script without submitting")
@@ -159,8 +198,10 @@ def register(sub) -> None:
     p.add_argument("--entry", default=None, help="launcher to run instead of the algorithm's")
     p.set_defaults(func=cmd_render)
 
-    p = sub.add_parser("status", help="state of a submitted run's components")
-    p.add_argument("job", help="run directory or job id")
+    pipeline_commands.register(sub)
+
+    p = sub.add_parser("status", help="state of a submitted run's components, or of a pipeline's stages")
+    p.add_argument("job", help="run directory, pipeline directory or job id")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_status)
 

@@ -9,6 +9,7 @@ sacct-only watcher that hangs when accounting is off.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from submitit.slurm import slurm as submitit_slurm
@@ -35,9 +36,17 @@ class HetjobExecutor(submitit_slurm.SlurmExecutor):
 
     job_class = HetJob
 
-    def __init__(self, folder: str | Path, script: str):
+    def __init__(self, folder: str | Path, script: str, after: Sequence[str] = ()):
         super().__init__(folder=folder)
         self._script = script
+        self._after = list(after)
+
+    def _make_submission_command(self, submission_file_path: Path) -> list[str]:
+        # On the command line, where sbatch applies it to the whole (het)job. Dependents of a
+        # job that fails are cancelled by Slurm (reason DependencyNeverSatisfied), not left
+        # pending forever.
+        deps = [f"--dependency=afterok:{':'.join(self._after)}", "--kill-on-invalid-dep=yes"] if self._after else []
+        return ["sbatch", *deps, str(submission_file_path)]
 
     def _make_submission_file_text(self, command: str, uid: str) -> str:
         return self._script

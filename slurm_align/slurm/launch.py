@@ -15,6 +15,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig
 from slurm_align.rundir import RunDir, create_run_secret, write_atomic
 from slurm_align.slurm import state as job_state
-from slurm_align.slurm.capacity import check_fits_cluster
+from slurm_align.slurm.capacity import check_fits_cluster, nodes_needed
 from slurm_align.slurm.choose import check_shared_paths
 from slurm_align.slurm.executor import HetjobExecutor
 from slurm_align.slurm.preemption import STOPPED_EXIT_CODE
@@ -51,6 +52,8 @@ class JobRecord:
     profile: str
     submitted_at: str = field(default_factory=lambda: dt.datetime.now().isoformat(timespec="seconds"))
     pid: int | None = None       # local backend: the script's process (its own session)
+    after: list[str] = field(default_factory=list)
+    """Slurm jobs this one starts after (afterok): `submit --after`, a pipeline's earlier stages."""
 
     def save(self) -> None:
         write_atomic(RunDir(Path(self.run_dir)).job_record, json.dumps(asdict(self), indent=1))
@@ -98,7 +101,7 @@ class Job:
     def component_states(self) -> dict[str, str]:
         """State of each component: from its exit code once it ended, else the scheduler's view."""
         codes = self._exit_codes()
-        if self.record.backend == "local":
+        if self.record.backend in ("local", "here"):   # a process of ours, not a job of Slurm's
             alive = self._local_alive()
             cancelled = (self.run_dir.logs / "cancelled").exists()
             out = {}
@@ -190,8 +193,15 @@ class Job:
             table.add_row(comp, st, str(self.run_dir.logs / comp))
         return table
 
+    def stop(self) -> None:
+        """Ask the job to stop at a checkpoint, as Slurm's warning before preemption does (USR2 to
+        the job script: every role saves, then the script ends as STOPPED). Local and --here jobs."""
+        assert self.record.pid is not None, "a local or --here job records its script's pid"
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.record.pid, signal.SIGUSR2)
+
     def cancel(self) -> None:
-        if self.record.backend == "local":
+        if self.record.backend in ("local", "here"):
             write_atomic(self.run_dir.logs / "cancelled", "cancelled\n")
             assert self.record.pid is not None, "a local job records its script's pid"
             with contextlib.suppress(ProcessLookupError):
@@ -208,9 +218,27 @@ def _check_not_running(rd: RunDir) -> None:
                                "choose another --run-dir or cancel it first"], rd.root)
 
 
-def resolve_input_paths(run: RunConfig) -> RunConfig:
+def produced_later(path: Path, after: Sequence[str], produced: Sequence[Path] = ()) -> bool:
+    """Whether a missing input will be written by a job this one starts after: it lies inside one
+    of `produced` (a pipeline's earlier stages' run directories), or inside a run directory whose
+    job.json names one of the `after` job ids (`submit --after JOBID`)."""
+    path = Path(path).absolute()
+    if any(path.is_relative_to(Path(p).absolute()) for p in produced):
+        return True
+    for folder in path.parents:
+        record = RunDir(folder).job_record
+        if record.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                return str(json.loads(record.read_text()).get("job_id")) in after
+            return False
+    return False
+
+
+def resolve_input_paths(run: RunConfig, after: Sequence[str] = (), produced: Sequence[Path] = ()) -> RunConfig:
     """Data, tokenizer and initial checkpoints as absolute paths (relative ones are taken from
-    the directory `slurm-align` runs in), each checked to exist before anything is submitted."""
+    the directory `slurm-align` runs in), each checked to exist before anything is submitted,
+    unless a job this one starts after writes it (`produced_later`): a pipeline's PPO stage reads
+    the SFT stage's checkpoint folder, which exists only once that stage has run."""
     problems, updates = [], {}
     if run.data.train_path is None:
         problems.append(f"field 'data.train_path': required for algorithm '{run.algorithm}' "
@@ -227,7 +255,7 @@ def resolve_input_paths(run: RunConfig) -> RunConfig:
             if value is None:
                 continue
             path = Path(value).expanduser().resolve()
-            if not path.exists():
+            if not path.exists() and not produced_later(path, after, produced):
                 problems.append(f"field '{section}.{name}': got {str(value)!r}; no such file or directory "
                                 f"(relative paths are taken from {Path.cwd()})")
             changed[name] = path
@@ -243,22 +271,68 @@ def resolve_input_paths(run: RunConfig) -> RunConfig:
     return run.model_copy(update=updates)
 
 
-def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow: bool = False,
-               entry: Entry = Entry(), console: Console | None = None) -> Job:
-    """Validate, render, write the run directory and start the job. Nothing is submitted on error."""
+def prepare_launch(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, entry: Entry = Entry(),
+                   after: Sequence[str] = (), produced: Sequence[Path] = ()) -> tuple[RunConfig, RunDir, str]:
+    """Every check launch_run makes before it writes or submits anything: (the run with its paths
+    resolved, its run directory, the rendered script). A pipeline checks all its stages this way
+    before it queues the first."""
     check_against_profile(run, profile)
     check_run_dir(Path(run_dir))
     rd = RunDir(Path(run_dir).resolve())
-    run = resolve_input_paths(run).model_copy(update={"run_dir": rd.root})
+    run = resolve_input_paths(run, after, produced).model_copy(update={"run_dir": rd.root})
     check_runnable(run, profile)
     script = render_script(run, profile, rd.root, entry)   # raises ConfigError on bad values
     check_shared_paths(profile, rd.root, job_python(profile))
     check_fits_cluster(profile, run.components)            # after render: values are checked then
+    if after and profile.kind == "local":
+        raise ConfigError.at("--after", ":".join(after), f"profile {profile.name!r} is local (no Slurm): "
+                             "dependencies need a Slurm profile")
     _check_not_running(rd)
+    return run, rd, script
+
+
+HERE_ENV = "SLURM_JOB_ID"
+"""Set in every shell of an allocation (salloc, an interactive srun, a batch job)."""
+
+
+def here_profile(profile: ClusterProfile) -> ClusterProfile:
+    """The profile for `submit --here`: the components as srun steps on disjoint node sets of the
+    allocation this shell holds (job_shape single), never requeued (the allocation is the user's)."""
+    if profile.kind != "slurm":
+        raise ConfigError.at("--here", profile.name, "runs the job's steps with srun inside a Slurm allocation: "
+                             "give a Slurm profile")
+    if not os.environ.get(HERE_ENV):
+        raise ConfigError.at("--here", None, f"run it inside an allocation (salloc -N NODES ..., then "
+                             f"slurm-align submit ... --here): {HERE_ENV} is not set in this shell")
+    return profile.model_copy(update={"job_shape": "single", "requeue": False})
+
+
+def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow: bool = False,
+               entry: Entry = Entry(), console: Console | None = None, after: Sequence[str] = (),
+               produced: Sequence[Path] = (), here: bool = False) -> Job:
+    """Validate, render, write the run directory and start the job. Nothing is submitted on error.
+    `after`: Slurm job ids this job starts after, each completed successfully (afterok; Slurm
+    cancels this one when one of them fails); inputs they write (`produced_later`) may be missing now.
+    `here`: run the job script in this shell's allocation (here_profile) instead of submitting it."""
+    if here:
+        if after:
+            raise ConfigError.at("--after", ":".join(after), "not with --here (the allocation is running now)")
+        profile = here_profile(profile)
+    run, rd, script = prepare_launch(run, profile, run_dir, entry=entry, after=after, produced=produced)
+    if here:
+        need, have = sum(nodes_needed(profile, run.components).values()), os.environ.get("SLURM_JOB_NUM_NODES", "")
+        if have.isdigit() and int(have) < need:
+            parts = ", ".join(f"{c} {profile.resources(c).nodes}" for c in run.components)
+            raise ConfigError.at("--here", f"allocation {os.environ[HERE_ENV]} of {have} nodes",
+                                 f"the job needs {need} nodes ({parts}; its components never share a node): "
+                                 "salloc at least that many")
 
     rd.logs.mkdir(parents=True, exist_ok=True)
     for comp in run.components:   # a resumed run's old exit codes must not be read as new ones
         (rd.logs / comp / "exit_code").unlink(missing_ok=True)
+        for pattern in ("hang_rank*.json", "stacks_rank*.txt", "heartbeat_rank*.json"):   # profiling/watchdog.py
+            for old_file in (rd.logs / comp).glob(pattern):
+                old_file.unlink(missing_ok=True)
     # A new submission: its own requeue count, no stop request or failure of an earlier job.
     for old in (rd.logs / "cancelled", rd.first_failure, rd.requeue_count, rd.stop_requested, rd.stopped_step):
         old.unlink(missing_ok=True)
@@ -273,15 +347,20 @@ def launch_run(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, follow
         rd.address(comp).unlink(missing_ok=True)
 
     popen = None
-    if profile.kind == "local":
-        with open(rd.logs / "job-local.out", "ab") as out:   # the job keeps its own copy of the file
+    if profile.kind == "local" or here:
+        # The script in a session of its own: a Ctrl-C in this shell reaches slurm-align, which
+        # asks the job to stop at a checkpoint (Job.stop), not the ranks directly. --here: its
+        # srun steps run in the allocation SLURM_JOB_ID names (inherited from this shell).
+        backend = "here" if here else "local"
+        with open(rd.logs / f"job-{backend}.out", "ab") as out:   # the job keeps its own copy of the file
             popen = subprocess.Popen(["bash", str(rd.script)], stdout=out, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
-        record = JobRecord("local", f"local-{popen.pid}", str(rd.root), list(run.components), profile.name,
-                           pid=popen.pid)
+        job_id = f"local-{popen.pid}" if not here else f"{os.environ[HERE_ENV]}-here-{popen.pid}"
+        record = JobRecord(backend, job_id, str(rd.root), list(run.components), profile.name, pid=popen.pid)
     else:
-        job = HetjobExecutor(rd.root / "submitit", script).submit_script()
-        record = JobRecord("slurm", str(job.job_id), str(rd.root), list(run.components), profile.name)
+        job = HetjobExecutor(rd.root / "submitit", script, after=after).submit_script()
+        record = JobRecord("slurm", str(job.job_id), str(rd.root), list(run.components), profile.name,
+                           after=list(after))
     record.save()
     handle = Job(record, popen)
     if follow:

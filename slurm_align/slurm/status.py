@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from slurm_align.profiling.watchdog import read_hang_reports, stacks_path
 from slurm_align.rundir import RunDir
 from slurm_align.slurm import state as job_state
 
@@ -97,6 +98,17 @@ def failing_rank(rd: RunDir, component: str, lines: int = 20) -> FailedRank:
         if failed:
             return FailedRank(component, None, failed[0].removeprefix("slurm-align "), preflight, failed[:lines],
                               lost_peer=_lost_peer(preflight))
+    hangs = read_hang_reports(rd.logs / component)
+    if hangs:   # a watchdog ended the job: name the rank that stopped first, and its phase
+        first = hangs[0]
+        sus = first.get("suspect") or first
+        hung_rank = int(sus["rank"])
+        where = f"in phase {sus['phase']} of step {sus['step']}" if sus.get("phase") else "outside any traced phase"
+        how = "its process had stopped running" if sus.get("stopped") else "the rank that progressed last"
+        why = (f"hung: no progress {where} ({how}; rank {first['rank']}'s watchdog fired after {first['idle_s']:g} s, "
+               f"hang_timeout_s={first['timeout_s']:g}); stacks in {stacks_path(rd.logs / component, first['rank'])}")
+        fired_log = rd.log(component, first["rank"])
+        return FailedRank(component, hung_rank, why, fired_log, tail(fired_log, lines))
     launcher = rd.logs / component / "launcher.log"
     text = launcher.read_text(errors="replace") if launcher.is_file() else ""
     rank, why, torn_down, lost_peer = None, "", False, None

@@ -1,6 +1,13 @@
-"""Scaling sweeps: one (het)job per node count, a manifest in the sweep directory, live progress.
+"""Sweeps: one (het)job per node count and/or per point of a grid of settings, a manifest in the
+sweep directory, live progress.
 
     slurm-align sweep CONFIG --profile NAME --nodes 1,2,4,8 [--mode weak|strong]
+    slurm-align sweep CONFIG --profile NAME --set ppo.actor_lr=1e-6,5e-6 --set rl.n_samples_per_prompt=4,8
+    slurm-align analyze settings SWEEP_DIR --metric val/score --metric timers/step
+
+`--set KEY=V1,V2,...` (repeatable) makes a grid over dotted run-config overrides: every
+combination is a point (with --nodes, at every node count; without, at the profile's own nodes),
+each checked as a run config before anything starts.
 
 `--nodes` gives the actor's node counts; the critic's follow `sweep.actor_to_critic_nodes` in the
 run config (PPO's critic, and the reward-only critic of GRPO/RLOO/... with a reward model). Each
@@ -17,8 +24,10 @@ atomically after every change of state.
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import math
+import re
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,6 +37,7 @@ from rich.live import Live
 from rich.table import Table
 
 from slurm_align.config.errors import ConfigError
+from slurm_align.config.loading import apply_overrides, validate
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig
 from slurm_align.rundir import write_atomic
@@ -57,6 +67,25 @@ def parse_nodes(text: str) -> list[int]:
     return sorted(nodes)
 
 
+def parse_set(text: str) -> tuple[str, list[str]]:
+    """'ppo.actor_lr=1e-6,5e-6' -> ('ppo.actor_lr', ['1e-6', '5e-6'])."""
+    key, sep, raw = text.partition("=")
+    values = [v.strip() for v in raw.split(",")]
+    if not sep or not key or any(not part for part in key.split(".")) or not all(values):
+        raise ConfigError.at("--set", text, "KEY=V1,V2,... with a dotted run-config field, e.g. ppo.actor_lr=1e-6,5e-6")
+    if len(set(values)) != len(values):
+        raise ConfigError.at("--set", text, "each value once")
+    return key, values
+
+
+def settings_grid(sets: list[tuple[str, list[str]]]) -> list[dict[str, str]]:
+    """Every combination of the --set values, the first --set varying slowest."""
+    keys = [k for k, _ in sets]
+    if len(set(keys)) != len(keys):
+        raise ConfigError.at("--set", ", ".join(keys), "each field once (give all its values in one --set)")
+    return [dict(zip(keys, combo)) for combo in itertools.product(*(v for _, v in sets))]
+
+
 def parse_ratio(text: str) -> tuple[int, int]:
     a, _, c = text.partition(":")
     return int(a), int(c)
@@ -83,6 +112,8 @@ class SweepPoint:
     critic_nodes: int
     run: RunConfig
     profile: ClusterProfile
+    settings: tuple[tuple[str, str], ...] = ()
+    """The --set values of this point (empty in a sweep over node counts alone)."""
 
     @property
     def batch(self) -> int:
@@ -94,7 +125,8 @@ class SweepPoint:
 
     @property
     def name(self) -> str:
-        return f"nodes{self.nodes}"
+        tags = "".join(f"-{k.rsplit('.', 1)[-1]}{v}" for k, v in self.settings)
+        return re.sub(r"[^\w.+-]", "_", f"nodes{self.nodes}{tags}")
 
 
 def _batch(run: RunConfig) -> int:
@@ -136,8 +168,24 @@ def plan_point(run: RunConfig, profile: ClusterProfile, nodes: int, base_nodes: 
     return SweepPoint(nodes, comps.get("critic", 0), new_run, new_profile)
 
 
-def plan_sweep(run: RunConfig, profile: ClusterProfile, nodes: list[int], mode: str) -> list[SweepPoint]:
-    return [plan_point(run, profile, n, nodes[0], mode) for n in sorted(nodes)]
+def plan_sweep(run: RunConfig, profile: ClusterProfile, nodes: list[int] | None, mode: str,
+               sets: list[tuple[str, list[str]]] | None = None) -> list[SweepPoint]:
+    """The points: every --set combination (one, without --set) at every node count (the
+    profile's own actor nodes, without --nodes: then the node counts are left as they are)."""
+    points = []
+    for combo in settings_grid(sets or []):
+        source = "--set " + " ".join(f"{k}={v}" for k, v in combo.items())
+        point_run = validate(RunConfig, apply_overrides(run.model_dump(mode="json"), [f"{k}={v}" for k, v in
+                                                                                       combo.items()], source), source)
+        settings = tuple(combo.items())
+        if nodes is None:
+            comps = {c: profile.resources(c).nodes for c in point_run.components}
+            points.append(SweepPoint(comps.get("actor", 0), comps.get("critic", 0), point_run, profile, settings))
+            continue
+        for n in sorted(nodes):
+            p = plan_point(point_run, profile, n, min(nodes), mode)
+            points.append(SweepPoint(p.nodes, p.critic_nodes, p.run, p.profile, settings))
+    return points
 
 
 @dataclass
@@ -155,6 +203,8 @@ class ManifestPoint:
     component_nodes: dict[str, int] = field(default_factory=dict)
     """Nodes of every component of the point's job ({'actor': 4, 'critic': 2}); last, so the
     positional fields keep their order."""
+    settings: dict[str, str] = field(default_factory=dict)
+    """The point's --set values ({'ppo.actor_lr': '1e-6'}); empty in a sweep over node counts."""
 
 
 @dataclass
@@ -188,7 +238,7 @@ class Manifest:
 
 def _table(manifest: Manifest) -> Table:
     t = Table(title=f"sweep {manifest.sweep_dir} ({manifest.mode})")
-    for col in ("actor nodes", "critic nodes", "batch", "job", "state", "elapsed", "note"):
+    for col in ("actor nodes", "critic nodes", "batch", "settings", "job", "state", "elapsed", "note"):
         t.add_column(col)
     now = time.time()
     for p in manifest.points:
@@ -196,7 +246,8 @@ def _table(manifest: Manifest) -> Table:
         color = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow"}.get(p.state, "red")
         if p.state == PLANNED:
             color = "white"
-        t.add_row(str(p.nodes), str(p.critic_nodes), str(p.rollout_samples), p.job_id or "",
+        t.add_row(str(p.nodes), str(p.critic_nodes), str(p.rollout_samples),
+                  " ".join(f"{k}={v}" for k, v in p.settings.items()), p.job_id or "",
                   f"[{color}]{p.state}[/]", elapsed, (p.error or "")[:80])
     return t
 
@@ -262,10 +313,10 @@ def _failure_note(job, state: str, run_dir: Path) -> str:
     return f"{note}; logs: {run_dir / 'logs'}"
 
 
-def start_sweep(run: RunConfig, profile: ClusterProfile, nodes: list[int], mode: str, sweep_dir: Path,
-                config_path: str, **kwargs) -> Manifest:
+def start_sweep(run: RunConfig, profile: ClusterProfile, nodes: list[int] | None, mode: str, sweep_dir: Path,
+                config_path: str, sets: list[tuple[str, list[str]]] | None = None, **kwargs) -> Manifest:
     """Plan (all errors before anything starts), write the manifest, then run every point."""
-    points = plan_sweep(run, profile, nodes, mode)
+    points = plan_sweep(run, profile, nodes, mode, sets)
     problems = []
     for p in points:   # a point that could never start would stay PENDING forever
         try:
@@ -278,6 +329,7 @@ def start_sweep(run: RunConfig, profile: ClusterProfile, nodes: list[int], mode:
     if (sweep_dir / MANIFEST).exists():
         raise ConfigError.at("--sweep-dir", str(sweep_dir), "already holds a sweep; choose a new folder")
     manifest = Manifest(sweep_dir, str(config_path), profile.name, mode, [
-        ManifestPoint(p.nodes, p.critic_nodes, p.batch, p.name, component_nodes=p.component_nodes) for p in points])
+        ManifestPoint(p.nodes, p.critic_nodes, p.batch, p.name, component_nodes=p.component_nodes,
+                      settings=dict(p.settings)) for p in points])
     manifest.save()
     return run_sweep(points, manifest, **kwargs)

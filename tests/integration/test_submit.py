@@ -435,3 +435,30 @@ def test_single_allocation_shape_runs_tiny_ppo_to_completion(slurm_cluster, tmp_
     # every sample of every step, spans and metrics: work stealing over the actor's 2 DP ranks
     check_complete_run(run_dir, steps=2, samples=8, actor_ranks=2)
     assert 'srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist="$SLURM_ALIGN_NODELIST_0"' in script
+
+
+@pytest.mark.slurm
+def test_submit_here_runs_a_tiny_ppo_inside_an_salloc_allocation(slurm_cluster, tmp_path):
+    """`submit --here` inside `salloc`: the components run as srun steps of that allocation (no
+    new job), with the run directory, logs and status of a batch job."""
+    run_dir = tmp_path / "run"
+    prompts = REPO_ROOT / "examples" / "synthetic" / "prompts.jsonl"
+    cmd = [sys.executable, "-m", "slurm_align.cli", "submit", str(EXAMPLE), "--profile", "local-slurm",
+           "--run-dir", str(run_dir), "--here", f"data.train_path={prompts}", "ppo.num_steps=1",
+           "ppo.num_rollout_samples=4", "generation.max_new_tokens=4", "generation.prompt_batch_size=2",
+           "ppo.train_micro_batch_size=2"]
+    proc = subprocess.run(["salloc", "-N", "3", "-p", slurm_cluster.partition, *cmd], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    alloc = re.search(r"Granted job allocation (\d+)", proc.stderr)
+    assert alloc, proc.stderr
+    record = json.loads((run_dir / "job.json").read_text())
+    assert record["backend"] == "here" and record["job_id"].startswith(f"{alloc.group(1)}-here-")
+    for comp, ranks in (("actor", 2), ("critic", 1)):
+        for rank in range(ranks):
+            assert (run_dir / "logs" / comp / f"rank{rank}.log").is_file()
+    assert json.loads(_cli("status", str(run_dir), "--json").stdout)["state"] == "COMPLETED"
+    assert (run_dir / "checkpoints" / "actor" / "iter_0000001" / "manifest.json").is_file()
+    jobs = subprocess.run(["squeue", "-h", "-t", "all", "-o", "%i"], capture_output=True, text=True).stdout.split()
+    # the ranks ran as steps of the allocation: no job was submitted after it
+    assert all(int(j.split("+")[0]) <= int(alloc.group(1)) for j in jobs), jobs

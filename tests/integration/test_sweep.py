@@ -150,3 +150,30 @@ def test_sweep_records_a_failing_point_and_refuses_one_that_cannot_start(slurm_c
     assert "actor rank" in bad.error and "fails on purpose" in bad.error and "logs:" in bad.error
     saved = json.loads((tmp_path / "sweep" / "sweep.json").read_text())
     assert [p["state"] for p in saved["points"]] == ["COMPLETED", "FAILED"]
+
+
+
+def test_a_2x2_settings_sweep_runs_four_jobs_each_with_its_settings(tmp_path):
+    """Four jobs (local profile, the `report` launcher: the jobs themselves, not training, which
+    the report's unit test reads from metrics.jsonl), one per point of lr x micro batch, each run
+    with its point's config; the report then has a row per point."""
+    synth = REPO_ROOT / "examples" / "synthetic"
+    sweep_dir = tmp_path / "sweep"
+    proc = subprocess.run(
+        [sys.executable, "-m", "slurm_align.cli", "sweep", str(REPO_ROOT / "examples" / "sft_tiny.yaml"),
+         "--profile", "local", "--sweep-dir", str(sweep_dir), "--set", "trainer.lr=1e-3,3e-2",
+         "--set", "trainer.micro_batch_size=2,4", "--entry", "report", f"data.train_path={synth / 'sft_train.jsonl'}",
+         "--poll-s", "0.5"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    grid = [{"trainer.lr": lr, "trainer.micro_batch_size": mb} for lr in ("1e-3", "3e-2") for mb in ("2", "4")]
+    points = json.loads((sweep_dir / "sweep.json").read_text())["points"]
+    assert [(p["settings"], p["state"]) for p in points] == [(g, "COMPLETED") for g in grid]
+    for p, g in zip(points, grid):
+        run = load_run_config(sweep_dir / p["run_dir"] / "config.yaml")
+        assert (run.trainer.lr, run.trainer.micro_batch_size) == (float(g["trainer.lr"]),
+                                                                 int(g["trainer.micro_batch_size"]))
+        assert len(list((sweep_dir / p["run_dir"] / "reports" / "actor").glob("rank*.json"))) == 2   # it ran
+    report = subprocess.run([sys.executable, "-m", "slurm_align.cli", "analyze", "settings", str(sweep_dir),
+                             "--metric", "loss", "--no-plot"], capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert len((sweep_dir / "settings.csv").read_text().splitlines()) == 5

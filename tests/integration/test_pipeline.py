@@ -1,0 +1,115 @@
+"""A pipeline on the real local Slurm cluster: SFT -> RM -> PPO queued in one call, each stage
+starting only after the stages it reads from completed; a failing first stage leaves its
+dependents cancelled by Slurm, with the reason in `slurm-align status`, and `pipeline --resume`
+queues both again."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slurm_align import REPO_ROOT
+from slurm_align.slurm.launch import Job, JobRecord
+
+EXAMPLES = REPO_ROOT / "examples"
+SYNTH = EXAMPLES / "synthetic"
+TRAIN = ["trainer.num_steps=2", "trainer.save_interval=0", "trainer.global_batch_size=4",
+         "trainer.micro_batch_size=2"]
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "slurm_align.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _spec(tmp_path: Path, sft_train: Path) -> Path:
+    stages = {
+        "sft": {"config": str(EXAMPLES / "sft_tiny.yaml"),
+                "overrides": [f"data.train_path={sft_train}", f"data.val_path={SYNTH / 'sft_val.jsonl'}", *TRAIN]},
+        "rm": {"config": str(EXAMPLES / "rm_tiny.yaml"),
+               "overrides": [f"data.train_path={SYNTH / 'pref_train.jsonl'}",
+                             f"data.val_path={SYNTH / 'pref_val.jsonl'}", *TRAIN]},
+        "ppo": {"config": str(EXAMPLES / "ppo_tiny.yaml"),
+                "overrides": ["model.init_checkpoint={sft.checkpoint}", "critic_model.init_checkpoint={rm.checkpoint}",
+                              f"data.train_path={SYNTH / 'prompts.jsonl'}", "ppo.num_steps=1",
+                              "ppo.num_rollout_samples=4", "generation.max_new_tokens=4",
+                              "generation.prompt_batch_size=2", "ppo.train_micro_batch_size=2"]},
+    }
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(json.dumps({"stages": stages}))   # YAML is a superset of JSON
+    return path
+
+
+def _job_times(job_id: str) -> tuple[dt.datetime, dt.datetime]:
+    """(start, end) of a finished job, from scontrol (no accounting here; MinJobAge keeps them)."""
+    text = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True, check=True).stdout
+    found = {k: re.search(rf"\b{k}=(\S+)", text) for k in ("StartTime", "EndTime")}
+    assert all(found.values()), text
+    return dt.datetime.fromisoformat(found["StartTime"].group(1)), dt.datetime.fromisoformat(found["EndTime"].group(1))
+
+
+def _stages(root: Path) -> dict[str, dict]:
+    return {s["name"]: s for s in json.loads((root / "pipeline.json").read_text())["stages"]}
+
+
+@pytest.mark.slurm
+def test_pipeline_queues_sft_rm_ppo_at_once_and_runs_each_after_its_inputs(slurm_cluster, tmp_path):
+    root = tmp_path / "pipe"
+    proc = _cli("pipeline", str(_spec(tmp_path, SYNTH / "sft_train.jsonl")), "--profile", "local-slurm",
+                "--run-dir", str(root))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stages = _stages(root)
+    assert {n: s["after"] for n, s in stages.items()} == {"sft": [], "rm": [], "ppo": ["sft", "rm"]}
+    ppo_id = stages["ppo"]["job_id"]
+    # Queued with its dependency on both (before either ran: the dependency is Slurm's, not ours)
+    dep = subprocess.run(["scontrol", "show", "job", ppo_id], capture_output=True, text=True).stdout
+    assert f"afterok:{stages['sft']['job_id']}" in dep and f"afterok:{stages['rm']['job_id']}" in dep, dep
+    for name in ("sft", "rm", "ppo"):
+        job = Job(JobRecord.load(root / name))
+        state = job.wait(timeout_s=900)
+        assert state == "COMPLETED", (name, [p.read_text()[-2000:] for ps in job.failed_logs().values() for p in ps])
+    ppo_start, _ = _job_times(ppo_id)
+    for name in ("sft", "rm"):
+        assert ppo_start >= _job_times(stages[name]["job_id"])[1], name
+    # PPO loaded the SFT and RM stages' checkpoints (a missing one fails the job at load)
+    config = (root / "ppo" / "config.yaml").read_text()
+    assert f"init_checkpoint: {root / 'sft' / 'checkpoints' / 'sft'}" in config
+    assert f"init_checkpoint: {root / 'rm' / 'checkpoints' / 'rm'}" in config
+    status = json.loads(_cli("status", str(root), "--json").stdout)
+    assert [(s["name"], s["state"]) for s in status["stages"]] == [
+        ("sft", "COMPLETED"), ("rm", "COMPLETED"), ("ppo", "COMPLETED")]
+    assert status["stages"][2]["last_checkpoint_step"] == 1
+
+
+@pytest.mark.slurm
+def test_a_failed_stage_leaves_its_dependents_cancelled_and_resume_requeues_them(slurm_cluster, tmp_path):
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("this is not JSON\n")   # exists (passes the submit checks), fails when read
+    root = tmp_path / "pipe"
+    spec = _spec(tmp_path, broken)
+    data = json.loads(spec.read_text())
+    del data["stages"]["rm"]                  # the failure alone: sft -> ppo
+    data["stages"]["ppo"]["overrides"] = [o for o in data["stages"]["ppo"]["overrides"] if "{rm." not in o]
+    spec.write_text(json.dumps(data))
+    proc = _cli("pipeline", str(spec), "--profile", "local-slurm", "--run-dir", str(root))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert Job(JobRecord.load(root / "sft")).wait(timeout_s=600) == "FAILED"
+    assert Job(JobRecord.load(root / "ppo")).wait(timeout_s=120) == "CANCELLED"
+    status = json.loads(_cli("status", str(root), "--json").stdout)["stages"]
+    assert [(s["name"], s["state"]) for s in status] == [("sft", "FAILED"), ("ppo", "CANCELLED")]
+    assert status[1]["why"].startswith("cancelled by Slurm: stage sft ended FAILED"), status
+    # Once the input is fixed, --resume queues both again (ppo after the new sft job) and they complete.
+    broken.write_text((SYNTH / "sft_train.jsonl").read_text())
+    old = {s["name"]: s["job_id"] for s in status}
+    proc = _cli("pipeline", "--resume", str(root))
+    assert proc.returncode == 0 and "queued again: sft, ppo" in proc.stdout, proc.stdout + proc.stderr
+    stages = _stages(root)
+    assert stages["sft"]["job_id"] != old["sft"] and stages["ppo"]["job_id"] != old["ppo"]
+    for name in ("sft", "ppo"):
+        assert Job(JobRecord.load(root / name)).wait(timeout_s=900) == "COMPLETED", name
