@@ -745,6 +745,13 @@ class RunConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _precision_fits(self):
+        if self.training.precision != "fp32" and self.model.lora is not None:
+            raise ValueError(f"training.precision={self.training.precision!r} with model.lora: the adapters are "
+                             "built in fp32 and do not take bf16 inputs yet; use precision 'fp32' with LoRA")
+        return self
+
+    @model_validator(mode="after")
     def _rollout_options_fit(self):
         spec = self.spec
         if not spec.rollout:

@@ -13,6 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from slurm_align.config.memory_plan import plan_model
+from slurm_align.config.run import ParallelConfig
+from tests.programs.optimizer_worker import MODEL, WAYS
+
 WORKER = Path(__file__).parents[1] / "programs" / "optimizer_worker.py"
 ROOT = WORKER.parents[2]
 
@@ -51,6 +55,11 @@ def test_zero1_shards_state_takes_the_same_steps_and_resumes_at_another_dp(tmp_p
         for way in ("fp32_zero1", "bf16_zero1"):
             assert r[way]["bytes"][rank]["moments"] == pytest.approx(4 * n, abs=16)   # padding: < 2 params
             assert r[way]["bytes"][rank]["main"] == pytest.approx(2 * n, abs=8)
+    # The memory plan (config/memory_plan.py) says the same bytes for rank 0.
+    for way, t in WAYS.items():
+        plan = plan_model("m", MODEL, ParallelConfig(data_parallel=2), t)
+        assert (plan.optimizer, plan.main_weights if t.precision == "bf16" or t.distributed_optimizer else 0) == \
+            (r[way]["bytes"][0]["moments"], r[way]["bytes"][0]["main"]), way
     # bf16: parameters bf16, main weights fp32
     assert r["bf16_zero1"]["param_dtypes"] == ["torch.bfloat16"] and r["bf16_zero1"]["main_dtypes"] == ["torch.float32"]
 
