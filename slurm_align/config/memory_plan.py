@@ -3,11 +3,12 @@ no model built), checked against the profile's `gpu_memory_gib` before anything 
 
 Per trained model and rank: weights (its dtype), gradients (fp32: the flat layout's `main_grad`
 or fp32 `.grad`), fp32 main weights (bf16 only) and Adam's two fp32 moments, the last two
-divided by DP under ZeRO-1 (models/optimizer.py); activations of one micro-batch; frozen models
-(reward model, DPO reference) their weights; the actor's generation engine its weights and the
-KV cache of one prompt batch. The actor peaks either while training or while generating (the
-optimizer state and gradients are in host memory then with switches.offload_optimizer), so its
-total is the larger of the two phases.
+divided by DP under ZeRO-1 (models/optimizer.py); activations of one micro-batch; the critic's
+reward model, when resident, its weights (the PPO and DPO references live in host memory and
+are swapped into the policy's own tensors, HostSwap: no GPU memory); the actor's generation
+engine its weights and the KV cache of one prompt batch. The actor peaks either while training
+or while generating (the optimizer state and gradients are in host memory then with
+switches.offload_optimizer), so its total is the larger of the two phases.
 
 Parameters are counted per rank exactly as megatron's GPT local spec holds them (TP shards:
 QKV, fc1, embedding and output rows; proj and fc2 columns; norms, biases of row-parallel layers
@@ -182,8 +183,6 @@ def plan_run(run: RunConfig) -> list[ComponentPlan]:
         comp = ComponentPlan("actor")
         comp.models.append(plan_model(run.algorithm, run.model, run.actor, t, tokens=rows * seq, rows=rows,
                                       value_head=run.algorithm == "rm"))
-        if run.algorithm == "dpo" and run.model.lora is None:   # the frozen reference (LoRA: adapters off)
-            comp.models.append(plan_model("reference", run.model, run.actor, None))
         comps.append(comp)
     return comps
 
@@ -227,13 +226,20 @@ def _fitting_changes(run: RunConfig, component: str, cap_bytes: float) -> list[s
     return fits
 
 
+def moe_models(run: RunConfig) -> list[str]:
+    """The run's models with MoE layers, which the plan does not model."""
+    models = {"model": run.model, "critic_model": run.critic_model}
+    return [name for name, m in models.items() if m is not None and m.num_experts is not None]
+
+
 def check_memory(run: RunConfig, profile: ClusterProfile, *, source: str = "run config") -> list[ComponentPlan]:
-    """Refuse (ConfigError) a run whose plan exceeds the profile's gpu_memory_gib on any component;
-    nothing to check without that field. Returns the plan."""
-    comps = plan_run(run)
+    """Refuse (ConfigError) a run whose plan exceeds the profile's gpu_memory_gib on any component.
+    Nothing is checked (an empty plan) without that field, or for MoE models (not modelled).
+    Returns the plan."""
     cap = profile.gpu_memory_gib
-    if cap is None:
-        return comps
+    if cap is None or moe_models(run):
+        return []
+    comps = plan_run(run)
     for c in comps:
         if c.total > cap * GIB:
             fits = _fitting_changes(run, c.name, cap * GIB)
