@@ -17,7 +17,8 @@ tokens x b rows (elements), after Korthikanti et al., "Reducing Activation Recom
 Large Transformer Models" (2022), Table 2, without their dropout terms (the models here have no
 dropout): sb[4h + (q + k + v + context)/t + a s/t + (fc1 out + fc2 in)/t], where a s/t is the
 softmax output; 'selective' recompute drops it, 'full' keeps only each layer's input (s b h)
-plus one recompute chunk's full activations. Under PP the first stage holds PP micro-batches
+plus the larger of the logits and one recompute chunk's full activations (the logits are freed
+before the backward pass recomputes the layers). Under PP the first stage holds PP micro-batches
 (1F1B), i.e. L/PP layers x PP. Logits: 2 s b V/t fp32 (logits and log-softmax).
 MoE layers are not modelled (plan_model refuses them; submit then skips the check).
 """
@@ -123,13 +124,14 @@ def activation_elements(m: ModelConfig, tp: int, pp: int, tokens: int, rows: int
     softmax = a * s // tp
     per_layer = sb * (4 * h + ((2 * a + 2 * g) * d + fc1_out + f) // tp + softmax)
     layers = m.num_layers // pp * (pp if pp > 1 else 1)   # 1F1B: the first stage holds PP micro-batches
+    logits = 2 * sb * m.padded_vocab_size // tp
+    if recompute == "full":
+        # the layers' inputs; then either the logits (end of forward) or, later in the backward
+        # pass, once the logits are freed, one recompute chunk's full activations
+        return layers * sb * h + max(recompute_layers * per_layer, logits)
     if recompute == "selective":
-        kept = layers * (per_layer - sb * softmax)
-    elif recompute == "full":
-        kept = layers * sb * h + recompute_layers * per_layer
-    else:
-        kept = layers * per_layer
-    return kept + 2 * sb * m.padded_vocab_size // tp
+        return layers * (per_layer - sb * softmax) + logits
+    return layers * per_layer + logits
 
 
 def plan_model(name: str, m: ModelConfig, par: ParallelConfig, t: TrainingConfig | None, *, tokens: int = 0,
