@@ -28,7 +28,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import weakref
 from pathlib import Path
 
 import torch
@@ -37,6 +36,7 @@ torch.set_num_threads(1)
 
 from slurm_align.config.memory_plan import activation_elements, plan_model  # noqa: E402
 from slurm_align.config.run import ModelConfig, ParallelConfig, TrainingConfig  # noqa: E402
+from slurm_align.profiling.activations import SavedActivationPeak  # noqa: E402
 
 MODEL = ModelConfig(num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=512, max_seq_len=128)
 ROWS, SEQ = 4, 128
@@ -52,35 +52,7 @@ def nll(logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
     return loss, {"loss": loss.detach()}
 
 
-class LiveSaved:
-    """Peak bytes of the distinct storages autograd holds for backward (parameters excluded)."""
-
-    def __init__(self, chunks: list):
-        self.params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
-        self.live: dict[int, list[int]] = {}   # storage -> [bytes, references]
-        self.now = self.peak = 0
-
-    def _release(self, ptr: int) -> None:
-        entry = self.live[ptr]
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.now -= entry[0]
-            del self.live[ptr]
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.params:
-            return t
-        if ptr not in self.live:
-            self.live[ptr] = [t.untyped_storage().nbytes(), 0]
-            self.now += self.live[ptr][0]
-            self.peak = max(self.peak, self.now)
-        self.live[ptr][1] += 1
-        weakref.finalize(t, self._release, ptr)
-        return t
-
-
-def step(chunks: list, opt=None, live: LiveSaved | None = None) -> float:
+def step(chunks: list, opt=None, live: SavedActivationPeak | None = None) -> float:
     from slurm_align.models.forward import run_schedule
     t0 = time.perf_counter()
     if opt is not None:
@@ -88,7 +60,7 @@ def step(chunks: list, opt=None, live: LiveSaved | None = None) -> float:
     if live is None:
         run_schedule(chunks, [{"tokens": tokens()}], nll, forward_only=False)
     else:
-        with torch.autograd.graph.saved_tensors_hooks(live.pack, lambda t: t):
+        with live:
             run_schedule(chunks, [{"tokens": tokens()}], nll, forward_only=False)
     if opt is not None:
         opt.step()
@@ -136,7 +108,7 @@ def rank_program(out: Path) -> None:
     peaks = {}
     for mode in ("none", "selective", "full"):
         chunks = build_gpt(MODEL, pctx, seed=3, training=TrainingConfig(recompute=mode))
-        live = LiveSaved(chunks)
+        live = SavedActivationPeak(p for c in chunks for p in c.parameters())
         step(chunks, live=live)
         peaks[mode] = live.peak
         planned = 4 * activation_elements(MODEL, 1, 1, ROWS * SEQ, ROWS, mode)

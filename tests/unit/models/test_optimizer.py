@@ -18,6 +18,7 @@ from slurm_align.models.checkpoint import find_latest, load_checkpoint, save_che
 from slurm_align.models.forward import run_schedule
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.optimizer import build_optimizer
+from slurm_align.profiling.activations import SavedActivationPeak
 from tests.support.single_rank import single_rank_world
 
 ONE_RANK = SimpleNamespace(dp_size=1, tp_size=1, pp_size=1, tp_rank=0, dp_group=None)   # no collectives
@@ -111,20 +112,11 @@ LONG = MODEL.model_copy(update={"max_seq_len": 64})   # attention's s x s terms 
 
 
 def saved_activation_bytes(chunks, tokens: torch.Tensor) -> tuple[int, dict]:
-    """Bytes of the distinct storages autograd keeps for the backward pass (parameters
-    excluded: they are kept anyway), and the gradients it then computes."""
-    params = {p.untyped_storage().data_ptr() for c in chunks for p in c.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(t: torch.Tensor):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    """Peak bytes autograd holds for the backward pass (profiling/activations.py), and the
+    gradients it then computes."""
+    with SavedActivationPeak(p for c in chunks for p in c.parameters()) as held:
         run_schedule(chunks, [{"tokens": tokens}], nll, forward_only=False)
-    return sum(kept.values()), {n: p.grad.clone() for n, p in chunks[0].named_parameters()}
+    return held.peak, {n: p.grad.clone() for n, p in chunks[0].named_parameters()}
 
 
 def test_recompute_gives_the_same_gradients_with_fewer_saved_activations():
