@@ -107,3 +107,12 @@ def test_submit_refuses_a_layout_that_cannot_fit_before_writing_anything(tmp_pat
     assert code == 2 and not run_dir.exists()
     assert "sft_tiny.yaml" in text and "gpu_memory_gib=0.001" in text and "GiB per GPU" in text
     assert "--skip-memory-check" in text
+
+
+def test_plan_command_prints_each_component_against_the_profile(capsys):
+    code = cli_main(["plan", str(REPO_ROOT / "examples" / "plans" / "llama3_8b_ppo.yaml"),
+                     "--profile", "example-gpu-cluster"])
+    text = capsys.readouterr().out
+    assert code == 0
+    assert "actor      policy      2,007,764,992" in text   # Llama-3-8B / TP 4 (8.03e9 / 4)
+    assert "critic     TOTAL" in text and "of 80 GiB fits" in text and "KV cache" in text
