@@ -32,7 +32,7 @@ from slurm_align.config.run import RunConfig
 from slurm_align.data.positions import gather_response
 from slurm_align.generation.params import logprob_temperature
 from slurm_align.models.forward import per_sequence, run_schedule, sequence_token_logprobs
-from slurm_align.models.optimizer import optimizer_step
+from slurm_align.models.optimizer import ModelOptimizer
 from slurm_align.models.packing import run_batching
 from slurm_align.profiling import phases as P
 from slurm_align.rewards.rule import RuleReward
@@ -128,6 +128,12 @@ def optimizer_batches(size: int, run: RunConfig, step: int, epoch: int) -> list[
     return np.array_split(order, parts)
 
 
+def actor_optimizer_steps(run: RunConfig) -> int:
+    """The policy's optimizer steps over the whole run (where its LR decay ends by default)."""
+    gbs = run.ppo.global_batch_size or run.rollouts_per_step
+    return run.ppo.num_steps * run.ppo.epochs * max(run.rollouts_per_step // gbs, 1)
+
+
 class PolicyUpdate:
     """The actor's update of one step on this DP rank's shard: ppo.epochs passes, each split
     into optimizer steps of ppo.global_batch_size rollouts (NeMo-Aligner's mini-batches), each a
@@ -137,7 +143,7 @@ class PolicyUpdate:
     weight). loss 'policy': the clipped surrogate (+ KL loss term, entropy bonus) of
     policy_loss.py; loss 'sft': negative log-likelihood (rejection sampling)."""
 
-    def __init__(self, run: RunConfig, policy: list, optimizer: torch.optim.Optimizer, pctx, *,
+    def __init__(self, run: RunConfig, policy: list, optimizer: ModelOptimizer, pctx, *,
                  loss: Literal["policy", "sft"] = "policy"):
         self.run, self.policy, self.optimizer, self.pctx, self.loss = run, policy, optimizer, pctx, loss
         self.terms = loss_terms(run)
@@ -152,6 +158,7 @@ class PolicyUpdate:
         run, dp = self.run, self.pctx.dp_group
         totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl": 0.0, "tokens": 0.0}
         norms = []
+        lr = self.optimizer.lr   # the first optimizer step's of this PPO step
         with tracer.span(P.TRAIN, step):
             for c in self.policy:
                 c.train()
@@ -161,7 +168,7 @@ class PolicyUpdate:
         # Only the last stage computed a loss: sum over DP, then hand it to the other stages.
         total = all_reduce_sums(all_reduce_sums(totals, dp), self.pctx.pp_group)
         tokens = max(total["tokens"], 1.0)
-        out = {"loss": total["loss"] / len(norms), "grad_norm": float(np.mean(norms)), "lr": run.ppo.actor_lr,
+        out = {"loss": total["loss"] / len(norms), "grad_norm": float(np.mean(norms)), "lr": lr,
                "optimizer_steps": float(len(norms))}
         if self.loss == "policy":
             out.update(ppo_ratio=total["ratio"] / tokens, ppo_ratio_clamped=total["clipped"] / tokens)
@@ -170,11 +177,11 @@ class PolicyUpdate:
         return out
 
     def _optimizer_step(self, part: RolloutBatch, totals: dict) -> float:
-        run, vocab, terms = self.run, self.run.model.vocab_size, self.terms
+        vocab, terms = self.run.model.vocab_size, self.terms
         weight = part["is_end"].float() * part["train"]   # responses cut at max_new_tokens teach nothing
         # Global normaliser of this optimizer batch: its loss is a mean over all DP ranks.
         norm = all_reduce_sums({"n": denominator(part.mask * weight[:, None], self.agg)}, self.pctx.dp_group)["n"]
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         if part.size and norm > 0:
             part.set_samples("weight", weight)
             corrected = self.loss == "policy" and rollout_correction.WEIGHTS in part.per_token
@@ -207,7 +214,7 @@ class PolicyUpdate:
 
             run_schedule(self.policy, micro, loss_fn, forward_only=False)
         # Every rank joins the gradient all-reduce, also with nothing to train on (zero grads).
-        return optimizer_step(self.optimizer, self.pctx, run.ppo.grad_clip)
+        return self.optimizer.step()
 
     def _entropy(self, output: torch.Tensor, mb: dict, T: int) -> torch.Tensor:
         """Entropy of the policy at each response token's predicting position, [b, T]."""

@@ -43,7 +43,13 @@ from rich.progress import Progress
 
 from slurm_align.algorithms.evaluation import EvalSet, evaluate, write_results
 from slurm_align.algorithms.generator import RemoteRollouts, stale_mask
-from slurm_align.algorithms.policy_gradient import PolicyUpdate, Rewards, combine_rewards, estimate_advantages
+from slurm_align.algorithms.policy_gradient import (
+    PolicyUpdate,
+    Rewards,
+    actor_optimizer_steps,
+    combine_rewards,
+    estimate_advantages,
+)
 from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
 from slurm_align.algorithms.rollout_collector import RolloutCollector
 from slurm_align.config import RunConfig, load_run_config
@@ -58,6 +64,7 @@ from slurm_align.models.forward import forward_logprobs
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.lora import attach_configured, lora_base, reference_policy, trainable_parameters
 from slurm_align.models.moe_stats import RouterStats
+from slurm_align.models.optimizer import ModelOptimizer, build_optimizer
 from slurm_align.models.packing import run_batching
 from slurm_align.models.retention import apply_retention
 from slurm_align.models.tokenizer import build_tokenizer
@@ -88,7 +95,7 @@ class PPOActor:
     """One actor rank's parts (made by `build_actor`) and the PPO loop over them."""
 
     def __init__(self, run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext, *, tokenizer,
-                 prompts: list[np.ndarray], policy: list, optimizer: torch.optim.Optimizer, reference,
+                 prompts: list[np.ndarray], policy: list, optimizer: ModelOptimizer, reference,
                  offload: TrainingStateOffload | None, engine: Engine, critic: CriticClient | None, tracer: Tracer,
                  store: RolloutStore | None, metrics: MetricsLogger, start_step: int, rewards: Rewards,
                  evalset: EvalSet | None, remote: RemoteRollouts | None = None):
@@ -372,7 +379,7 @@ class PPOActor:
 
 
 # -- construction ----------------------------------------------------------------------------
-def _resume(rd: RunDir, policy: list, optimizer: torch.optim.Optimizer) -> int:
+def _resume(rd: RunDir, policy: list, optimizer: ModelOptimizer) -> int:
     """The first step to run: 1, or the one after the newest complete checkpoint of this run
     (whose policy, optimizer and RNG state are loaded)."""
     latest = find_latest(rd.checkpoints("actor"))
@@ -401,19 +408,20 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     assert run.data.train_path is not None, "checked at submit (slurm.launch)"
     dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len)
     prompts = dataset.token_arrays()
-    policy = build_gpt(run.model, pctx, seed=run.seed)
+    policy = build_gpt(run.model, pctx, seed=run.seed, training=run.training)
     init_checkpoint = None
     if run.model.init_checkpoint is not None:
         # an iter_* folder, or a trainer's checkpoints folder (then its newest complete one)
         init_checkpoint = find_latest(run.model.init_checkpoint) or run.model.init_checkpoint
         load_weights(init_checkpoint, policy)
     attach_configured(policy, run.model, pctx, run.seed)   # LoRA: on the loaded base
-    optimizer = torch.optim.AdamW(trainable_parameters(policy), lr=run.ppo.actor_lr, weight_decay=0.0)
+    optimizer = build_optimizer(trainable_parameters(policy), pctx, run.training, lr=run.ppo.actor_lr,
+                                grad_clip=run.ppo.grad_clip, total_steps=actor_optimizer_steps(run))
     # The reference policy is the initial policy: in host memory and swapped in, or (LoRA) the
     # same model with its adapters off.
     reference = reference_policy(policy)
     start_step = _resume(rd, policy, optimizer)
-    offload = TrainingStateOffload(optimizer, policy) if run.switches.offload_optimizer else None
+    offload = TrainingStateOffload(optimizer.optimizer, policy) if run.switches.offload_optimizer else None
     engine = actor_engine(run, env, pctx)
     pctx.dp_comm  # noqa: B018  (collective the first time: every rank makes it now)
     critic = None

@@ -4,7 +4,8 @@ Per step: this DP rank's share of the global batch (a pure function of the step,
 exact), split into micro-batches (by sample count or token budget, packed or padded to one
 length: make_microbatches); megatron's schedule runs forward/backward
 over TP/PP; gradients are summed over the DP group (losses are pre-normalised by the global
-count); global-norm clipping; AdamW. Metrics are reduced to every rank; rank 0 prints them and
+count); global-norm clipping; the run's optimizer (models/optimizer.build_optimizer: AdamW, LR
+schedule, bf16 / ZeRO-1 as `training:` says). Metrics are reduced to every rank; rank 0 prints them and
 appends them to RUN_DIR/metrics.jsonl.
 """
 
@@ -27,7 +28,7 @@ from slurm_align.models.forward import run_schedule
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.lora import attach_configured, lora_base, trainable_parameters
 from slurm_align.models.moe_stats import RouterStats
-from slurm_align.models.optimizer import optimizer_step
+from slurm_align.models.optimizer import build_optimizer
 from slurm_align.models.packing import Batching, PackedLayout, run_batching
 from slurm_align.models.retention import apply_retention
 from slurm_align.models.tokenizer import build_tokenizer
@@ -92,7 +93,7 @@ class Trainer:
         tok = build_tokenizer(run.model)
         self.train_ds = algo.dataset(run.data.train_path, tok, run.model.max_seq_len)
         self.val_ds = algo.dataset(run.data.val_path, tok, run.model.max_seq_len) if run.data.val_path else None
-        self.chunks = build_gpt(run.model, pctx, value_head=algo.value_head, seed=run.seed)
+        self.chunks = build_gpt(run.model, pctx, value_head=algo.value_head, seed=run.seed, training=run.training)
         if run.model.init_checkpoint:
             load_weights(run.model.init_checkpoint, self.chunks)
         attach_configured(self.chunks, run.model, pctx, run.seed)   # LoRA: on the loaded base
@@ -101,7 +102,8 @@ class Trainer:
         algo.setup(self)
         self.params = trainable_parameters(self.chunks)   # LoRA: the adapters only
         self.device = self.params[0].device  # collectives run here (gloo: CPU, NCCL: the GPU)
-        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
+        self.optimizer = build_optimizer(self.params, pctx, run.training, lr=tc.lr, weight_decay=tc.weight_decay,
+                                         grad_clip=tc.grad_clip, total_steps=tc.num_steps)
         self.order = DataOrder(len(self.train_ds), tc.global_batch_size, run.seed)
         self.ckpt_root = RunDir(self.run_dir).checkpoints(algo.name)
         self.step = 0
@@ -141,11 +143,13 @@ class Trainer:
         for mb in mbs:
             mb["norm"] = norm
         self.algo.prepare(self, mbs)
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad()
         infos = run_schedule(self.chunks, mbs, self.algo.loss, forward_only=False)
-        grad_norm = optimizer_step(self.optimizer, self.pctx, self.run.trainer.grad_clip)
+        lr = self.optimizer.lr   # this step's
+        grad_norm = self.optimizer.step()
         metrics = self.algo.metrics(self._reduce_sums(infos))
         metrics["grad_norm"] = grad_norm
+        metrics["lr"] = lr
         if self.router_stats is not None:
             metrics.update(self.router_stats.collect())
         return metrics

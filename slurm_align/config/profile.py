@@ -260,6 +260,9 @@ class ClusterProfile(StrictModel):
     """The compute nodes share /tmp (and the other usually node-local folders) with the submitting
     machine: only true for a one-host cluster such as the local test cluster. False: a 'slurm'
     profile refuses a run directory or interpreter under /tmp, /var/tmp, /dev/shm, /run, /local."""
+    gpu_memory_gib: float | None = Field(None, gt=0)
+    """Memory of one GPU in GiB (e.g. 80 for an H100 80GB). When set, `submit` refuses a run whose
+    memory plan (`slurm-align plan`) exceeds it on any component; default: not checked."""
     signal_grace_s: int = Field(300, ge=0, le=65535)
     """Seconds before the time limit at which Slurm warns the job (`#SBATCH --signal=B:USR2@N`):
     the actor ranks then agree on a stop point at the next step boundary and every role saves

@@ -630,6 +630,53 @@ class ProfilingConfig(StrictModel):
         return v
 
 
+class TrainingConfig(StrictModel):
+    """How every trained model (policy, value model, SFT/RM/DPO model) is trained: precision,
+    optimizer sharding, activation recompute, Adam settings and the LR schedule. One section for
+    the run; each model keeps its own LR, weight decay and gradient clip (ppo.actor_lr,
+    ppo.critic_lr, trainer.lr, ...). Built in one place: models/optimizer.build_optimizer."""
+
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """'fp32': parameters, activations and gradients in fp32 (exact, as before). 'bf16':
+    parameters and activations in bf16, gradients accumulated in fp32 (`main_grad`) and the
+    update made on fp32 main weights, copied back to the bf16 parameters after each step
+    (megatron's mixed-precision recipe). fp16 (needs loss scaling) is not offered."""
+    distributed_optimizer: bool = False
+    """ZeRO-1: fp32 main weights and Adam state sharded over the data-parallel ranks (each rank
+    updates 1/DP of them: gradients are reduce-scattered, updated weights all-gathered). Off:
+    every DP rank holds the whole optimizer state."""
+    recompute: Literal["none", "selective", "full"] = "none"
+    """Activation recompute (megatron's recompute_granularity): 'selective' recomputes the
+    attention core (scores, softmax, context) in the backward pass; 'full' keeps only the input
+    of every recompute_num_layers transformer layers and recomputes the rest."""
+    recompute_num_layers: int = Field(1, ge=1)
+    """'full' only: layers per recomputed chunk (megatron's recompute_method 'uniform')."""
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    """Adam's first-moment decay."""
+    adam_beta2: float = Field(0.999, ge=0, lt=1)
+    """Adam's second-moment decay."""
+    adam_eps: float = Field(1e-8, gt=0)
+    """Adam's denominator epsilon."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps of linear warmup from lr_warmup_init to the model's LR."""
+    lr_warmup_init: float = Field(0.0, ge=0)
+    """LR of the first warmup step (megatron's lr_warmup_init)."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """After warmup: the LR stays ('constant') or falls to min_lr over lr_decay_steps."""
+    lr_decay_steps: int | None = Field(None, ge=1)
+    """Optimizer steps at which the decay reaches min_lr (counted from step 0, warmup included);
+    default: the run's total optimizer steps."""
+    min_lr: float = Field(0.0, ge=0)
+    """LR at the end of the decay (and after it)."""
+
+    @model_validator(mode="after")
+    def _schedule_fits(self):
+        if self.lr_decay_steps is not None and self.lr_warmup_steps >= self.lr_decay_steps:
+            raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps} must be below "
+                             f"lr_decay_steps={self.lr_decay_steps}")
+        return self
+
+
 class RunConfig(StrictModel):
     """One run: algorithm, models, parallelism per component, hyper-parameters, switches."""
 
@@ -690,6 +737,9 @@ class RunConfig(StrictModel):
     multi-turn collector (algorithms/rollout_collector.py)."""
     trainer: TrainerConfig = TrainerConfig()
     """SFT / RM / DPO hyper-parameters."""
+    training: TrainingConfig = TrainingConfig()
+    """Precision, sharded optimizer, activation recompute, Adam settings and LR schedule of every
+    trained model."""
     critic_server: CriticServerConfig = CriticServerConfig()
     """Critic server address and timeouts."""
     sweep: SweepConfig = SweepConfig()
@@ -749,6 +799,13 @@ class RunConfig(StrictModel):
         if self.critic_model is not None and self.critic_model.lora is not None:
             raise ValueError("critic_model.lora: the critic trains its full weights; LoRA applies to the "
                              "policy (model.lora)")
+        return self
+
+    @model_validator(mode="after")
+    def _precision_fits(self):
+        if self.training.precision != "fp32" and self.model.lora is not None:
+            raise ValueError(f"training.precision={self.training.precision!r} with model.lora: the adapters are "
+                             "built in fp32 and do not take bf16 inputs yet; use precision 'fp32' with LoRA")
         return self
 
     @model_validator(mode="after")

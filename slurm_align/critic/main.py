@@ -60,7 +60,7 @@ def build_models(run: RunConfig, pctx) -> dict[str, list]:
         load_reward_weights(Path(mcfg.init_checkpoint), reward, pctx)
     if not run.critic_trains:
         return {REWARD: reward}
-    value = build_gpt(mcfg, pctx, value_head=True, seed=run.seed + 1)
+    value = build_gpt(mcfg, pctx, value_head=True, seed=run.seed + 1, training=run.training)
     # As NeMo-Aligner does: the critic starts as a copy of the reward model.
     load_full_state_dict(value, pctx, full_state_dict(reward, pctx, to_all=True))
     return {VALUE: value, REWARD: reward}
@@ -166,7 +166,8 @@ def run_critic(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) -> 
     swap = ModelSwap(models, keep_resident=run.switches.keep_critic_models_resident)
     worker = CriticWorker(swap, pctx, env.comm, lr=run.ppo.critic_lr, value_clip=run.ppo.value_clip,
                           grad_clip=run.ppo.critic_grad_clip, checkpoint_dir=rd.checkpoints("critic"),
-                          batching=run_batching(run, "critic"))
+                          batching=run_batching(run, "critic"), training=run.training,
+                          total_steps=run.ppo.num_steps)
     resumed = resume_step(rd)
     if resumed is not None and run.critic_trains:   # a reward-only critic has no state of its own
         restore(worker, rd, resumed, pctx)

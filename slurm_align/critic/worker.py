@@ -15,12 +15,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from slurm_align.config.run import TrainingConfig
 from slurm_align.critic.channel import Command
 from slurm_align.critic.loss import clipped_value_loss_sum
 from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
 from slurm_align.models.checkpoint import load_checkpoint, save_checkpoint
 from slurm_align.models.forward import forward_values, last_token_values, per_sequence, run_schedule
-from slurm_align.models.optimizer import optimizer_step
+from slurm_align.models.optimizer import build_optimizer
 from slurm_align.models.packing import Batching, micro_batch_inputs
 from slurm_align.models.weights import full_state_dict
 from slurm_align.rundir import fsync_dir
@@ -43,14 +44,17 @@ def save_atomic_torch(obj: Any, path: Path) -> Path:
 
 class CriticWorker:
     def __init__(self, swap: ModelSwap, pctx: Any, comm, *, lr: float, value_clip: float,
-                 checkpoint_dir: Path, grad_clip: float = 0.0, batching: Batching = Batching()):
+                 checkpoint_dir: Path, grad_clip: float = 0.0, batching: Batching = Batching(),
+                 training: TrainingConfig | None = None, total_steps: int = 1):
         self.swap, self.pctx, self.comm = swap, pctx, comm
         self.batching = batching   # micro-batches of infer and train (default: one, padded)
         self.value_clip = value_clip
         self.grad_clip = grad_clip   # global gradient norm of the value model (0: no clipping)
         self.checkpoint_dir = checkpoint_dir
         # A reward-only critic (no value model: GRPO family) trains nothing.
-        self.optimizer = torch.optim.AdamW([p for c in swap.models[VALUE] for p in c.parameters()], lr=lr) \
+        self.optimizer = build_optimizer([p for c in swap.models[VALUE] for p in c.parameters()], pctx,
+                                         training or TrainingConfig(),
+                                         lr=lr, grad_clip=grad_clip, total_steps=total_steps) \
             if VALUE in swap.models else None
         self.holds_result = pctx.is_last_stage and pctx.tp_rank == 0
 
@@ -119,13 +123,14 @@ class CriticWorker:
                                           self.value_clip) / total
             return loss, {"loss": loss.detach()}
 
-        self.optimizer.zero_grad(set_to_none=False)
+        assert self.optimizer is not None, "only a critic with a value model trains"
+        self.optimizer.zero_grad()
         local = torch.zeros(1)
         if mbs:
             infos = run_schedule(chunks, mbs, loss_fn, forward_only=False)
             for info in infos:
                 local += info["loss"]
-        optimizer_step(self.optimizer, self.pctx, self.grad_clip)
+        self.optimizer.step()
         parts = self._gather_rows(float(local))
         return None if parts is None else float(sum(parts))
 

@@ -1,12 +1,14 @@
 """Sharded checkpoints through megatron-core dist_checkpointing (torch_dist backend).
 
 A checkpoint folder CHECKPOINTS/iter_<step> holds the model's sharded weights, the AdamW state
-(sharded like the parameters, so TP=2 loads with TP=1), and common state: step, consumed
-samples, RNG state. A LoRA model's checkpoint holds only its adapters (and their AdamW state)
-plus `lora_base`, the base it was trained on (common["lora_base"], see trainers); the base
-weights come from there. It is written atomically: every rank saves into iter_<step>.tmp, rank 0
-writes manifest.json (every file's size) last, renames the folder and fsyncs the parent. A folder
-without a manifest, or whose files do not match it, is refused with a CheckpointError.
+(per parameter and sharded like the parameters whatever the optimizer's own DP sharding, so
+TP=2 loads with TP=1 and DP=2 with DP=1; bf16 runs add the fp32 main weights), and common
+state: step, consumed samples, RNG state, the LR scheduler's state. A LoRA model's checkpoint
+holds only its adapters (and their AdamW state) plus `lora_base`, the base it was trained on
+(common["lora_base"], see trainers); the base weights come from there. It is written
+atomically: every rank saves into iter_<step>.tmp, rank 0 writes manifest.json (every file's
+size) last, renames the folder and fsyncs the parent. A folder without a manifest, or whose
+files do not match it, is refused with a CheckpointError.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from megatron.core.dist_checkpointing.strategies import filesystem_async
 from slurm_align.models.checkpoint_names import MANIFEST, find_latest, iter_dir  # noqa: F401  (their home is torch-free)
 from slurm_align.models.cpu_compat import apply_cpu_compat
 from slurm_align.models.lora import adapter_tensors, has_lora, sharded_adapter_state
+from slurm_align.models.optimizer import ModelOptimizer
 from slurm_align.rundir import fsync_dir
 
 
@@ -37,14 +40,22 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, truncated or does not fit the model."""
 
 
-def _sharded_state(chunks: list, optimizer: torch.optim.Optimizer | None) -> dict:
+def _sharded_state(chunks: list, optimizer: Any, *, empty: bool = False) -> dict:
+    """The model's (and optimizer's) sharded state dict. A ModelOptimizer (models/optimizer.py)
+    gives its state per parameter, full tensors whatever its DP sharding (`empty`: zeros of
+    those shapes, to load into), so a checkpoint loads at any TP/PP/DP layout; a plain torch
+    optimizer gives its own state dict."""
     # LoRA: the adapters only (attached outside the module tree, see models/lora.py)
     model_sd = sharded_adapter_state(chunks) if has_lora(chunks) else chunks[0].sharded_state_dict()
     state: dict[str, Any] = {"model": model_sd}
     if optimizer is not None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if isinstance(optimizer, ModelOptimizer):
+            params = optimizer.params
+            osd = optimizer.empty_per_param_state_dict() if empty else optimizer.per_param_state_dict()
+        else:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            osd = optimizer.state_dict()
         id_map = get_param_id_to_sharded_param_map(model_sd, params)
-        osd = optimizer.state_dict()
         optim_state_to_sharding_state(osd, id_map, exclude_keys=("step",))
         state["optimizer"] = osd
     return state
@@ -59,8 +70,10 @@ def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                                       "exp_avg_sq": torch.zeros_like(p)}
 
 
-def _optimizer_steps(optimizer: torch.optim.Optimizer) -> int:
+def _optimizer_steps(optimizer: Any) -> int:
     """Updates the optimizer has made (AdamW keeps the count per parameter; they agree)."""
+    if isinstance(optimizer, ModelOptimizer):
+        return optimizer.steps
     for pstate in optimizer.state.values():
         if "step" in pstate:
             return int(pstate["step"])
@@ -94,6 +107,8 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common
     state["common"] = {**common, "step": step, "rng": torch.get_rng_state(), "lora": has_lora(chunks)}
     if optimizer is not None:   # AdamW's bias correction needs its own update count back
         state["common"]["optimizer_steps"] = _optimizer_steps(optimizer)
+    if isinstance(optimizer, ModelOptimizer):   # the LR schedule continues where it was
+        state["common"]["lr_scheduler"] = optimizer.scheduler.state_dict()
     dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if rank == 0:
@@ -145,9 +160,9 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None) -> dict:
             f"{'has' if has_lora(chunks) else 'has no'} adapters: "
             + ("load its base first and set model.lora as in the run that saved it" if saved_lora
                else "a base checkpoint is loaded before model.lora attaches the adapters"))
-    if optimizer is not None:
+    if optimizer is not None and not isinstance(optimizer, ModelOptimizer):
         init_optimizer_state(optimizer)
-    state = _sharded_state(chunks, optimizer)
+    state = _sharded_state(chunks, optimizer, empty=True)
     state["common"] = {}
     try:
         loaded = dist_checkpointing.load(state, str(path))
@@ -164,9 +179,14 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None) -> dict:
     if optimizer is not None:
         osd = loaded["optimizer"]
         steps = common.get("optimizer_steps", common["step"])   # older checkpoints: the step
-        for pstate in osd["state"].values():
-            pstate["step"] = torch.tensor(float(steps))
-        optimizer.load_state_dict(osd)
+        if isinstance(optimizer, ModelOptimizer):
+            optimizer.load_per_param_state_dict(osd, steps)
+            if "lr_scheduler" in common:
+                optimizer.scheduler.load_state_dict(common["lr_scheduler"])
+        else:
+            for pstate in osd["state"].values():
+                pstate["step"] = torch.tensor(float(steps))
+            optimizer.load_state_dict(osd)
     return common
 
 

@@ -13,6 +13,8 @@ calls it makes (see ../shared/STACK.md):
 - `transformer.utils.get_default_causal_mask` builds its mask with `device="cuda"`;
 - `RotaryEmbedding.get_emb` moves its frequencies to `torch.cuda.current_device()`;
 - the dist-checkpoint save path calls `torch.cuda.synchronize()` / `current_device()`;
+- activation recompute saves and restores the CUDA generator's state (`tensor_parallel.random`'s
+  `_get_cuda_rng_state` / `_set_cuda_rng_state`: no-ops here, the CPU generator is saved beside);
 - MoE: the all-to-all token dispatcher makes a `torch.cuda.Stream()` for its device-to-host
   copies (one shared no-op stream here: CPU work is ordered), the router, experts and the aux
   loss tracker allocate on `current_device()` / `device="cuda"`.
@@ -170,6 +172,7 @@ def apply_cpu_compat(force: bool = False) -> CompatState:
     if _STATE.applied or (cuda_present() and not force):
         return _STATE
     proxy = _CpuTorch()
+    _cpu_recompute()
     for name in PATCHED_MODULES:
         module = importlib.import_module(name)
         if getattr(module, "torch", None) is torch:
@@ -177,6 +180,16 @@ def apply_cpu_compat(force: bool = False) -> CompatState:
             _STATE.patched.append(name)
     _STATE.applied = True
     return _STATE
+
+
+def _cpu_recompute() -> None:
+    """Activation recompute (tensor_parallel.random's CheckpointFunction) saves and restores the
+    CUDA generator's state around the recomputed forward. Without CUDA there is none: the CPU
+    generator's state (which it also saves) and the RNG tracker's are all there is."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None  # type: ignore[assignment]  # no CUDA generator
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None  # type: ignore[assignment]  # no CUDA generator
 
 
 def _define_missing_te_names() -> None:

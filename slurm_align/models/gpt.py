@@ -31,7 +31,7 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 
-from slurm_align.config.run import ModelConfig
+from slurm_align.config.run import ModelConfig, TrainingConfig
 from slurm_align.models.cpu_compat import apply_cpu_compat, cuda_present, seed_model_parallel
 from slurm_align.models.hf.loader import load_hf_weights
 from slurm_align.models.weights import init_weights, mark_tied_embedding
@@ -69,9 +69,26 @@ def moe_fields(model_cfg: ModelConfig, pctx: Any) -> dict[str, Any]:
     }
 
 
-def transformer_config(model_cfg: ModelConfig, pctx: Any) -> TransformerConfig:
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def recompute_fields(training: TrainingConfig | None) -> dict[str, Any]:
+    """TransformerConfig's activation-recompute fields for training.recompute."""
+    if training is None or training.recompute == "none":
+        return {}
+    if training.recompute == "selective":   # megatron's default module list: the attention core
+        return {"recompute_granularity": "selective", "recompute_modules": ["core_attn"]}
+    return {"recompute_granularity": "full", "recompute_method": "uniform",
+            "recompute_num_layers": training.recompute_num_layers}
+
+
+def transformer_config(model_cfg: ModelConfig, pctx: Any, training: TrainingConfig | None = None) -> TransformerConfig:
+    """megatron's TransformerConfig of the model; `training` (a trained model only) sets the
+    precision and activation recompute (frozen models: fp32, no recompute)."""
+    dtype = DTYPES[training.precision if training is not None else "fp32"]
     return TransformerConfig(
         **moe_fields(model_cfg, pctx),
+        **recompute_fields(training),
         num_layers=model_cfg.num_layers,
         hidden_size=model_cfg.hidden_size,
         num_attention_heads=model_cfg.num_attention_heads,
@@ -98,12 +115,13 @@ def transformer_config(model_cfg: ModelConfig, pctx: Any) -> TransformerConfig:
         # weights.init_weights (or an HF import) sets every tensor; megatron's own CPU init
         # would build each full tensor once more on every rank (see mark_tp_weights).
         perform_initialization=False,
-        params_dtype=torch.float32,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
         init_method_std=0.02,
         tensor_model_parallel_size=pctx.tp_size,
         pipeline_model_parallel_size=pctx.pp_size,
         # The PP schedule needs to know the activation dtype for its p2p buffers.
-        pipeline_dtype=torch.float32,
+        pipeline_dtype=dtype,
     )
 
 
@@ -213,9 +231,16 @@ class ValueGPTModel(GPTModel):
         return MegatronModule.sharded_state_dict(self, prefix, sharded_offsets, metadata)
 
 
+def fp32_output(module: torch.nn.Module, args: Any, output: Any) -> Any:
+    """Forward hook of a bf16 model's last stage: logits/values leave in fp32, as megatron's
+    Float16Module returns them, so losses and log-probs are computed in fp32."""
+    return output.float() if isinstance(output, torch.Tensor) and output.is_floating_point() else output
+
+
 def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, seed: int = 1234,
-              init: bool = True) -> list:
-    """This rank's model chunks (one chunk: its pipeline stage) on CPU, float32.
+              init: bool = True, training: TrainingConfig | None = None) -> list:
+    """This rank's model chunks (one chunk: its pipeline stage) on CPU, float32 (or in
+    `training.precision` for a model that trains; recompute as `training` says).
 
     With `model_cfg.hf_path` (and no init_checkpoint, which the caller loads over the model) the
     weights come from the HF folder; a value head without an HF `score` head starts fresh.
@@ -227,7 +252,7 @@ def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, se
     """
     apply_cpu_compat()
     seed_model_parallel(seed)
-    config = transformer_config(model_cfg, pctx)
+    config = transformer_config(model_cfg, pctx, training)
     cls = ValueGPTModel if value_head else GPTModel
     model = cls(
         config=config,
@@ -242,6 +267,12 @@ def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, se
         rotary_base=model_cfg.rotary_base,
     )
     mark_tp_weights(model)
+    if config.params_dtype != torch.float32:
+        # megatron's Float16Module converts the whole module (the local spec's torch norms and
+        # the value head are built in fp32 whatever params_dtype says), then returns fp32 outputs.
+        model.to(config.params_dtype)
+        if model.post_process:
+            model.register_forward_hook(fp32_output)
     model.tie_embeddings = model_cfg.tie_embeddings and not value_head
     mark_tied_embedding(model, pctx)
     if model_cfg.rope_scaling is not None:

@@ -17,6 +17,7 @@ from slurm_align.config.loading import (
     read_yaml,
     validate,
 )
+from slurm_align.config.memory_plan import check_memory, plan_run, render_plan
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig
 from slurm_align.rundir import RunDir, new_run_dir
@@ -104,8 +105,18 @@ def resume_inputs(args: argparse.Namespace):
     return run, profile, rd.root
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    run = load_run_config(args.config, list(args.overrides))
+    profile = choose_profile(args.profile, args.profile_set)
+    check_against_profile(run, profile, source=args.config)
+    sys.stdout.write(render_plan(plan_run(run), profile) + "\n")
+    return 0
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
     run, profile, run_dir = resume_inputs(args) if args.resume else load_inputs(args)
+    if not args.skip_memory_check:   # before anything is written or submitted
+        check_memory(run, profile, source=str(args.config or args.resume))
     job = launch_run(run, profile, run_dir, entry=_entry(args), after=parse_after(args.after), here=args.here)
     out.print(f"submitted job [bold]{job.job_id}[/] ({job.record.backend}, profile {profile.name})"
               + (f", starts after job {', '.join(job.record.after)} completed" if job.record.after else ""))
@@ -183,6 +194,8 @@ def register(sub) -> None:
                    help="start a new job on an existing run: its config and profile, from its newest "
                         "checkpoint (overrides apply on top)")
     p.add_argument("--follow", action="store_true", help="show the components' states until the job ends")
+    p.add_argument("--skip-memory-check", action="store_true",
+                   help="submit even if the memory plan exceeds the profile's gpu_memory_gib")
     p.add_argument("--entry", default=None,
                    help="launcher to run instead of the algorithm's (e.g. 'report' to check a profile)")
     p.add_argument("--here", action="store_true",
@@ -192,6 +205,15 @@ def register(sub) -> None:
                    help="start only once these Slurm jobs completed successfully (afterok; cancelled if one "
                         "fails); inputs inside their run directories may be missing until then")
     p.set_defaults(func=cmd_submit)
+
+    p = sub.add_parser("plan", help="bytes per GPU of each component (weights, gradients, optimizer, "
+                                    "activations, engine, KV cache) against the profile's gpu_memory_gib")
+    p.add_argument("config", type=Path, help="run config YAML (see examples/)")
+    p.add_argument("--profile", default=None, help="profile name or a .yaml path (as for submit)")
+    p.add_argument("-P", "--profile-set", action="append", default=[], metavar="a.b=c",
+                   help="override a profile field (repeatable), e.g. -P gpu_memory_gib=80")
+    p.add_argument("overrides", nargs="*", metavar="a.b=c", help="dotted overrides of the run config")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("render", help="print the job script without submitting")
     add_run_arguments(p)

@@ -77,9 +77,12 @@ def test_tp2_pp2_dp2_take_the_same_steps_as_tp1(tmp_path: Path):
     common = ["trainer.num_steps=3", "trainer.global_batch_size=8", "trainer.micro_batch_size=2",
               "data.val_path=null", "trainer.save_interval=0"]
     base = train(make_run(tmp_path / "tp1", "sft_tiny.yaml", common + ONE_RANK))
+    # tp2: the replicated fp32 optimizer; pp2 and dp2: the flat layout (models/optimizer.py), at
+    # DP 2 sharded (ZeRO-1): both equal the TP1 run's replicated steps
     for name, layout in [("tp2", ["actor.tensor_parallel=2", "actor.data_parallel=1"]),
-                         ("pp2", ["actor.pipeline_parallel=2", "actor.data_parallel=1"]),
-                         ("dp2", ["actor.data_parallel=2"])]:
+                         ("pp2", ["actor.pipeline_parallel=2", "actor.data_parallel=1",
+                                  "training.distributed_optimizer=true"]),
+                         ("dp2", ["actor.data_parallel=2", "training.distributed_optimizer=true"])]:
         other = train(make_run(tmp_path / name, "sft_tiny.yaml", common + layout), ranks=2)
         for r1, r2 in zip(base, other):
             assert abs(r1["loss"] - r2["loss"]) <= 1e-5 * r1["loss"], (name, r1, r2)

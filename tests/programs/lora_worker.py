@@ -52,7 +52,7 @@ def main(tp: int, root: Path) -> None:
     res["tp_split"] = {k: (p.partition_dim if p.tensor_model_parallel else None) for k, p in adapter_tensors(base)}
 
     trainer = Trainer(run, pctx, root, SFT(run))
-    res["optimizer_params"] = sum(p.numel() for g in trainer.optimizer.param_groups for p in g["params"])
+    res["optimizer_params"] = sum(p.numel() for p in trainer.optimizer.params)   # what it trains
     res["adapter_params"] = sum(p.numel() for _, p in adapter_tensors(trainer.chunks))
     trainer.fit()
     chunks = trainer.chunks
