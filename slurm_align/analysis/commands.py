@@ -213,8 +213,9 @@ def cmd_sweep(args) -> int:
                                  "predictions are per node count: give --nodes too")
         from slurm_align.planning.commands import load_calibration, prediction_table, sweep_predictions
 
-        cal = load_calibration(args.calibration, args.skip_steps, args.dtype)
-        rows = sweep_predictions(run, profile, nodes, args.mode, cal, args.dtype)
+        dtype = args.dtype or run.training.precision
+        cal = load_calibration(args.calibration, args.skip_steps, dtype)
+        rows = sweep_predictions(run, profile, nodes, args.mode, cal, dtype)
         source = f"calibrated on {cal.run_dir}" if cal else "default efficiencies"
         _stdout().print(prediction_table(f"predicted step time ({source})", rows))
         if args.predict_only:
@@ -367,7 +368,7 @@ def register(sub) -> None:
                    help="points running at once (default: 1 on a local profile, all on Slurm)")
     p.add_argument("--poll-s", type=float, default=2.0, help="seconds between state checks")
     p.add_argument("--predict", action="store_true",
-                   help="print each point's predicted step time before submitting (slurm-align predict)")
+                   help="print each point's predicted step time before submitting (slurm-align plan)")
     p.add_argument("--predict-only", action="store_true", help="with --predict: print it and submit nothing")
     add_prediction_arguments(p)
     p.set_defaults(func=cmd_sweep)

@@ -164,7 +164,7 @@ Dtype = Literal["bf16", "fp16", "fp32"]
 
 class HardwareConfig(StrictModel):
     """Speeds of one rank's device and of the links between ranks, for the step-time plan
-    (`slurm-align predict`, slurm_align/planning/steptime.py). Every field is optional: what is
+    (`slurm-align plan`, slurm_align/planning/steptime.py). Every field is optional: what is
     left out comes from the defaults of `accelerator` (planning/hardware.py documents them and
     where each figure comes from). Peak figures are dense (no sparsity), per rank: one GPU, or
     on CPU one rank with its cpus_per_task cores."""
@@ -175,8 +175,6 @@ class HardwareConfig(StrictModel):
     """Peak matmul TFLOP/s per rank by dtype, e.g. {bf16: 989}; missing dtypes: the defaults."""
     memory_bandwidth_gbs: float | None = Field(None, gt=0)
     """Device memory bandwidth per rank, GB/s (decode reads weights and KV cache at this rate)."""
-    memory_gib: float | None = Field(None, gt=0)
-    """Device memory per rank, GiB (a layout whose state does not fit never ranks)."""
     intra_node_gbs: float | None = Field(None, gt=0)
     """Bandwidth between two ranks of one node, GB/s per direction (NVLink; shared memory on CPU)."""
     inter_node_gbs: float | None = Field(None, gt=0)
@@ -287,7 +285,7 @@ class ClusterProfile(StrictModel):
     """Requeues allowed per submission (counted in RUN_DIR/requeue_count); past it the job ends
     as with requeue false."""
     hardware: HardwareConfig = HardwareConfig()
-    """Device and network speeds for the step-time plan (`slurm-align predict`); default: this
+    """Device and network speeds for the step-time plan (`slurm-align plan`); default: this
     project's CPU figures."""
 
     @field_validator("time", mode="before")

@@ -4,9 +4,9 @@ Candidates: every split of the budget over the run's components (actor, critic, 
 at least one node) and, per component, every TP (a divisor of the node's ranks and of the
 key/value heads) and PP (a divisor of the layers) whose product divides its ranks, DP the rest.
 The run's batch is kept (strong scaling: the user's batch is the user's). A layout ranks only if
-every rank's training state fits its device memory (`fits`); the check is the simple one,
-weights + fp32 gradients + Adam's two fp32 moments, (4 + 4 + 8) bytes per parameter on the
-rank's TP x PP share (the memory plan of `slurm-align plan` replaces it at merge).
+every component's memory plan (config/memory_plan.py: weights, gradients, main weights,
+optimizer state by precision and ZeRO, activations by recompute, engine and KV cache) fits its
+device memory (`fits`): the profile's gpu_memory_gib, else the accelerator's default.
 """
 
 from __future__ import annotations
@@ -14,13 +14,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from slurm_align.config.memory_plan import moe_models, plan_run
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import ModelConfig, ParallelConfig, RunConfig
 from slurm_align.planning.hardware import profile_hardware
-from slurm_align.planning.steptime import DTYPE_BYTES, GRAD_BYTES, Costs, ModelShape, StepPrediction, Workload, predict
-
-ADAM_BYTES = 8
-"""Adam's exp_avg and exp_avg_sq, fp32."""
+from slurm_align.planning.steptime import Costs, StepPrediction, Workload, predict
 
 
 @dataclass
@@ -29,20 +27,14 @@ class LayoutOption:
     profile: ClusterProfile
     prediction: StepPrediction
     state_bytes: dict[str, float]
-    """Training state per rank of each component that trains (bytes)."""
+    """The memory plan's total per GPU of each component (bytes)."""
 
 
-def state_bytes_per_rank(m: ModelConfig, par: ParallelConfig, dtype: str, *, value_head: bool = False) -> float:
-    """Weights, fp32 gradients and Adam state of one rank's TP x PP share of the model."""
-    params = ModelShape.of(m, value_head=value_head).params / (par.tensor_parallel * par.pipeline_parallel)
-    return params * (DTYPE_BYTES[dtype] + GRAD_BYTES + ADAM_BYTES)
-
-
-def fits(run: RunConfig, profile: ClusterProfile, dtype: str = "fp32") -> tuple[bool, dict[str, float]]:
-    """Whether each training component's per-rank state fits its device memory, and the states."""
-    need = {"actor": state_bytes_per_rank(run.model, run.actor, dtype)}
-    if "critic" in run.components:
-        need["critic"] = state_bytes_per_rank(run.critic_model_config, run.critic, dtype, value_head=True)
+def fits(run: RunConfig, profile: ClusterProfile) -> tuple[bool, dict[str, float]]:
+    """Whether each component's memory plan fits its device memory, and the plans' totals (bytes)."""
+    if moe_models(run):   # the memory plan does not model MoE layers: such a run is not ruled out
+        return True, {}
+    need = {c.name: float(c.total) for c in plan_run(run)}
     ok = all(b <= profile_hardware(profile, comp).memory_bytes for comp, b in need.items())
     return ok, need
 
@@ -90,7 +82,7 @@ def rank_layouts(run: RunConfig, profile: ClusterProfile, budget: int, *, costs:
     """The `top` fastest layouts of `budget` nodes that fit in memory, fastest first."""
     ranked = []
     for cand_run, cand_profile in candidates(run, profile, budget):
-        ok, need = fits(cand_run, cand_profile, dtype)
+        ok, need = fits(cand_run, cand_profile)
         if not ok:
             continue
         ranked.append(LayoutOption(cand_run, cand_profile, predict(cand_run, cand_profile, costs=costs, work=work,

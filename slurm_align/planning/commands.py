@@ -1,7 +1,9 @@
-"""`slurm-align predict`: the step time of a run's layout (or of a sweep's node counts) before
-submitting, optionally calibrated on a finished run, and the best layouts for a node budget.
+"""`slurm-align plan`: before submitting, the memory each component's GPUs need (the memory plan,
+config/memory_plan.py, against the profile's gpu_memory_gib) and, for the rollout algorithms, the
+step time of the run's layout (or of a sweep's node counts), optionally calibrated on a finished
+run, and the fastest layouts of a node budget that fit.
 
-    slurm-align predict CONFIG --profile NAME [--nodes 1,2,4] [--calibration RUN_DIR] [--advise N]
+    slurm-align plan CONFIG --profile NAME [--nodes 1,2,4] [--calibration RUN_DIR] [--advise N]
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from rich.table import Table
 
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.loading import check_against_profile, load_run_config
+from slurm_align.config.memory_plan import plan_run, render_plan
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig
 from slurm_align.planning.advice import rank_layouts
@@ -61,11 +64,19 @@ def load_calibration(path: str | None, skip_steps: int, dtype: str) -> Calibrati
     return None if path is None else calibrate(Path(path), skip_steps=skip_steps, dtype=dtype)
 
 
-def cmd_predict(args: argparse.Namespace) -> int:
+def cmd_plan(args: argparse.Namespace) -> int:
     run = load_run_config(args.config, args.overrides)
     profile = choose_profile(args.profile, args.profile_set)
     if not args.nodes:   # a sweep's points get their own data_parallel (slurm.sweep.plan_point)
         check_against_profile(run, profile, source=args.config)
+    memory = render_plan(plan_run(run), profile)
+    if not run.spec.rollout:   # SFT/RM/DPO: no rollout step to predict
+        if args.nodes or args.advise or args.calibration:
+            raise ConfigError.at("--nodes/--advise/--calibration", None, f"algorithm {run.algorithm!r} has no "
+                                 "rollout step: step-time prediction covers the rollout algorithms (ppo, grpo, ...)")
+        print(json.dumps({"memory": memory}) if args.format == "json" else memory)
+        return 0
+    args.dtype = args.dtype or run.training.precision
     cal = load_calibration(args.calibration, args.skip_steps, args.dtype)
     source = f"calibrated on {cal.run_dir}" if cal else "default efficiencies"
     rows = ([("as configured", predict_point(run, profile, cal, args.dtype))] if not args.nodes
@@ -76,13 +87,14 @@ def cmd_predict(args: argparse.Namespace) -> int:
                               work=cal.workload if cal else None, dtype=args.dtype, top=args.top)
         if not advice:
             raise ConfigError.at("--advise", args.advise, "no layout of that many nodes fits in memory "
-                                 "(profile hardware.memory_gib) with this model")
+                                 "(profile gpu_memory_gib) with this model")
     if args.format == "json":
-        print(json.dumps({"source": source, "points": [{"point": k, **vars(v)} for k, v in rows],
+        print(json.dumps({"memory": memory, "source": source, "points": [{"point": k, **vars(v)} for k, v in rows],
                           "advice": [{"rank": i + 1, **vars(o.prediction), "state_bytes": o.state_bytes}
                                      for i, o in enumerate(advice)]}, indent=1))
         return 0
     out = _stdout()
+    print(memory)
     out.print(prediction_table(f"predicted step time ({source})", rows))
     if advice:
         out.print(prediction_table(f"layouts of {args.advise} nodes that fit, fastest first",
@@ -99,14 +111,15 @@ def add_prediction_arguments(p: argparse.ArgumentParser) -> None:
                    help="fit the phases' efficiencies and the response lengths on this finished run")
     p.add_argument("--calibration-skip-steps", dest="skip_steps", type=int, default=1,
                    help="warm-up steps of the calibration run left out (default 1)")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default="fp32",
-                   help="precision of weights and matmuls (default fp32, as the trainers run now)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
+                   help="precision of weights and matmuls (default: the run's training.precision)")
 
 
 def register(sub) -> None:
     from slurm_align.slurm.commands import add_run_arguments
 
-    p = sub.add_parser("predict", help="predicted step time per phase before submitting (and layout advice)")
+    p = sub.add_parser("plan", help="before submitting: bytes per GPU of each component against the profile's "
+                                    "gpu_memory_gib, the predicted step time per phase, and layout advice")
     add_run_arguments(p)
     p.add_argument("--nodes", default=None, help="actor node counts of a sweep to predict, e.g. 1,2,4")
     p.add_argument("--mode", choices=("weak", "strong"), default="weak", help="sweep scaling (with --nodes)")
@@ -115,4 +128,4 @@ def register(sub) -> None:
     p.add_argument("--top", type=int, default=5, help="layouts shown by --advise")
     p.add_argument("--format", choices=("table", "json"), default="table")
     add_prediction_arguments(p)
-    p.set_defaults(func=cmd_predict)
+    p.set_defaults(func=cmd_plan)

@@ -56,9 +56,10 @@ class Hardware:
         return self.peak_flops[dtype]
 
 
-def resolve(hw: HardwareConfig, *, cpus_per_task: int = 1) -> Hardware:
+def resolve(hw: HardwareConfig, *, cpus_per_task: int = 1, memory_gib: float | None = None) -> Hardware:
     """The profile's figures over the accelerator's defaults. On CPU a rank's peak, memory and
-    memory bandwidth scale with its cores (cpus_per_task)."""
+    memory bandwidth scale with its cores (cpus_per_task). `memory_gib`: the profile's
+    gpu_memory_gib (the memory plan's limit too), else the accelerator's default."""
     d = _DEFAULTS[hw.accelerator]
     per_core = cpus_per_task if hw.accelerator == "cpu" else 1
     given: dict[str, float] = {str(k): v for k, v in hw.peak_tflops.items()}
@@ -66,7 +67,7 @@ def resolve(hw: HardwareConfig, *, cpus_per_task: int = 1) -> Hardware:
     return Hardware(
         accelerator=hw.accelerator, peak_flops=peaks,
         memory_bandwidth=(hw.memory_bandwidth_gbs or d["memory_bandwidth_gbs"] * per_core) * 1e9,
-        memory_bytes=(hw.memory_gib or d["memory_gib"] * per_core) * 2**30,
+        memory_bytes=(memory_gib or d["memory_gib"] * per_core) * 2**30,
         intra_node_bandwidth=(hw.intra_node_gbs or d["intra_node_gbs"]) * 1e9,
         inter_node_bandwidth=(hw.inter_node_gbs or d["inter_node_gbs"]) * 1e9,
         host_cores=(os.cpu_count() or 1) if hw.shared_host else None)
@@ -74,7 +75,8 @@ def resolve(hw: HardwareConfig, *, cpus_per_task: int = 1) -> Hardware:
 
 def profile_hardware(profile: ClusterProfile, component: str) -> Hardware:
     """One component's rank figures (its cpus_per_task matter on CPU)."""
-    return resolve(profile.hardware, cpus_per_task=profile.resources(component).cpus_per_task)
+    return resolve(profile.hardware, cpus_per_task=profile.resources(component).cpus_per_task,
+                   memory_gib=profile.gpu_memory_gib)
 
 
 def measure_cpu_flops(n: int = 512, repeats: int = 20) -> float:

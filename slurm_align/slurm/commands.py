@@ -17,7 +17,7 @@ from slurm_align.config.loading import (
     read_yaml,
     validate,
 )
-from slurm_align.config.memory_plan import check_memory, plan_run, render_plan
+from slurm_align.config.memory_plan import check_memory
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig
 from slurm_align.rundir import RunDir, new_run_dir
@@ -103,14 +103,6 @@ def resume_inputs(args: argparse.Namespace):
     profile = validate(ClusterProfile, apply_overrides(read_yaml(rd.profile), list(args.profile_set)), rd.profile)
     check_against_profile(run, profile, source=rd.config)
     return run, profile, rd.root
-
-
-def cmd_plan(args: argparse.Namespace) -> int:
-    run = load_run_config(args.config, list(args.overrides))
-    profile = choose_profile(args.profile, args.profile_set)
-    check_against_profile(run, profile, source=args.config)
-    sys.stdout.write(render_plan(plan_run(run), profile) + "\n")
-    return 0
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
@@ -205,15 +197,6 @@ def register(sub) -> None:
                    help="start only once these Slurm jobs completed successfully (afterok; cancelled if one "
                         "fails); inputs inside their run directories may be missing until then")
     p.set_defaults(func=cmd_submit)
-
-    p = sub.add_parser("plan", help="bytes per GPU of each component (weights, gradients, optimizer, "
-                                    "activations, engine, KV cache) against the profile's gpu_memory_gib")
-    p.add_argument("config", type=Path, help="run config YAML (see examples/)")
-    p.add_argument("--profile", default=None, help="profile name or a .yaml path (as for submit)")
-    p.add_argument("-P", "--profile-set", action="append", default=[], metavar="a.b=c",
-                   help="override a profile field (repeatable), e.g. -P gpu_memory_gib=80")
-    p.add_argument("overrides", nargs="*", metavar="a.b=c", help="dotted overrides of the run config")
-    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("render", help="print the job script without submitting")
     add_run_arguments(p)

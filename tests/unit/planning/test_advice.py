@@ -8,24 +8,23 @@ import pytest
 
 from slurm_align.cli import main
 from slurm_align.config import RunConfig
+from slurm_align.config.memory_plan import plan_run
 from slurm_align.config.profile import ClusterProfile
-from slurm_align.planning.advice import candidates, fits, rank_layouts, state_bytes_per_rank
-from slurm_align.planning.steptime import ModelShape
+from slurm_align.planning.advice import candidates, fits, rank_layouts
 
 RUN = RunConfig(model={"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4})
 
 
 def profile(memory_gib: float | None = None, per_node: int = 2) -> ClusterProfile:
-    hw = {"accelerator": "cpu", **({"memory_gib": memory_gib} if memory_gib else {})}
     comp = {"tasks_per_node": per_node}
-    return ClusterProfile(kind="local", hardware=hw, components={"actor": comp, "critic": comp})
+    return ClusterProfile(kind="local", hardware={"accelerator": "cpu"}, gpu_memory_gib=memory_gib,
+                          components={"actor": comp, "critic": comp})
 
 
-def test_training_state_is_weights_grads_and_adam_per_model_parallel_share():
-    shape = ModelShape.of(RUN.model)
-    par = RUN.actor.model_copy(update={"tensor_parallel": 2, "pipeline_parallel": 2})
-    assert state_bytes_per_rank(RUN.model, par, "fp32") == shape.params / 4 * (4 + 4 + 8)
-    assert state_bytes_per_rank(RUN.model, par, "bf16") == shape.params / 4 * (2 + 4 + 8)
+def test_a_layout_fits_when_every_components_memory_plan_does():
+    need = {c.name: c.total for c in plan_run(RUN)}
+    assert fits(RUN, profile(memory_gib=max(need.values()) / 2**30)) == (True, {k: float(v) for k, v in need.items()})
+    assert not fits(RUN, profile(memory_gib=max(need.values()) * 0.99 / 2**30))[0]
 
 
 def test_candidates_split_the_budget_and_factor_each_component():
@@ -39,7 +38,7 @@ def test_candidates_split_the_budget_and_factor_each_component():
 
 
 def test_a_layout_that_does_not_fit_never_ranks():
-    need_unsplit = state_bytes_per_rank(RUN.model, RUN.actor, "fp32")
+    need_unsplit = max(c.total for c in plan_run(RUN))
     # memory for half the state: only layouts with TP x PP >= 2 on both components fit
     tight = profile(memory_gib=need_unsplit * 0.6 / 2**30)
     ranked = rank_layouts(RUN, tight, budget=2, top=100)
@@ -58,7 +57,7 @@ def test_a_layout_that_does_not_fit_never_ranks():
 def test_predict_command_prints_points_and_advice(capsys, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("algorithm: ppo\ndata: {train_path: x.jsonl}\n")
-    assert main(["predict", str(cfg), "--profile", "local-slurm", "--nodes", "1,2", "--advise", "3",
+    assert main(["plan", str(cfg), "--profile", "local-slurm", "--nodes", "1,2", "--advise", "3",
                  "--format", "json"]) == 0
     got = json.loads(capsys.readouterr().out)
     assert [p["point"] for p in got["points"]] == ["1 actor node(s)", "2 actor node(s)"]
@@ -70,8 +69,8 @@ def test_predict_command_prints_points_and_advice(capsys, tmp_path):
 def test_advice_that_nothing_fits_is_a_clear_error(capsys, tmp_path):
     cfg = tmp_path / "run.yaml"   # as configured for local-slurm: actor 2 nodes of 1 rank
     cfg.write_text("algorithm: ppo\ndata: {train_path: x.jsonl}\nactor: {data_parallel: 2}\n")
-    assert main(["predict", str(cfg), "--profile", "local-slurm", "--advise", "2",
-                 "-P", "hardware.memory_gib=1e-9"]) == 2
+    assert main(["plan", str(cfg), "--profile", "local-slurm", "--advise", "2",
+                 "-P", "gpu_memory_gib=1e-9"]) == 2
     assert "--advise" in capsys.readouterr().err
 
 
@@ -79,11 +78,13 @@ def test_advice_that_nothing_fits_is_a_clear_error(capsys, tmp_path):
 def test_bad_nodes_are_refused(capsys, tmp_path, bad):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("algorithm: ppo\ndata: {train_path: x.jsonl}\n")
-    assert main(["predict", str(cfg), "--profile", "local-slurm", "--nodes", bad]) == 2
+    assert main(["plan", str(cfg), "--profile", "local-slurm", "--nodes", bad]) == 2
 
 
-def test_the_trainers_have_no_step_to_predict(capsys, tmp_path):
+def test_the_trainers_get_the_memory_plan_and_no_step_to_predict(capsys, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text("algorithm: sft\ndata: {train_path: x.jsonl}\nactor: {data_parallel: 2}\n")
-    assert main(["predict", str(cfg), "--profile", "local-slurm"]) == 2
-    assert "field 'algorithm': got 'sft'" in capsys.readouterr().err
+    assert main(["plan", str(cfg), "--profile", "local-slurm"]) == 0
+    assert "actor      TOTAL" in capsys.readouterr().out
+    assert main(["plan", str(cfg), "--profile", "local-slurm", "--advise", "2"]) == 2
+    assert "no rollout step" in capsys.readouterr().err
