@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -488,8 +488,6 @@ class TrainerConfig(StrictModel):
     """Learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-    dpo_beta: float = Field(0.1, gt=0)
-    """DPO temperature beta."""
     save_interval: int = Field(0, ge=0)
     """Checkpoint every K steps (0: only at the end)."""
     eval_interval: int = Field(0, ge=0)
@@ -501,6 +499,19 @@ class TrainerConfig(StrictModel):
     model.max_seq_len (x 2 for pairs; actor.max_tokens_per_micro_batch)."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this (0: no clipping)."""
+
+
+class LossSection(StrictModel):
+    """The loss a one-component trainer (sft, rm, dpo) trains with and its options, e.g.
+    `loss: {options: {preference_loss: ipo, beta: 0.5}}`."""
+
+    name: str | None = None
+    """A registered loss (losses/registry.py: nll, bradley_terry, preference, and those that
+    modules under `plugins:` register). Default: the algorithm's own (nll for sft, bradley_terry
+    for rm, preference for dpo)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """The loss's typed options, checked against the model it registered (unknown keys and bad
+    values are errors naming loss.options.FIELD)."""
 
 
 class CriticServerConfig(StrictModel):
@@ -633,6 +644,8 @@ class RunConfig(StrictModel):
     multi-turn collector (algorithms/rollout_collector.py)."""
     trainer: TrainerConfig = TrainerConfig()
     """SFT / RM / DPO hyper-parameters."""
+    loss: LossSection = LossSection()
+    """The trainer's registered loss and its options (sft / rm / dpo)."""
     critic_server: CriticServerConfig = CriticServerConfig()
     """Critic server address and timeouts."""
     sweep: SweepConfig = SweepConfig()
@@ -682,6 +695,33 @@ class RunConfig(StrictModel):
                 )
             _experts_fit(name, par, m)
         return self
+
+    @model_validator(mode="after")
+    def _loss_registered(self):
+        # deferred: losses.registry imports config.base, and this package imports this module
+        from slurm_align.losses.registry import loss_spec
+        section = self.loss
+        if self.spec.trainer is None:
+            if section.name is not None or section.options:
+                raise ValueError(f"field 'loss': got {section.model_dump()!r}; {self.algorithm} trains with its "
+                                 "policy loss (ppo:, rl:); a loss: section applies to sft, rm and dpo")
+            return self
+        name = section.name or self.spec.trainer
+        try:
+            spec = loss_spec(name)
+        except ValueError as e:
+            raise ValueError(f"field 'loss.name': got {name!r}; {e} (or register it in a module listed "
+                             "under plugins:)") from None
+        spec.parse_options(section.options)
+        return self
+
+    def trainer_loss(self) -> tuple[Any, Any]:
+        """(the LossSpec, its validated options) of the trainer's loss (sft / rm / dpo)."""
+        from slurm_align.losses.registry import loss_spec
+        if self.spec.trainer is None:
+            raise ValueError(f"algorithm {self.algorithm!r} has no trainer loss")
+        spec = loss_spec(self.loss.name or self.spec.trainer)
+        return spec, spec.parse_options(self.loss.options)
 
     @model_validator(mode="after")
     def _lora_where_it_trains(self):

@@ -1,35 +1,20 @@
-"""Reward model: Bradley-Terry on (chosen, rejected); the reward is the value head at each
-sequence's last token."""
+"""Reward model, Bradley-Terry: -log sigma(reward(chosen) - reward(rejected)), the reward being
+the value head at each sequence's last token."""
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 
-from slurm_align.data.datasets import PreferenceDataset
+from slurm_align.losses.base import Loss
 from slurm_align.models.forward import last_token_values, per_sequence
 
 
-class RewardModel:
-    name = "rm"
-    value_head = True
+class BradleyTerry(Loss):
+    name = "bradley_terry"
     pairs = True
+    value_head = True
 
-    def __init__(self, run):
-        pass
-
-    def dataset(self, path, tok, max_len):
-        return PreferenceDataset(path, tok, max_len)
-
-    def local_norm(self, microbatches) -> float:
-        return float(sum(mb["real"].sum() for mb in microbatches))  # pairs (filler pairs: real 0)
-
-    def setup(self, trainer) -> None:
-        pass
-
-    def prepare(self, trainer, microbatches) -> None:
-        pass
-
-    def loss(self, output, mb):
+    def __call__(self, output, mb):
         rewards = last_token_values(per_sequence(output, mb), mb["lengths"])
         rc, rr = rewards.chunk(2)
         diff = rc - rr
@@ -39,8 +24,7 @@ class RewardModel:
             "loss_sum": loss_sum.detach(), "correct": ((diff > 0).float() * real).sum(),
             "pairs": real.sum(), "margin_sum": (diff.detach() * real).sum()}
 
-    @staticmethod
-    def metrics(s: dict) -> dict:
+    def metrics(self, s):
         n = s["pairs"].clamp(min=1)
         return {"loss": float(s["loss_sum"] / n), "accuracy": float(s["correct"] / n),
                 "reward_margin": float(s["margin_sum"] / n)}
