@@ -51,6 +51,7 @@ def make_microbatches(ds, indices: list[int], batching: Batching | int, *, fixed
     for g in groups:
         mb = ds.batch(g + g[-1:] * (most - len(g)))
         mb["real"] = (torch.arange(max(most, len(g))) < len(g)).float()
+        mb["index"] = torch.tensor(g + g[-1:] * (most - len(g)))   # the items' indices in ds
         per_seq = mb["real"].repeat(mb["tokens"].shape[0] // len(mb["real"]))   # pairs: chosen, then rejected
         mb["mask"] = mb["mask"] * per_seq[:, None]
         mbs.append(mb)
@@ -116,15 +117,15 @@ class ModelWorker:
         for mb in mbs:
             mb["norm"] = norm
         if loss.reference:
-            self._reference_logprobs(mbs, loss)
+            self._reference_logprobs(mbs)
 
     @torch.no_grad()
-    def _reference_logprobs(self, mbs: list[dict], loss) -> None:
+    def _reference_logprobs(self, mbs: list[dict]) -> None:
         """mb["ref_logp"] [b, s-1] (last stage) with the reference weights swapped in."""
         def ref(output, mb):
-            return output.new_zeros(()), {"ref_logp": sequence_token_logprobs(output, mb, loss.vocab_size)}
+            return output.new_zeros(()), {"ref_logp": sequence_token_logprobs(output, mb, self.model_cfg.vocab_size)}
         if self.reference is None:
-            raise ValueError(f"loss {loss.name!r} needs the reference policy: build the worker with reference=True")
+            raise ValueError("this loss needs the reference policy: build the worker with reference=True")
         self.reference.swap()
         try:
             infos = run_schedule(self.chunks, mbs, ref, forward_only=True)
@@ -175,6 +176,24 @@ class ModelWorker:
     def evaluate(self, ds, indices: list[int], loss) -> dict:
         """The loss's metrics over the items (this rank's share), without a step."""
         return self._run(ds, indices, loss, train=False)
+
+    @torch.no_grad()
+    def forward(self, ds, indices: list[int], fn, *, reference: bool = False) -> dict[str, torch.Tensor]:
+        """fn(output, mb) -> {name: tensor [items of the micro-batch, ...]} over the items
+        `indices` of `ds` (forward only; mb["ref_logp"] too with `reference`), concatenated in
+        micro-batch order (token budgets reorder items) with filler items dropped, plus "index":
+        each row's item index in ds. Last pipeline stage only ({} elsewhere)."""
+        for c in self.chunks:
+            c.eval()
+        mbs = self.microbatches(ds, indices)
+        if reference:
+            self._reference_logprobs(mbs)
+        def step(out, mb):
+            return out.new_zeros(()), {**fn(out, mb), "index": mb["index"]}
+        infos = run_schedule(self.chunks, mbs, step, forward_only=True)
+        keep = [mb["real"].bool() for mb in mbs]
+        keys = list(infos[0]) if infos else []
+        return {k: torch.cat([info[k].cpu()[rows] for info, rows in zip(infos, keep)]) for k in keys}
 
     # --- checkpoints -----------------------------------------------------------------------
     def save(self, root: Path, step: int, common: dict) -> Path:
