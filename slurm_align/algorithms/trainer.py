@@ -44,6 +44,9 @@ class Trainer:
                                  f"must be a multiple of data_parallel={pctx.dp_size}")
         if run.data.train_path is None:
             raise ConfigError.at("data.train_path", None, f"{self.name} needs a JSONL training file")
+        if self.loss.value_head and run.model.num_labels != self.loss.value_outputs:
+            raise ConfigError.at("model.num_labels", run.model.num_labels,
+                                 f"loss {spec.name!r} reads {self.loss.value_outputs} output(s) of the value head")
         tok = build_tokenizer(run.model)
         self.train_ds = self.loss.dataset(run.data.train_path, tok, run.model.max_seq_len)
         self.val_ds = self.loss.dataset(run.data.val_path, tok, run.model.max_seq_len) if run.data.val_path else None

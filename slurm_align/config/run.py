@@ -147,6 +147,10 @@ class ModelConfig(StrictModel):
     moe_aux_loss_coeff: float = Field(0.0, ge=0)
     """Coefficient of the Switch-style load-balancing loss added by every MoE layer's router
     (0: off). From model.hf_path: the folder's router_aux_loss_coef unless given. Default 0."""
+    num_labels: int = Field(1, ge=1)
+    """Outputs of a reward / value model's head: 1 (a scalar reward, Bradley-Terry) or one per
+    attribute of a regression reward model (loss 'regression'; HF *ForSequenceClassification's
+    num_labels, filled from model.hf_path's id2label). The LM policy ignores it. Default 1."""
     tokenizer: TokenizerConfig = TokenizerConfig()
     """Tokenizer to turn text data into ids."""
     init_checkpoint: Path | None = None
@@ -712,7 +716,11 @@ class RunConfig(StrictModel):
         except ValueError as e:
             raise ValueError(f"field 'loss.name': got {name!r}; {e} (or register it in a module listed "
                              "under plugins:)") from None
-        spec.parse_options(section.options)
+        options = spec.parse_options(section.options)
+        check = getattr(options, "check_run", None)   # an options model may check the rest of the run
+        problems = check(self) if check is not None else []
+        if problems:
+            raise ValueError("; ".join(problems))
         return self
 
     def trainer_loss(self) -> tuple[Any, Any]:

@@ -119,9 +119,35 @@ class PreferenceOptions(StrictModel):
         return self
 
 
+HELPSTEER2_ATTRIBUTES = ["helpfulness", "correctness", "coherence", "complexity", "verbosity"]
+"""HelpSteer2's attributes (each labelled 0-4), the regression reward model's default."""
+
+
+class RegressionOptions(StrictModel):
+    """A regression (multi-attribute) reward model: one output per attribute, MSE on labelled rows."""
+
+    attributes: list[str] = Field(default_factory=lambda: list(HELPSTEER2_ATTRIBUTES), min_length=1)
+    """Attribute names, in the order of the value head's outputs; each row labels them under
+    these keys. model.num_labels must equal their count. Default HelpSteer2's five."""
+
+    @model_validator(mode="after")
+    def _distinct(self):
+        if len(set(self.attributes)) != len(self.attributes):
+            raise ValueError(f"attributes lists a name twice: {self.attributes}")
+        return self
+
+    def check_run(self, run: Any) -> list[str]:
+        """Problems of this loss with the rest of the run (the head's width)."""
+        if run.model.num_labels != len(self.attributes):
+            return [f"field 'model.num_labels': got {run.model.num_labels}; the regression reward model has one "
+                    f"output per attribute: {len(self.attributes)} ({', '.join(self.attributes)})"]
+        return []
+
+
 for _spec in (
     LossSpec("nll", "slurm_align.losses.nll:NLL"),
     LossSpec("bradley_terry", "slurm_align.losses.bradley_terry:BradleyTerry"),
     LossSpec("preference", "slurm_align.losses.preference:Preference", PreferenceOptions),
+    LossSpec("regression", "slurm_align.losses.regression:Regression", RegressionOptions),
 ):
     register_loss(_spec)
