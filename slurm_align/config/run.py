@@ -459,6 +459,10 @@ class RewardConfig(StrictModel):
     """Weight of the reward model's score in the combined reward."""
     rule_weight: float = 1.0
     """Weight of the rule reward in the combined reward."""
+    attribute_weights: list[float] | None = None
+    """A regression reward model's (critic_model.num_labels > 1) attribute weights: the reward
+    model's score is sum_i w_i * attribute_i at the last token, in the order of its attributes.
+    Required (one per attribute) for such a model; unused for a scalar one."""
 
     @property
     def use_model(self) -> bool:
@@ -751,6 +755,13 @@ class RunConfig(StrictModel):
         if n < spec.min_group_size:
             raise ValueError(f"rl.n_samples_per_prompt={n}: {self.algorithm} compares the samples of one prompt, "
                              f"so it needs at least {spec.min_group_size}")
+        labels, weights = self.critic_model_config.num_labels, self.reward.attribute_weights
+        if self.reward.use_model and labels > 1 and (weights is None or len(weights) != labels):
+            raise ValueError(f"field 'reward.attribute_weights': got {weights!r}; the reward model has "
+                             f"critic_model.num_labels={labels} attributes: give one weight per attribute")
+        if self.critic_trains and labels > 1 and self.critic_model_config.init_checkpoint is None:
+            raise ValueError(f"field 'critic_model.init_checkpoint': got None; a reward model with {labels} "
+                             "attributes comes from a trained checkpoint")
         if not self.reward.use_model and self.reward.rule is None and not self.multi_turn:
             raise ValueError("reward: neither a reward model (reward.model) nor a rule (reward.rule) gives rewards")
         if not spec.group_filter and self.rl.filter_equal_reward_groups:
