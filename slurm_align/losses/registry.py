@@ -144,10 +144,26 @@ class RegressionOptions(StrictModel):
         return []
 
 
+class KTOOptions(StrictModel):
+    """KTO (Ethayarajh et al. 2024, as TRL defines it) on unpaired rows labelled desirable or
+    undesirable: with L = log pi(y|x) - log ref(y|x) and z0 the reference point (the batch's
+    mean L over mismatched prompt/response pairs, at least 0, without gradient), a desirable
+    row's loss is desirable_weight * (1 - sigma(beta (L - z0))), an undesirable row's
+    undesirable_weight * (1 - sigma(beta (z0 - L)))."""
+
+    beta: float = Field(0.1, gt=0)
+    """Temperature beta. Default 0.1."""
+    desirable_weight: float = Field(1.0, gt=0)
+    """lambda_D, the weight of desirable rows. Default 1."""
+    undesirable_weight: float = Field(1.0, gt=0)
+    """lambda_U, the weight of undesirable rows. Default 1."""
+
+
 for _spec in (
     LossSpec("nll", "slurm_align.losses.nll:NLL"),
     LossSpec("bradley_terry", "slurm_align.losses.bradley_terry:BradleyTerry"),
     LossSpec("preference", "slurm_align.losses.preference:Preference", PreferenceOptions),
     LossSpec("regression", "slurm_align.losses.regression:Regression", RegressionOptions),
+    LossSpec("kto", "slurm_align.losses.kto:KTO", KTOOptions),
 ):
     register_loss(_spec)

@@ -24,7 +24,7 @@ class AttributeDataset:
     """SFT rows with their attribute labels: batch() adds "labels" [n, attributes] (NaN where a
     row has no label)."""
 
-    def __init__(self, path: str | Path, tok, max_len: int, attributes: list[str]):
+    def __init__(self, path: str | Path, tok, max_len: int, attributes: list[str], *, require_labels: bool = True):
         self.sft = SFTDataset(path, tok, max_len)
         self.pad_id = self.sft.pad_id
         labels, problems = [], []
@@ -40,7 +40,7 @@ class AttributeDataset:
         if problems:
             raise ConfigError(problems[:20], path)
         self.labels = torch.tensor(labels, dtype=torch.float32).reshape(len(labels), len(attributes))
-        if not torch.isfinite(self.labels).any():
+        if require_labels and not torch.isfinite(self.labels).any():   # (labelling rows needs none)
             raise ConfigError([f"no row labels any of the attributes {attributes} (loss 'regression')"], path)
 
     def __len__(self) -> int:
