@@ -119,6 +119,15 @@ class PreferenceOptions(StrictModel):
         return self
 
 
+class BradleyTerryOptions(StrictModel):
+    """Bradley-Terry reward model: -log sigma(reward(chosen) - reward(rejected) - m), with the
+    margin m = margin_scale * (chosen_reward - rejected_reward) of rows that carry both (Llama 2's
+    margin loss), 0 on rows that do not."""
+
+    margin_scale: float = Field(1.0, ge=0)
+    """Scale of the rows' reward margin (0: no margin term). Default 1."""
+
+
 HELPSTEER2_ATTRIBUTES = ["helpfulness", "correctness", "coherence", "complexity", "verbosity"]
 """HelpSteer2's attributes (each labelled 0-4), the regression reward model's default."""
 
@@ -161,7 +170,7 @@ class KTOOptions(StrictModel):
 
 for _spec in (
     LossSpec("nll", "slurm_align.losses.nll:NLL"),
-    LossSpec("bradley_terry", "slurm_align.losses.bradley_terry:BradleyTerry"),
+    LossSpec("bradley_terry", "slurm_align.losses.bradley_terry:BradleyTerry", BradleyTerryOptions),
     LossSpec("preference", "slurm_align.losses.preference:Preference", PreferenceOptions),
     LossSpec("regression", "slurm_align.losses.regression:Regression", RegressionOptions),
     LossSpec("kto", "slurm_align.losses.kto:KTO", KTOOptions),
