@@ -510,13 +510,15 @@ class TrainerConfig(StrictModel):
 
 
 class LossSection(StrictModel):
-    """The loss a one-component trainer (sft, rm, dpo) trains with and its options, e.g.
+    """The loss a one-component trainer (sft, rm, dpo, kto) or the RL actor (ppo, grpo, rloo,
+    reinforce_pp: the policy loss) trains with and its options, e.g.
     `loss: {options: {preference_loss: ipo, beta: 0.5}}`."""
 
     name: str | None = None
-    """A registered loss (losses/registry.py: nll, bradley_terry, preference, and those that
-    modules under `plugins:` register). Default: the algorithm's own (nll for sft, bradley_terry
-    for rm, preference for dpo)."""
+    """A registered loss (losses/registry.py: nll, bradley_terry, regression, preference, kto;
+    ppo_clip for the RL actor; and those that modules under `plugins:` register). Default: the
+    algorithm's own (nll for sft, bradley_terry for rm, preference for dpo, kto for kto,
+    ppo_clip for the policy-gradient algorithms)."""
     options: dict[str, Any] = Field(default_factory=dict)
     """The loss's typed options, checked against the model it registered (unknown keys and bad
     values are errors naming loss.options.FIELD)."""
@@ -653,7 +655,8 @@ class RunConfig(StrictModel):
     trainer: TrainerConfig = TrainerConfig()
     """SFT / RM / DPO hyper-parameters."""
     loss: LossSection = LossSection()
-    """The trainer's registered loss and its options (sft / rm / dpo)."""
+    """The registered loss and its options: the trainer's (sft / rm / dpo / kto) or the RL actor's
+    policy loss (default ppo_clip, the clipped surrogate)."""
     critic_server: CriticServerConfig = CriticServerConfig()
     """Critic server address and timeouts."""
     sweep: SweepConfig = SweepConfig()
@@ -706,34 +709,53 @@ class RunConfig(StrictModel):
 
     @model_validator(mode="after")
     def _loss_registered(self):
-        # deferred: losses.registry imports config.base, and this package imports this module
-        from slurm_align.losses.registry import loss_spec
         section = self.loss
-        if self.spec.trainer is None:
+        default = self._default_loss()
+        if default is None:
             if section.name is not None or section.options:
-                raise ValueError(f"field 'loss': got {section.model_dump()!r}; {self.algorithm} trains with its "
-                                 "policy loss (ppo:, rl:); a loss: section applies to sft, rm and dpo")
+                raise ValueError(f"field 'loss': got {section.model_dump()!r}; {self.algorithm} trains with the SFT "
+                                 "loss on its kept samples; a loss: section applies to sft, rm, dpo, kto and the "
+                                 "policy-gradient algorithms")
             return self
-        name = section.name or self.spec.trainer
-        try:
-            spec = loss_spec(name)
-        except ValueError as e:
-            raise ValueError(f"field 'loss.name': got {name!r}; {e} (or register it in a module listed "
-                             "under plugins:)") from None
-        options = spec.parse_options(section.options)
+        _, options = self.loss_spec_and_options()
         check = getattr(options, "check_run", None)   # an options model may check the rest of the run
         problems = check(self) if check is not None else []
         if problems:
             raise ValueError("; ".join(problems))
         return self
 
+    def _default_loss(self) -> str | None:
+        """The algorithm's own loss: its trainer's, or the clipped surrogate of the policy-gradient
+        family (None for rejection sampling's SFT on kept samples)."""
+        if self.spec.trainer is not None:
+            return self.spec.trainer
+        return "ppo_clip" if self.spec.loss == "policy" else None
+
+    def loss_spec_and_options(self) -> tuple[Any, Any]:
+        """(the LossSpec, its validated options) of this run's loss (RunConfig.loss, or the
+        algorithm's own); a ValueError naming loss.name / loss.options.FIELD otherwise."""
+        # deferred: losses.registry imports config.base, and this package imports this module
+        from slurm_align.losses.registry import LOSSES, loss_spec
+        name = self.loss.name or self._default_loss()
+        if name is None:
+            raise ValueError(f"algorithm {self.algorithm!r} has no registered loss")
+        kind = "trainer" if self.spec.trainer is not None else "policy"
+        try:
+            spec = loss_spec(name)
+        except ValueError as e:
+            raise ValueError(f"field 'loss.name': got {name!r}; {e} (or register it in a module listed "
+                             "under plugins:)") from None
+        if spec.kind != kind:
+            allowed = ", ".join(n for n, s in LOSSES.items() if s.kind == kind)
+            raise ValueError(f"field 'loss.name': got {name!r}, a {spec.kind} loss; {self.algorithm} takes a "
+                             f"{kind} loss: {allowed}")
+        return spec, spec.parse_options(self.loss.options)
+
     def trainer_loss(self) -> tuple[Any, Any]:
-        """(the LossSpec, its validated options) of the trainer's loss (sft / rm / dpo)."""
-        from slurm_align.losses.registry import loss_spec
+        """(the LossSpec, its validated options) of the trainer's loss (sft / rm / dpo / kto)."""
         if self.spec.trainer is None:
             raise ValueError(f"algorithm {self.algorithm!r} has no trainer loss")
-        spec = loss_spec(self.loss.name or self.spec.trainer)
-        return spec, spec.parse_options(self.loss.options)
+        return self.loss_spec_and_options()
 
     @model_validator(mode="after")
     def _lora_where_it_trains(self):

@@ -30,6 +30,10 @@ class LossSpec:
     """'module:Class' of the loss (a losses.base.Loss subclass), imported where it runs."""
     options: type[StrictModel] = NoOptions
     """The typed options (RunConfig.loss.options is validated against it)."""
+    kind: Literal["trainer", "policy"] = "trainer"
+    """trainer: a losses.base.Loss class the one-component trainers (sft, rm, dpo, kto) train
+    with. policy: the per-token policy loss of the RL actor (algorithms/policy_gradient.py), a
+    function like algorithms.policy_loss.clipped_policy_loss (same arguments, plus `options`)."""
 
     def parse_options(self, raw: dict[str, Any]) -> StrictModel:
         """The options model from the config's dict; a ValueError naming each bad field as
@@ -49,10 +53,14 @@ class LossSpec:
                 problems.append(f"field '{loc}': got {err.get('input')!r}; {msg}")
             raise ValueError("; ".join(problems)) from None
 
+    def load(self) -> Any:
+        """The loss class or function (imports it: torch)."""
+        module, name = self.impl.split(":")
+        return getattr(importlib.import_module(module), name)
+
     def build(self, options: StrictModel, model: Any) -> Any:
-        """An instance of the loss class (imports it: torch)."""
-        module, cls = self.impl.split(":")
-        return getattr(importlib.import_module(module), cls)(options, model)
+        """An instance of a trainer loss class."""
+        return self.load()(options, model)
 
 
 LOSSES: dict[str, LossSpec] = {}
@@ -174,5 +182,6 @@ for _spec in (
     LossSpec("preference", "slurm_align.losses.preference:Preference", PreferenceOptions),
     LossSpec("regression", "slurm_align.losses.regression:Regression", RegressionOptions),
     LossSpec("kto", "slurm_align.losses.kto:KTO", KTOOptions),
+    LossSpec("ppo_clip", "slurm_align.algorithms.policy_loss:clipped_policy_loss", kind="policy"),
 ):
     register_loss(_spec)

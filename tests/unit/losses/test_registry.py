@@ -29,7 +29,7 @@ def test_the_dpo_example_validates_its_options():
     (["loss.options.betta=0.2"], ["field 'loss.options.betta'", "0.2", "allowed: preference_loss, beta"]),
     (["loss.options.beta=-1"], ["field 'loss.options.beta'", "-1", "greater than 0"]),
     (["loss.options.label_smoothing=0.1", "loss.options.preference_loss=ipo"], ["label_smoothing", "'dpo' only"]),
-    (["loss.name=no_such_loss"], ["field 'loss.name'", "'no_such_loss'", "allowed: nll, bradley_terry, preference"]),
+    (["loss.name=no_such_loss"], ["field 'loss.name'", "'no_such_loss'", "allowed: nll, bradley_terry"]),
 ])
 def test_bad_loss_options_name_file_field_value_and_what_is_allowed(override: list[str], needles: list[str]):
     with pytest.raises(ConfigError) as e:
@@ -40,9 +40,12 @@ def test_bad_loss_options_name_file_field_value_and_what_is_allowed(override: li
         assert needle in text, (needle, text)
 
 
-def test_rollout_algorithms_refuse_a_loss_section():
-    with pytest.raises(ConfigError, match=r"field 'loss'.*applies to sft, rm and dpo"):
-        load_run_config(REPO_ROOT / "examples" / "grpo_tiny.yaml", ["loss.options.beta=0.1"])
+def test_rejection_sampling_refuses_a_loss_section_and_trainers_refuse_policy_losses():
+    with pytest.raises(ConfigError, match=r"field 'loss'.*SFT loss on its kept samples"):
+        load_run_config(REPO_ROOT / "examples" / "grpo_tiny.yaml", ["algorithm=rejection_sampling",
+                                                                    "loss.name=ppo_clip"])
+    with pytest.raises(ConfigError, match=r"field 'loss\.name': got 'ppo_clip', a policy loss; dpo takes a trainer"):
+        load_run_config(DPO, ["loss.name=ppo_clip", "loss.options={}"])
 
 
 def test_a_plugin_registers_a_loss_with_its_own_option(tmp_path: Path):
