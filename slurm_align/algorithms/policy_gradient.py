@@ -17,6 +17,7 @@ and the loss normalisers are all-reduced over the DP ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -142,8 +143,11 @@ class PolicyUpdate:
         self.run, self.policy, self.optimizer, self.pctx, self.loss = run, policy, optimizer, pctx, loss
         self.terms = loss_terms(run)
         # The registered policy loss (RunConfig.loss; default ppo_clip: clipped_policy_loss).
-        spec, self.loss_options = run.loss_spec_and_options() if loss == "policy" else (None, None)
-        self.policy_loss = spec.load() if spec is not None else clipped_policy_loss
+        self.loss_options: Any = None
+        self.policy_loss: Callable[..., tuple[torch.Tensor, Any]] = clipped_policy_loss
+        if loss == "policy":
+            spec, self.loss_options = run.loss_spec_and_options()
+            self.policy_loss = spec.load()
         self.agg = "token-mean" if loss == "sft" else self.terms.agg
         # The policy is scored at the sampling temperature, as pi_old and the engine's log-probs.
         self.temperature = 1.0 if loss == "sft" else logprob_temperature(run.generation.temperature)
