@@ -72,7 +72,7 @@ def test_each_trainer_loss_takes_steps_through_the_worker(pctx, tmp_path: Path):
         assert last["grad_norm"] > 0
 
 
-@pytest.mark.parametrize("kind", ["dpo", "ipo"])
+@pytest.mark.parametrize("kind", ["dpo", "ipo", "rpo_sq", "rpo_fwd_kl", "rpo_bwd_kl"])
 def test_preference_losses_raise_the_held_out_margin_and_a_swapped_control_does_not(pctx, tmp_path: Path, kind: str):
     """Trained on the task's pairs, the held-out implicit margin is positive on most pairs (sign
     test) and above the control's pair by pair; the control (chosen and rejected swapped)
