@@ -781,9 +781,6 @@ class RunConfig(StrictModel):
         if self.reward.use_model and labels > 1 and (weights is None or len(weights) != labels):
             raise ValueError(f"field 'reward.attribute_weights': got {weights!r}; the reward model has "
                              f"critic_model.num_labels={labels} attributes: give one weight per attribute")
-        if self.critic_trains and labels > 1 and self.critic_model_config.init_checkpoint is None:
-            raise ValueError(f"field 'critic_model.init_checkpoint': got None; a reward model with {labels} "
-                             "attributes comes from a trained checkpoint")
         if not self.reward.use_model and self.reward.rule is None and not self.multi_turn:
             raise ValueError("reward: neither a reward model (reward.model) nor a rule (reward.rule) gives rewards")
         if not spec.group_filter and self.rl.filter_equal_reward_groups:
