@@ -1,4 +1,4 @@
-"""`slurm-align train {sft,rm,dpo} CONFIG --profile NAME [--run-dir DIR] [--follow] [a.b=c ...]`
+"""`slurm-align train {sft,rm,dpo,kto} CONFIG --profile NAME [--run-dir DIR] [--follow] [a.b=c ...]`
 
 Loads and validates the run config (algorithm set from the subcommand) against the profile,
 writes the resolved config into the run directory and launches it (local mpirun ranks or a
@@ -15,8 +15,11 @@ from slurm_align.slurm.commands import _report_final, add_run_arguments, load_in
 from slurm_align.slurm.launch import launch_run
 
 TRAIN_ALGORITHMS = {"sft": "supervised fine-tuning on {input, output} JSONL",
-                    "rm": "reward model (Bradley-Terry) on {prompt, chosen, rejected} JSONL",
-                    "dpo": "DPO against the frozen initial policy on {prompt, chosen, rejected} JSONL"}
+                    "rm": "reward model on {prompt, chosen, rejected} JSONL (Bradley-Terry) or on {input, output, "
+                          "<attribute>...} (loss.name=regression)",
+                    "dpo": "DPO / IPO / RPO (loss.options.preference_loss) against the frozen initial policy on "
+                           "{prompt, chosen, rejected} JSONL",
+                    "kto": "KTO against the frozen initial policy on {input, output, label} JSONL"}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -31,7 +34,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="train with SFT, a reward model or DPO (one job component)")
+    p = sub.add_parser("train", help="train with SFT, a reward model, DPO or KTO (one job component)")
     algos = p.add_subparsers(dest="algorithm", required=True, metavar="ALGORITHM")
     for name, help_text in TRAIN_ALGORITHMS.items():
         a = algos.add_parser(name, help=help_text)

@@ -17,6 +17,7 @@ and the loss normalisers are all-reduced over the DP ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import numpy as np
@@ -147,6 +148,12 @@ class PolicyUpdate:
                  loss: Literal["policy", "sft"] = "policy"):
         self.run, self.policy, self.optimizer, self.pctx, self.loss = run, policy, optimizer, pctx, loss
         self.terms = loss_terms(run)
+        # The registered policy loss (RunConfig.loss; default ppo_clip: clipped_policy_loss).
+        self.loss_options: Any = None
+        self.policy_loss: Callable[..., tuple[torch.Tensor, Any]] = clipped_policy_loss
+        if loss == "policy":
+            spec, self.loss_options = run.loss_spec_and_options()
+            self.policy_loss = spec.load()
         self.agg = "token-mean" if loss == "sft" else self.terms.agg
         # The policy is scored at the sampling temperature, as pi_old and the engine's log-probs.
         self.temperature = 1.0 if loss == "sft" else logprob_temperature(run.generation.temperature)
@@ -203,9 +210,9 @@ class PolicyUpdate:
                     return loss, {"loss": loss.detach()}
                 entropy = self._entropy(output, mb, T) if terms.entropy_coef > 0 else None
                 rc = mb[rollout_correction.WEIGHTS].to(dev) if corrected else None
-                loss, st = clipped_policy_loss(logp, mb["logprobs"].to(dev), mb["advantages"].to(dev), mask, terms,
-                                               ref_logp=mb["ref_logprobs"].to(dev), entropy=entropy, norm=norm,
-                                               weights=rc)
+                loss, st = self.policy_loss(logp, mb["logprobs"].to(dev), mb["advantages"].to(dev), mask, terms,
+                                            ref_logp=mb["ref_logprobs"].to(dev), entropy=entropy, norm=norm,
+                                            weights=rc, options=self.loss_options)
                 for k, v in (("loss", st.loss), ("ratio", st.ratio * st.tokens),
                              ("clipped", st.clipped_fraction * st.tokens), ("kl", st.kl * st.tokens),
                              ("tokens", st.tokens)):

@@ -10,7 +10,7 @@ over DP ranks equal the global mean's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -91,11 +91,14 @@ class PolicyLossStats:
 def clipped_policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
                         mask: torch.Tensor, terms: LossTerms, *, ref_logp: torch.Tensor | None = None,
                         entropy: torch.Tensor | None = None, norm: float | None = None,
-                        weights: torch.Tensor | None = None) -> tuple[torch.Tensor, PolicyLossStats]:
+                        weights: torch.Tensor | None = None,
+                        options: Any = None) -> tuple[torch.Tensor, PolicyLossStats]:
     """-w min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) per token, r = exp(logp - old_logp),
     w the rollout-correction weight (constant; 1 without `weights`), aggregated by `terms.agg`
     (a token with w = 0 still counts in the denominator); plus kl_loss_coef * KL(pi || ref) and
-    minus entropy_coef * entropy, aggregated the same way."""
+    minus entropy_coef * entropy, aggregated the same way. The registered policy loss
+    'ppo_clip' (losses/registry.py); `options`: its (empty) loss options, as every registered
+    policy loss takes them."""
     ratio = torch.exp(logp - old_logp)
     surr1 = ratio * advantages
     surr2 = ratio.clamp(1.0 - terms.eps_low, 1.0 + terms.eps_high) * advantages

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import torch
@@ -14,23 +13,17 @@ from slurm_align.parallel.bootstrap import init_distributed
 from slurm_align.parallel.layout import initialize_model_parallel
 
 
-def algorithm_for(run):
-    """The registered one-component trainer of the run's algorithm (config/algorithms.py)."""
-    if run.spec.trainer is None:
-        trainers = ", ".join(a.name for a in REGISTRY.values() if a.trainer)
-        raise ValueError(f"train_main runs {trainers}; config says algorithm={run.algorithm!r}")
-    module, cls = run.spec.trainer.split(":")
-    return getattr(importlib.import_module(module), cls)(run)
-
-
 def main(run_dir: str | Path) -> dict:
     run_dir = Path(run_dir)
     run = load_run_config(run_dir / "config.yaml")
+    if run.spec.trainer is None:
+        trainers = ", ".join(a.name for a in REGISTRY.values() if a.trainer)
+        raise ValueError(f"train_main runs {trainers}; config says algorithm={run.algorithm!r}")
     torch.set_num_threads(1)
     env = init_distributed()
     pctx = initialize_model_parallel(env, run.actor.tensor_parallel, run.actor.pipeline_parallel,
                                      run.actor.expert_parallel)
     try:
-        return Trainer(run, pctx, run_dir, algorithm_for(run)).fit()
+        return Trainer(run, pctx, run_dir).fit()
     finally:
         pctx.destroy()

@@ -35,7 +35,8 @@ class AlgorithmSpec:
     sweep_batch: str = "ppo.num_rollout_samples"
     """The dotted config field a weak-scaling sweep multiplies with the node count."""
     trainer: str | None = None
-    """'module:Class' of a one-component trainer (algorithms/train_main.py)."""
+    """The registered loss (losses/registry.py) a one-component trainer (algorithms/trainer.py)
+    trains with by default; RunConfig.loss.name may pick another."""
 
 
 REGISTRY: dict[str, AlgorithmSpec] = {}
@@ -49,7 +50,7 @@ def register(spec: AlgorithmSpec) -> AlgorithmSpec:
         raise ValueError(f"algorithm {spec.name!r}: a rollout algorithm has loss 'policy' with an estimator, "
                          "or loss 'sft' without one")
     if not spec.rollout and spec.trainer is None:
-        raise ValueError(f"algorithm {spec.name!r}: a one-component algorithm needs trainer='module:Class'")
+        raise ValueError(f"algorithm {spec.name!r}: a one-component algorithm needs trainer='<registered loss>'")
     REGISTRY[spec.name] = spec
     return spec
 
@@ -65,9 +66,10 @@ _TRAINER = "trainer.global_batch_size"
 for _spec in (
     AlgorithmSpec("ppo", rollout=True, estimator="gae", loss="policy", value_model=True, kl_in_reward=True,
                   group_filter=False),
-    AlgorithmSpec("sft", rollout=False, sweep_batch=_TRAINER, trainer="slurm_align.algorithms.sft:SFT"),
-    AlgorithmSpec("rm", rollout=False, sweep_batch=_TRAINER, trainer="slurm_align.algorithms.reward_model:RewardModel"),
-    AlgorithmSpec("dpo", rollout=False, sweep_batch=_TRAINER, trainer="slurm_align.algorithms.dpo:DPO"),
+    AlgorithmSpec("sft", rollout=False, sweep_batch=_TRAINER, trainer="nll"),
+    AlgorithmSpec("rm", rollout=False, sweep_batch=_TRAINER, trainer="bradley_terry"),
+    AlgorithmSpec("dpo", rollout=False, sweep_batch=_TRAINER, trainer="preference"),
+    AlgorithmSpec("kto", rollout=False, sweep_batch=_TRAINER, trainer="kto"),
     AlgorithmSpec("grpo", rollout=True, estimator="grpo", loss="policy", min_group_size=2),
     AlgorithmSpec("rloo", rollout=True, estimator="rloo", loss="policy", min_group_size=2),
     AlgorithmSpec("reinforce_pp", rollout=True, estimator="reinforce_pp", loss="policy", kl_in_reward=True),

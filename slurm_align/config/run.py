@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -147,6 +147,10 @@ class ModelConfig(StrictModel):
     moe_aux_loss_coeff: float = Field(0.0, ge=0)
     """Coefficient of the Switch-style load-balancing loss added by every MoE layer's router
     (0: off). From model.hf_path: the folder's router_aux_loss_coef unless given. Default 0."""
+    num_labels: int = Field(1, ge=1)
+    """Outputs of a reward / value model's head: 1 (a scalar reward, Bradley-Terry) or one per
+    attribute of a regression reward model (loss 'regression'; HF *ForSequenceClassification's
+    num_labels, filled from model.hf_path's id2label). The LM policy ignores it. Default 1."""
     tokenizer: TokenizerConfig = TokenizerConfig()
     """Tokenizer to turn text data into ids."""
     init_checkpoint: Path | None = None
@@ -455,6 +459,10 @@ class RewardConfig(StrictModel):
     """Weight of the reward model's score in the combined reward."""
     rule_weight: float = 1.0
     """Weight of the rule reward in the combined reward."""
+    attribute_weights: list[float] | None = None
+    """A regression reward model's (critic_model.num_labels > 1) attribute weights: the reward
+    model's score is sum_i w_i * attribute_i at the last token, in the order of its attributes.
+    Required (one per attribute) for such a model; unused for a scalar one."""
 
     @property
     def use_model(self) -> bool:
@@ -488,8 +496,6 @@ class TrainerConfig(StrictModel):
     """Learning rate (AdamW)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
-    dpo_beta: float = Field(0.1, gt=0)
-    """DPO temperature beta."""
     save_interval: int = Field(0, ge=0)
     """Checkpoint every K steps (0: only at the end)."""
     eval_interval: int = Field(0, ge=0)
@@ -501,6 +507,21 @@ class TrainerConfig(StrictModel):
     model.max_seq_len (x 2 for pairs; actor.max_tokens_per_micro_batch)."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this (0: no clipping)."""
+
+
+class LossSection(StrictModel):
+    """The loss a one-component trainer (sft, rm, dpo, kto) or the RL actor (ppo, grpo, rloo,
+    reinforce_pp: the policy loss) trains with and its options, e.g.
+    `loss: {options: {preference_loss: ipo, beta: 0.5}}`."""
+
+    name: str | None = None
+    """A registered loss (losses/registry.py: nll, bradley_terry, regression, preference, kto;
+    ppo_clip for the RL actor; and those that modules under `plugins:` register). Default: the
+    algorithm's own (nll for sft, bradley_terry for rm, preference for dpo, kto for kto,
+    ppo_clip for the policy-gradient algorithms)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """The loss's typed options, checked against the model it registered (unknown keys and bad
+    values are errors naming loss.options.FIELD)."""
 
 
 class CriticServerConfig(StrictModel):
@@ -740,6 +761,9 @@ class RunConfig(StrictModel):
     training: TrainingConfig = TrainingConfig()
     """Precision, sharded optimizer, activation recompute, Adam settings and LR schedule of every
     trained model."""
+    loss: LossSection = LossSection()
+    """The registered loss and its options: the trainer's (sft / rm / dpo / kto) or the RL actor's
+    policy loss (default ppo_clip, the clipped surrogate)."""
     critic_server: CriticServerConfig = CriticServerConfig()
     """Critic server address and timeouts."""
     sweep: SweepConfig = SweepConfig()
@@ -791,6 +815,56 @@ class RunConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _loss_registered(self):
+        section = self.loss
+        default = self._default_loss()
+        if default is None:
+            if section.name is not None or section.options:
+                raise ValueError(f"field 'loss': got {section.model_dump()!r}; {self.algorithm} trains with the SFT "
+                                 "loss on its kept samples; a loss: section applies to sft, rm, dpo, kto and the "
+                                 "policy-gradient algorithms")
+            return self
+        _, options = self.loss_spec_and_options()
+        check = getattr(options, "check_run", None)   # an options model may check the rest of the run
+        problems = check(self) if check is not None else []
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def _default_loss(self) -> str | None:
+        """The algorithm's own loss: its trainer's, or the clipped surrogate of the policy-gradient
+        family (None for rejection sampling's SFT on kept samples)."""
+        if self.spec.trainer is not None:
+            return self.spec.trainer
+        return "ppo_clip" if self.spec.loss == "policy" else None
+
+    def loss_spec_and_options(self) -> tuple[Any, Any]:
+        """(the LossSpec, its validated options) of this run's loss (RunConfig.loss, or the
+        algorithm's own); a ValueError naming loss.name / loss.options.FIELD otherwise."""
+        # deferred: losses.registry imports config.base, and this package imports this module
+        from slurm_align.losses.registry import LOSSES, loss_spec
+        name = self.loss.name or self._default_loss()
+        if name is None:
+            raise ValueError(f"algorithm {self.algorithm!r} has no registered loss")
+        kind = "trainer" if self.spec.trainer is not None else "policy"
+        try:
+            spec = loss_spec(name)
+        except ValueError as e:
+            raise ValueError(f"field 'loss.name': got {name!r}; {e} (or register it in a module listed "
+                             "under plugins:)") from None
+        if spec.kind != kind:
+            allowed = ", ".join(n for n, s in LOSSES.items() if s.kind == kind)
+            raise ValueError(f"field 'loss.name': got {name!r}, a {spec.kind} loss; {self.algorithm} takes a "
+                             f"{kind} loss: {allowed}")
+        return spec, spec.parse_options(self.loss.options)
+
+    def trainer_loss(self) -> tuple[Any, Any]:
+        """(the LossSpec, its validated options) of the trainer's loss (sft / rm / dpo / kto)."""
+        if self.spec.trainer is None:
+            raise ValueError(f"algorithm {self.algorithm!r} has no trainer loss")
+        return self.loss_spec_and_options()
+
+    @model_validator(mode="after")
     def _lora_where_it_trains(self):
         # LoRA trains the policy's adapters; a value model's fresh scalar head would stay frozen.
         if self.model.lora is not None and self.algorithm == "rm":
@@ -817,6 +891,10 @@ class RunConfig(StrictModel):
         if n < spec.min_group_size:
             raise ValueError(f"rl.n_samples_per_prompt={n}: {self.algorithm} compares the samples of one prompt, "
                              f"so it needs at least {spec.min_group_size}")
+        labels, weights = self.critic_model_config.num_labels, self.reward.attribute_weights
+        if self.reward.use_model and labels > 1 and (weights is None or len(weights) != labels):
+            raise ValueError(f"field 'reward.attribute_weights': got {weights!r}; the reward model has "
+                             f"critic_model.num_labels={labels} attributes: give one weight per attribute")
         if not self.reward.use_model and self.reward.rule is None and not self.multi_turn:
             raise ValueError("reward: neither a reward model (reward.model) nor a rule (reward.rule) gives rewards")
         if not spec.group_filter and self.rl.filter_equal_reward_groups:

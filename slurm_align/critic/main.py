@@ -60,9 +60,18 @@ def build_models(run: RunConfig, pctx) -> dict[str, list]:
         load_reward_weights(Path(mcfg.init_checkpoint), reward, pctx)
     if not run.critic_trains:
         return {REWARD: reward}
-    value = build_gpt(mcfg, pctx, value_head=True, seed=run.seed + 1, training=run.training)
-    # As NeMo-Aligner does: the critic starts as a copy of the reward model.
-    load_full_state_dict(value, pctx, full_state_dict(reward, pctx, to_all=True))
+    # The value model is scalar whatever the reward model's attributes (a regression RM's heads).
+    value = build_gpt(mcfg.model_copy(update={"num_labels": 1}), pctx, value_head=True, seed=run.seed + 1,
+                      training=run.training)
+    # As NeMo-Aligner does: the critic starts as a copy of the reward model (its trunk only
+    # when the reward model has several attributes: the value head then starts fresh).
+    state = full_state_dict(reward, pctx, to_all=True)
+    assert state is not None, "to_all: every rank gets the weights"
+    if mcfg.num_labels > 1:
+        own = full_state_dict(value, pctx, to_all=True)
+        assert own is not None
+        state = {k: (own[k] if k.startswith("value_head.") else v) for k, v in state.items()}
+    load_full_state_dict(value, pctx, state)
     return {VALUE: value, REWARD: reward}
 
 
@@ -167,7 +176,8 @@ def run_critic(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) -> 
     worker = CriticWorker(swap, pctx, env.comm, lr=run.ppo.critic_lr, value_clip=run.ppo.value_clip,
                           grad_clip=run.ppo.critic_grad_clip, checkpoint_dir=rd.checkpoints("critic"),
                           batching=run_batching(run, "critic"), training=run.training,
-                          total_steps=run.ppo.num_steps)
+                          total_steps=run.ppo.num_steps, reward_weights=run.reward.attribute_weights
+                          if run.critic_model_config.num_labels > 1 else None)
     resumed = resume_step(rd)
     if resumed is not None and run.critic_trains:   # a reward-only critic has no state of its own
         restore(worker, rd, resumed, pctx)

@@ -45,8 +45,11 @@ def save_atomic_torch(obj: Any, path: Path) -> Path:
 class CriticWorker:
     def __init__(self, swap: ModelSwap, pctx: Any, comm, *, lr: float, value_clip: float,
                  checkpoint_dir: Path, grad_clip: float = 0.0, batching: Batching = Batching(),
-                 training: TrainingConfig | None = None, total_steps: int = 1):
+                 training: TrainingConfig | None = None, total_steps: int = 1,
+                 reward_weights: list[float] | None = None):
         self.swap, self.pctx, self.comm = swap, pctx, comm
+        # A regression reward model's attribute weights: its reward is their weighted sum.
+        self.reward_weights = torch.tensor(reward_weights, dtype=torch.float32) if reward_weights else None
         self.batching = batching   # micro-batches of infer and train (default: one, padded)
         self.value_clip = value_clip
         self.grad_clip = grad_clip   # global gradient norm of the value model (0: no clipping)
@@ -85,12 +88,15 @@ class CriticWorker:
                 chunks = self.swap.use(name)
                 for c in chunks:
                     c.eval()
+                labels = len(self.reward_weights) if name == REWARD and self.reward_weights is not None else 1
                 out[name] = forward_values(chunks, self.pctx, tok, lengths=torch.from_numpy(lengths[rows]),
-                                           batching=self.batching)
+                                           batching=self.batching, num_labels=labels)
         part = None
         if self.holds_result and tok.shape[0]:
             rewards = last_token_values(out[REWARD], torch.from_numpy(lengths[rows]))
-            values = out[VALUE] if VALUE in out else torch.zeros(out[REWARD].shape)  # reward-only: no values
+            if self.reward_weights is not None:   # [b, attributes] -> the weighted sum [b]
+                rewards = rewards @ self.reward_weights
+            values = out[VALUE] if VALUE in out else torch.zeros(out[REWARD].shape[:2])  # reward-only: no values
             part = (values.numpy().astype(np.float32), rewards.numpy().astype(np.float32))
         parts = self._gather_rows(part)
         if parts is None:

@@ -178,6 +178,7 @@ class PreferenceDataset:
         self.chosen = [c for c, _ in pairs]
         self.rejected = [r for _, r in pairs]
         self.pad_id = tok.pad_id
+        self.rewards = [_pair_rewards(row, path) for row in self.rows]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -190,7 +191,23 @@ class PreferenceDataset:
         """tokens [2n, s]: the n chosen sequences, then the n rejected ones, in the same order."""
         seqs = [self.chosen[i] for i in indices] + [self.rejected[i] for i in indices]
         tokens, lengths = pad([s.ids for s in seqs], self.pad_id)
-        return {"tokens": tokens, "lengths": lengths, "mask": response_mask(seqs, tokens.shape[1])}
+        # "rewards" [2n]: the rows' optional chosen_reward / rejected_reward (NaN where absent;
+        # the losses that read them fill in their configured defaults)
+        rewards = [self.rewards[i][0] for i in indices] + [self.rewards[i][1] for i in indices]
+        return {"tokens": tokens, "lengths": lengths, "mask": response_mask(seqs, tokens.shape[1]),
+                "rewards": torch.tensor(rewards, dtype=torch.float64)}
+
+
+def _pair_rewards(row: Row, path: str | Path) -> tuple[float, float]:
+    """A preference row's optional ground-truth "chosen_reward" / "rejected_reward" (NaN where
+    absent: the losses that read them fill in their configured defaults)."""
+    out = []
+    for key in ("chosen_reward", "rejected_reward"):
+        v = row.extra.get(key, row.data.get(key))
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+            raise ConfigError([f"line {row.line}: {key!r} must be a number, got {v!r}"], path)
+        out.append(float("nan") if v is None else float(v))
+    return out[0], out[1]
 
 
 class PromptDataset:

@@ -209,15 +209,19 @@ def sequence_token_logprobs(output: torch.Tensor, mb: dict, vocab_size: int,
 @torch.no_grad()
 def forward_values(chunks: list, pctx: Any, tokens: torch.Tensor, *,
                    micro_batch_size: int | None = None, broadcast: bool = False,
-                   lengths: torch.Tensor | None = None, batching: Batching | None = None) -> torch.Tensor | None:
-    """Per-token values [batch, seq] of a value/reward model (build_gpt(value_head=True))."""
+                   lengths: torch.Tensor | None = None, batching: Batching | None = None,
+                   num_labels: int = 1) -> torch.Tensor | None:
+    """Per-token values [batch, seq] of a value/reward model (build_gpt(value_head=True));
+    [batch, seq, num_labels] for a head with several outputs (a regression reward model)."""
     return _forward(chunks, pctx, tokens, per_sequence, _batching(batching, micro_batch_size), lengths,
-                    broadcast, extra_dim=())
+                    broadcast, extra_dim=(num_labels,) if num_labels > 1 else ())
 
 
 def last_token_values(values: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """The reward of each sequence: its value at index length-1."""
-    return values.gather(1, (lengths.long() - 1).clamp(min=0).unsqueeze(1).to(values.device)).squeeze(1)
+    """The reward of each sequence: its value at index length-1 ([b] from [b, s]; [b, n] from
+    the [b, s, n] of a head with n outputs)."""
+    last = (lengths.long() - 1).clamp(min=0).to(values.device)
+    return values[torch.arange(values.shape[0], device=values.device), last]
 
 
 def _forward(chunks, pctx, tokens, post, batching: Batching, lengths, broadcast, extra_dim,

@@ -209,19 +209,21 @@ class ValueGPTModel(GPTModel):
     the final hidden state, is identical on every TP rank).
     """
 
-    def __init__(self, config: TransformerConfig, **kwargs):
+    def __init__(self, config: TransformerConfig, num_labels: int = 1, **kwargs):
         super().__init__(config, **kwargs)
+        self.num_labels = num_labels
         if self.post_process:
             del self.output_layer
-            self.value_head = torch.nn.Linear(config.hidden_size, 1, bias=True)
+            self.value_head = torch.nn.Linear(config.hidden_size, num_labels, bias=True)
             torch.nn.init.normal_(self.value_head.weight, std=config.init_method_std)
             torch.nn.init.zeros_(self.value_head.bias)
 
     def _postprocess(self, hidden_states, **kwargs):
         if not self.post_process:
             return hidden_states
-        # [s, b, h] -> [b, s]
-        return self.value_head(hidden_states).squeeze(-1).transpose(0, 1).contiguous()
+        # [s, b, h] -> [b, s] (one label) or [b, s, num_labels] (a regression reward model)
+        out = self.value_head(hidden_states)
+        return (out.squeeze(-1) if self.num_labels == 1 else out).transpose(0, 1).contiguous()
 
     def shared_embedding_or_output_weight(self):
         return None
@@ -254,8 +256,10 @@ def build_gpt(model_cfg: ModelConfig, pctx: Any, *, value_head: bool = False, se
     seed_model_parallel(seed)
     config = transformer_config(model_cfg, pctx, training)
     cls = ValueGPTModel if value_head else GPTModel
+    heads = {"num_labels": model_cfg.num_labels} if value_head else {}
     model = cls(
         config=config,
+        **heads,
         transformer_layer_spec=layer_spec(model_cfg, config.params_dtype),
         vocab_size=model_cfg.padded_vocab_size,
         max_sequence_length=model_cfg.max_seq_len,

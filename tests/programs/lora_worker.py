@@ -27,8 +27,6 @@ from models_worker import init_parallel  # noqa: E402  (same folder; mpirun runs
 def main(tp: int, root: Path) -> None:
     import torch.distributed as dist
 
-    from slurm_align.algorithms.dpo import DPO
-    from slurm_align.algorithms.sft import SFT
     from slurm_align.algorithms.trainer import Trainer
     from slurm_align.config import load_run_config
     from slurm_align.models.checkpoint import save_checkpoint
@@ -51,8 +49,8 @@ def main(tp: int, root: Path) -> None:
     res["shapes"] = {k: list(p.shape) for k, p in adapter_tensors(base)}
     res["tp_split"] = {k: (p.partition_dim if p.tensor_model_parallel else None) for k, p in adapter_tensors(base)}
 
-    trainer = Trainer(run, pctx, root, SFT(run))
-    res["optimizer_params"] = sum(p.numel() for p in trainer.optimizer.params)   # what it trains
+    trainer = Trainer(run, pctx, root)
+    res["optimizer_params"] = sum(p.numel() for p in trainer.worker.optimizer.params)   # what it trains
     res["adapter_params"] = sum(p.numel() for _, p in adapter_tensors(trainer.chunks))
     trainer.fit()
     chunks = trainer.chunks
@@ -82,7 +80,7 @@ def main(tp: int, root: Path) -> None:
     # DPO with LoRA (RUN_DIR/dpo.yaml, the same model): its reference is the adapters-off model
     dpo = load_run_config(root / "dpo.yaml")
     (root / "dpo").mkdir(exist_ok=True)
-    Trainer(dpo, pctx, root / "dpo", DPO(dpo)).fit()
+    Trainer(dpo, pctx, root / "dpo").fit()
     rank = dist.get_rank()
     (root / f"result{rank}.json").write_text(json.dumps(res))
     if rank == 0:

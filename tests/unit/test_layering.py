@@ -12,7 +12,7 @@ import pytest
 from slurm_align import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "slurm_align"
-BELOW_ALGORITHMS = ["balance", "config", "critic", "data", "environments", "generation", "models", "parallel",
+BELOW_ALGORITHMS = ["balance", "config", "critic", "data", "environments", "generation", "losses", "models", "parallel",
                     "profiling", "rewards", "slurm", "store"]
 
 

@@ -180,8 +180,15 @@ def fill_model_fields(data: dict[str, Any]) -> dict[str, Any]:
                                 "(leave it out to take the folder's)")
     if problems:
         raise ConfigError(problems, source)
-    limit = max_positions(hf, SUPPORTED[architecture(hf, source)[0]])
+    arch = architecture(hf, source)[0]
+    limit = max_positions(hf, SUPPORTED[arch])
     out = {**data, **fields}
+    if arch.endswith("ForSequenceClassification"):   # a reward model: its score head's outputs
+        labels = len(hf.get("id2label") or {}) or int(hf.get("num_labels", 1))
+        if data.get("num_labels") not in (None, labels):
+            raise ConfigError([f"model.num_labels={data['num_labels']!r} conflicts with the folder's {labels} "
+                               "label(s) (leave it out to take the folder's)"], source)
+        out["num_labels"] = labels
     if fields.get("num_experts") is not None and data.get("moe_aux_loss_coeff") is None:
         out["moe_aux_loss_coeff"] = float(hf.get("router_aux_loss_coef", 0.0))
     if data.get("max_seq_len") is None:
@@ -225,7 +232,7 @@ def hf_config_dict(cfg, model_type: str, base: dict[str, Any] | None = None,
     arch = CAUSAL_LM[model_type]
     if value_head:
         arch = next(a for a, t in SUPPORTED.items() if t == model_type and a.endswith("ForSequenceClassification"))
-        out["num_labels"] = 1
+        out["num_labels"] = cfg.num_labels
         out.pop("id2label", None)
         out.pop("label2id", None)
     out.update({"architectures": [arch], "model_type": model_type, "vocab_size": cfg.vocab_size,

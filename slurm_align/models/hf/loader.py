@@ -113,7 +113,7 @@ def megatron_shapes(cfg: ModelConfig, value_head: bool) -> dict[str, tuple[int, 
             out[p + "mlp.linear_fc2.bias"] = (h,)
     out.update({f"decoder.final_layernorm.{k}": (h,) for k in norm})
     if value_head:
-        out.update({"value_head.weight": (1, h), "value_head.bias": (1,)})
+        out.update({"value_head.weight": (cfg.num_labels, h), "value_head.bias": (cfg.num_labels,)})
     elif not cfg.tie_embeddings:
         out["output_layer.weight"] = (v, h)
     return out
@@ -160,9 +160,10 @@ def check_hf_folder(cfg: ModelConfig, folder: str | Path | None = None, *, value
     hf = read_hf_config(folder)
     arch, model_type = architecture(hf, folder / "config.json")
     score_head = value_head and arch.endswith("ForSequenceClassification")
-    if score_head and len(hf.get("id2label") or {0: 0}) != 1:
-        raise ConfigError([f"a reward model needs one label; {arch} has {len(hf['id2label'])}"],
-                          folder / "config.json")
+    labels = len(hf.get("id2label") or {0: 0})
+    if score_head and labels != cfg.num_labels:
+        raise ConfigError([f"{arch} has {labels} label(s), model.num_labels={cfg.num_labels} (a scalar reward "
+                           "model has 1, a regression reward model one per attribute)"], folder / "config.json")
     srcs = sources(cfg, model_type, value_head=value_head, score_head=score_head)
     files = SafetensorsFolder(folder)
     check_folder(files, srcs, cfg, model_type, value_head)
