@@ -17,6 +17,7 @@ from slurm_align.config import ConfigError
 from slurm_align.models.forward import forward_logprobs
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.lora import trainable_parameters
+from slurm_align.models.optimizer import build_optimizer
 from slurm_align.profiling.timers import Tracer
 from tests.support import gspo_loss
 from tests.unit.algorithms.test_ppo_step import make_run, world  # noqa: F401  (world: a fixture)
@@ -29,7 +30,8 @@ def test_gspo_from_a_plugin_is_the_actors_update(tmp_path: Path, world) -> None:
     _, pctx = world
     run = make_run(tmp_path, "grpo", loss={"name": "toy_gspo", "options": {"eps_high": 5e-4}})
     policy = build_gpt(run.model, pctx, seed=run.seed)
-    update = PolicyUpdate(run, policy, torch.optim.AdamW(trainable_parameters(policy), lr=1e-3), pctx)
+    optimizer = build_optimizer(trainable_parameters(policy), pctx, run.training, lr=1e-3)
+    update = PolicyUpdate(run, policy, optimizer, pctx)
     assert update.policy_loss is gspo_loss.gspo_loss and update.loss_options.eps_high == 5e-4
 
     g = np.random.default_rng(0)
