@@ -26,8 +26,8 @@ class DPO:
         self.beta = run.trainer.dpo_beta
         self.reference: HostSwap | AdaptersOff | None = None   # AdaptersOff for a LoRA model
 
-    def dataset(self, path, tok, max_len):
-        return PreferenceDataset(path, tok, max_len)
+    def dataset(self, path, tok, max_len, columns=None):
+        return PreferenceDataset(path, tok, max_len, columns)
 
     def local_norm(self, microbatches) -> float:
         return float(sum(mb["real"].sum() for mb in microbatches))   # pairs (filler pairs: real 0)

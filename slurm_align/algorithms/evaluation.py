@@ -30,6 +30,7 @@ the component's rank 0, which writes them.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,7 @@ FULL_MARK = 1.0
 @dataclass
 class EvalSet:
     rows: list[dict[str, Any]]       # held-out prompt rows (prompt + the fields the scorer reads)
-    prompts: list[np.ndarray]        # their token ids, encoded as the rollout prompts are
+    prompts: Sequence[np.ndarray]    # their token ids, encoded as the rollout prompts are (on first use)
     scorer: RuleReward
 
     @classmethod
@@ -61,7 +62,7 @@ class EvalSet:
         scorer = ev.scorer or run.reward.rule
         # RunConfig: eval.interval needs eval.val_path and a scorer
         assert ev.val_path is not None and scorer is not None, "checked by RunConfig"
-        dataset = PromptDataset(ev.val_path, tokenizer, run.model.max_seq_len)
+        dataset = PromptDataset(ev.val_path, tokenizer, run.model.max_seq_len, run.data.columns)
         rows, prompts = dataset.fields(), dataset.token_arrays()
         if ev.num_prompts:
             rows, prompts = rows[: ev.num_prompts], prompts[: ev.num_prompts]

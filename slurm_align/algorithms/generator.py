@@ -126,7 +126,7 @@ class Generator:
         torch.manual_seed(run.seed)
         tokenizer = build_tokenizer(run.model)
         assert run.data.train_path is not None, "checked at submit (slurm.launch)"
-        dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len)
+        dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len, run.data.columns)
         self.shape = GptShape.from_model_config(run.model)
         self.layout = replica_layout(self.comm, run.generator.tensor_parallel)
         self.engine = engine_from_config(run, env.device, self.layout)

@@ -34,6 +34,7 @@ import contextlib
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -85,7 +86,7 @@ class PPOActor:
     """One actor rank's parts (made by `build_actor`) and the PPO loop over them."""
 
     def __init__(self, run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext, *, tokenizer,
-                 prompts: list[np.ndarray], policy: list, optimizer: torch.optim.Optimizer, reference,
+                 prompts: Sequence[np.ndarray], policy: list, optimizer: torch.optim.Optimizer, reference,
                  offload: TrainingStateOffload | None, engine: Engine, critic: CriticClient | None, tracer: Tracer,
                  store: RolloutStore | None, metrics: MetricsLogger, start_step: int, rewards: Rewards,
                  evalset: EvalSet | None, remote: RemoteRollouts | None = None):
@@ -382,7 +383,7 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     tokenizer = build_tokenizer(run.model)
     # Prompts are encoded as the SFT trainer formats its inputs (plain: [BOS] text; chat: the template).
     assert run.data.train_path is not None, "checked at submit (slurm.launch)"
-    dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len)
+    dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len, run.data.columns)
     prompts = dataset.token_arrays()
     policy = build_gpt(run.model, pctx, seed=run.seed)
     init_checkpoint = None

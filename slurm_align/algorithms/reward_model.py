@@ -17,8 +17,8 @@ class RewardModel:
     def __init__(self, run):
         pass
 
-    def dataset(self, path, tok, max_len):
-        return PreferenceDataset(path, tok, max_len)
+    def dataset(self, path, tok, max_len, columns=None):
+        return PreferenceDataset(path, tok, max_len, columns)
 
     def local_norm(self, microbatches) -> float:
         return float(sum(mb["real"].sum() for mb in microbatches))  # pairs (filler pairs: real 0)

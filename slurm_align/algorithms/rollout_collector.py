@@ -76,7 +76,7 @@ class RolloutCollector:
     """Generation of rollouts on one rank's engine (every rank of a generation replica calls
     the same methods in lock-step; only the replica's requester keeps the samples)."""
 
-    def __init__(self, run: RunConfig, engine, tokenizer, prompts: list[np.ndarray], rewards, *, rank: int,
+    def __init__(self, run: RunConfig, engine, tokenizer, prompts: Sequence[np.ndarray], rewards, *, rank: int,
                  tracer=None, critic=None):
         self.run, self.engine, self.tokenizer, self.prompts = run, engine, tokenizer, prompts
         self.rewards, self.rank, self.tracer, self.critic = rewards, rank, tracer, critic

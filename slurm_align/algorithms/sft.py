@@ -14,8 +14,8 @@ class SFT:
     def __init__(self, run):
         self.vocab_size = run.model.vocab_size
 
-    def dataset(self, path, tok, max_len):
-        return SFTDataset(path, tok, max_len)
+    def dataset(self, path, tok, max_len, columns=None):
+        return SFTDataset(path, tok, max_len, columns)
 
     def local_norm(self, microbatches) -> float:
         return float(sum(mb["mask"].sum() for mb in microbatches))  # response tokens

@@ -87,8 +87,9 @@ class Trainer:
         if run.data.train_path is None:
             raise ConfigError.at("data.train_path", None, f"{algo.name} needs a JSONL training file")
         tok = build_tokenizer(run.model)
-        self.train_ds = algo.dataset(run.data.train_path, tok, run.model.max_seq_len)
-        self.val_ds = algo.dataset(run.data.val_path, tok, run.model.max_seq_len) if run.data.val_path else None
+        cols = run.data.columns
+        self.train_ds = algo.dataset(run.data.train_path, tok, run.model.max_seq_len, cols)
+        self.val_ds = algo.dataset(run.data.val_path, tok, run.model.max_seq_len, cols) if run.data.val_path else None
         self.chunks = build_gpt(run.model, pctx, value_head=algo.value_head, seed=run.seed)
         if run.model.init_checkpoint:
             load_weights(run.model.init_checkpoint, self.chunks)

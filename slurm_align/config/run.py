@@ -255,10 +255,14 @@ def _experts_fit(name: str, par: ParallelConfig, m: ModelConfig) -> None:
 
 class DataConfig(StrictModel):
     train_path: Path | None = None
-    """JSONL training data: prompts {"prompt"} (PPO), {"input","output"} (SFT),
-    {"prompt","chosen","rejected"} (RM, DPO)."""
+    """Training data: prompts {"prompt"} (PPO), {"input","output"} (SFT),
+    {"prompt","chosen","rejected"} (RM, DPO), or chat rows {"messages"}; a .jsonl, .parquet or
+    .arrow/.feather file, or a folder written by datasets' save_to_disk (data/sources.py)."""
     val_path: Path | None = None
-    """JSONL validation data, same format as train_path."""
+    """Validation data, same format as train_path."""
+    columns: dict[str, str] = Field(default_factory=dict)
+    """Column map for every data file of the run (train, validation, eval.val_path): the
+    project's key -> the file's column, e.g. {prompt: question, answer: gold}."""
 
 
 class GenerationConfig(StrictModel):
