@@ -49,7 +49,7 @@ from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
 from slurm_align.algorithms.rollout_collector import RolloutCollector
 from slurm_align.config import RunConfig, load_run_config
 from slurm_align.critic.client import CriticClient
-from slurm_align.data.datasets import PromptDataset
+from slurm_align.data.mixture import run_prompts
 from slurm_align.generation import Engine, engine_from_config
 from slurm_align.generation.memory import TrainingStateOffload, generation_phase
 from slurm_align.generation.params import logprob_temperature
@@ -382,8 +382,7 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     torch.manual_seed(run.seed)
     tokenizer = build_tokenizer(run.model)
     # Prompts are encoded as the SFT trainer formats its inputs (plain: [BOS] text; chat: the template).
-    assert run.data.train_path is not None, "checked at submit (slurm.launch)"
-    dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len, run.data.columns)
+    dataset = run_prompts(run, tokenizer)   # data.train_path or data.mixture
     prompts = dataset.token_arrays()
     policy = build_gpt(run.model, pctx, seed=run.seed)
     init_checkpoint = None

@@ -216,8 +216,10 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
                         f"multiple of actor.data_parallel={dp}")
     if problems:
         raise ConfigError(problems, source)
-    if run.spec.rollout and run.data.train_path is not None:
-        check_prompt_lengths(run, run.data.train_path)
+    if run.spec.rollout:
+        for path, columns in ([(run.data.train_path, run.data.columns)] if run.data.train_path is not None else []) \
+                + [(s.path, s.columns or run.data.columns) for s in run.data.mixture]:
+            check_prompt_lengths(run, path, columns)
 
 
 CHECKED_PROMPTS = 2000
@@ -226,7 +228,7 @@ login node reads and validates every row but tokenizes only these; each rank tok
 prompts when it uses them, data/datasets.py)."""
 
 
-def check_prompt_lengths(run: RunConfig, train_path: Path) -> None:
+def check_prompt_lengths(run: RunConfig, train_path: Path, columns: dict[str, str] | None = None) -> None:
     """Longest prompt (of `train_path`, the run's data.train_path; of a sample of CHECKED_PROMPTS
     rows when it has more) + generation.max_new_tokens must fit the policy's and the critic's
     max_seq_len (the engine would refuse it in the middle of the job)."""
@@ -240,7 +242,7 @@ def check_prompt_lengths(run: RunConfig, train_path: Path) -> None:
 
     tok = build_tokenizer(run.model)   # raises ConfigError when it does not fit model.vocab_size
     longest, line = 0, None
-    rows = read_rows(train_path, "prompt", run.data.columns)
+    rows = read_rows(train_path, "prompt", run.data.columns if columns is None else columns)
     if len(rows) > CHECKED_PROMPTS:
         picked = np.random.default_rng(run.seed).choice(len(rows), CHECKED_PROMPTS, replace=False)
         rows = [rows[i] for i in sorted(picked)]

@@ -253,6 +253,17 @@ def _experts_fit(name: str, par: ParallelConfig, m: ModelConfig) -> None:
                          "tensor_parallel=1 (with pipeline and expert parallelism)")
 
 
+class DataSource(StrictModel):
+    """One source of a mixture (data.mixture)."""
+
+    path: Path
+    """A prompt data file or save_to_disk folder (any format of data.train_path)."""
+    weight: float = Field(1.0, gt=0)
+    """Relative weight: each mixed position draws this source with weight / sum of weights."""
+    columns: dict[str, str] = Field(default_factory=dict)
+    """Column map of this source (default: data.columns)."""
+
+
 class DataConfig(StrictModel):
     train_path: Path | None = None
     """Training data: prompts {"prompt"} (PPO), {"input","output"} (SFT),
@@ -263,6 +274,17 @@ class DataConfig(StrictModel):
     columns: dict[str, str] = Field(default_factory=dict)
     """Column map for every data file of the run (train, validation, eval.val_path): the
     project's key -> the file's column, e.g. {prompt: question, answer: gold}."""
+    mixture: list[DataSource] = Field(default_factory=list)
+    """Prompt sets mixed with weights, instead of train_path (RL algorithms): a seeded draw of
+    source and row per position (data/mixture.py), so a resume continues the same sequence."""
+    mixture_size: int | None = Field(None, ge=1)
+    """Positions of the mixed data set (default: the sources' rows together)."""
+
+    @model_validator(mode="after")
+    def _one_training_source(self):
+        if self.mixture and self.train_path is not None:
+            raise ValueError("data: give either train_path or mixture (a list of {path, weight, columns}), not both")
+        return self
 
 
 class GenerationConfig(StrictModel):
@@ -702,6 +724,9 @@ class RunConfig(StrictModel):
     def _rollout_options_fit(self):
         spec = self.spec
         if not spec.rollout:
+            if self.data.mixture:
+                raise ValueError(f"data.mixture: mixes prompt sets of the RL algorithms; {self.algorithm} "
+                                 "reads data.train_path")
             return self
         n = self.rl.n_samples_per_prompt
         if n < spec.min_group_size:
