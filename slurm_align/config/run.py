@@ -501,6 +501,21 @@ class EvalConfig(StrictModel):
     """'module:function' scoring a response as a rule reward does. Default: reward.rule."""
     num_prompts: int = Field(0, ge=0)
     """Evaluate on the first N prompts of val_path (0: all)."""
+    samples: int = Field(1, ge=1)
+    """Answers per prompt; above 1 the metrics add val/pass@k for k = 1, 2, 4, ... up to this and
+    val/majority (algorithms/evaluation.py)."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Sampling temperature of the answers (0: greedy; samples > 1 needs a temperature above 0)."""
+    standalone: bool = False
+    """This run is an evaluation job (`slurm-align eval`): the actor component only, which
+    evaluates model.init_checkpoint (or model.hf_path) once and writes RUN_DIR/eval/."""
+
+    @model_validator(mode="after")
+    def _samples_differ(self):
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(f"eval.samples={self.samples} with eval.temperature=0: greedy answers are all the "
+                             "same; set eval.temperature above 0 (e.g. 1.0)")
+        return self
 
 
 class TrainerConfig(StrictModel):
@@ -789,7 +804,7 @@ class RunConfig(StrictModel):
         """Job components this run needs: actor and critic for PPO; for the other rollout
         algorithms the actor, plus a reward-only critic when a reward model scores; one for
         the trainers."""
-        if not self.spec.rollout:
+        if not self.spec.rollout or self.eval.standalone:
             return ("actor",)
         critic = self.spec.value_model or self.reward.use_model
         generator = self.rollout.mode == "disaggregated"
