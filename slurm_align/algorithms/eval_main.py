@@ -58,8 +58,9 @@ def run_eval(run: RunConfig, rd: RunDir, env) -> dict[str, float]:
     collector = RolloutCollector(run, engine, tokenizer, [], None, rank=env.rank)
     refit_from_training(engine, policy, pctx, refold=run.switches.refold)
     with pctx.generation_layout(run.switches.refold) as layout:
+        # the in-run evaluation's batch (ppo.PPOActor.evaluate): the same answers, batch for batch
         got = evaluate(collector, layout, env.comm, evalset, run.generation.max_new_tokens,
-                       run.generation.prompt_batch_size * max(evalset.samples, 1))
+                       run.generation.prompt_batch_size * run.rl.n_samples_per_prompt)
     step = checkpoint_step(checkpoint)
     if got.rows is not None:
         metrics = dict(got.metrics)
