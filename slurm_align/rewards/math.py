@@ -24,7 +24,7 @@ def _timeouts() -> int | None:
 def as_gold(answer: str) -> list:
     """The reference parsed; a bare value ("3/4", "\\frac{1}{2}") is read as LaTeX math."""
     text = answer if "$" in answer or "\\boxed" in answer else f"${answer}$"
-    return parse(text, parsing_timeout=_timeouts())  # type: ignore[arg-type]  # None: no timeout (see _timeouts)
+    return parse(text, parsing_timeout=_timeouts())  # None: no timeout (see _timeouts)
 
 
 def verified_answer(response: str, prompt: str, answer: Any = None, **_: Any) -> float:
@@ -35,5 +35,5 @@ def verified_answer(response: str, prompt: str, answer: Any = None, **_: Any) ->
     if not gold:
         raise ValueError(f"the reference answer {answer!r} does not parse as math")
     timeout = _timeouts()
-    pred = parse(response, parsing_timeout=timeout)  # type: ignore[arg-type]  # as in as_gold
+    pred = parse(response, parsing_timeout=timeout)
     return float(bool(pred) and verify(gold, pred, timeout_seconds=timeout))
