@@ -99,6 +99,7 @@ class PPOActor:
         self.rewards, self.evalset = rewards, evalset
         self.init_checkpoint: Path | None = None   # the resolved model.init_checkpoint (build_actor sets it)
         self.remote = remote   # rollout.mode 'disaggregated': the generator component's stream
+        self.collected_metrics: dict[str, float] = {}
         assert run.spec.loss is not None, "config.algorithms: a rollout algorithm has a loss"
         self.update = PolicyUpdate(run, policy, optimizer, pctx,
                                    loss=run.spec.loss)
@@ -120,6 +121,7 @@ class PPOActor:
         self.collector.set_version(step - 1)   # the weights after step - 1 optimizer steps
         with self.pctx.generation_layout(run.switches.refold) as layout:
             got = self.collector.collect(step, self.env.comm, layout)
+        self.collected_metrics = got.metrics   # dynamic sampling's, logged with the step's rollouts
         return got.batch, got.pending
 
     def receive(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Future | None]]]:
@@ -275,7 +277,7 @@ class PPOActor:
         sync = self.weight_sync(step)
         # Named as NeMo-Aligner users know them: train_rollouts/, train_optim/, timers/.
         val = self.evaluate(step) if self.evalset is not None and self.evalset.due(run, step) else {}
-        rollouts = {**self.rollout_metrics(shard), **advantage_metrics}
+        rollouts = {**self.rollout_metrics(shard), **advantage_metrics, **self.collected_metrics}
         return {"step": step, **val, **{f"train_rollouts/{k}": v for k, v in rollouts.items()},
                 **{f"train_optim/{k}": v for k, v in optim.items()},
                 **{f"weight_sync/{k}": v for k, v in sync.items()},

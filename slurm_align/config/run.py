@@ -398,6 +398,17 @@ class RLConfig(StrictModel):
     filter_equal_reward_groups: bool = False
     """Dynamic sampling (DAPO): drop the groups whose rewards are all equal (zero group advantage)
     before training; how many were dropped is in the metrics (train_rollouts/dropped_groups)."""
+    dynamic_sampling_max_rounds: int = Field(0, ge=0)
+    """DAPO's dynamic sampling: generate up to this many extra rounds of prompts until the step has
+    ppo.num_rollout_samples groups whose rule rewards are not all equal (0: off). Needs
+    filter_equal_reward_groups, a rule reward and no critic. Metrics: train_rollouts/
+    dynamic_sampling_rounds, kept_varied_groups, kept_equal_groups (filling a step the cap left
+    short), dropped_equal_groups, dropped_varied_groups (the last round's surplus)."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's overlong reward shaping: the last this many tokens before generation.max_new_tokens
+    add a penalty falling linearly from 0 to -overlong_penalty (0: off). Single-turn rule rewards."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """The penalty at generation.max_new_tokens tokens."""
 
 
 RolloutCorrectionMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
@@ -749,6 +760,18 @@ class RunConfig(StrictModel):
                              f"so it needs at least {spec.min_group_size}")
         if not self.reward.use_model and self.reward.rule is None and not self.multi_turn:
             raise ValueError("reward: neither a reward model (reward.model) nor a rule (reward.rule) gives rewards")
+        if self.rl.dynamic_sampling_max_rounds:
+            why = ("rl.filter_equal_reward_groups is off" if not self.rl.filter_equal_reward_groups else
+                   "it needs a rule reward (reward.rule)" if self.reward.rule is None and not self.multi_turn else
+                   "a critic scores the samples (a value model or reward.model)" if self.spec.value_model
+                   or self.reward.use_model else
+                   "rollout.mode 'disaggregated' streams samples before the step is chosen"
+                   if self.rollout.mode == "disaggregated" else None)
+            if why:
+                raise ValueError(f"rl.dynamic_sampling_max_rounds={self.rl.dynamic_sampling_max_rounds}: {why}")
+        if self.rl.overlong_buffer >= self.generation.max_new_tokens:
+            raise ValueError(f"rl.overlong_buffer={self.rl.overlong_buffer} must be below generation.max_new_tokens="
+                             f"{self.generation.max_new_tokens} (the penalty covers the last tokens before it)")
         if not spec.group_filter and self.rl.filter_equal_reward_groups:
             allowed = ", ".join(a.name for a in REGISTRY.values() if a.rollout and a.group_filter)
             raise ValueError(f"rl.filter_equal_reward_groups needs a group estimator ({allowed}), "
