@@ -144,3 +144,26 @@ def test_bad_files_name_the_file_row_column_and_what_is_allowed(tmp_path: Path):
     (tmp_path / "j.jsonl").write_text('{"question": "a="}\n{"q": "b="}\n')
     msg = _error(tmp_path / "j.jsonl", columns={"prompt": "question"})
     assert "line 2" in msg and "'question'" in msg
+
+
+def test_submit_tokenizes_a_sample_of_a_large_prompt_set(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The login node reads every row but tokenizes at most CHECKED_PROMPTS of them (a 10k-row
+    set costs it the tokenization of a 2,000-row one), and still names a long prompt it drew."""
+    from slurm_align.config import load_run_config
+    from slurm_align.config.loading import CHECKED_PROMPTS, check_prompt_lengths
+    from slurm_align.data import datasets as ds
+
+    calls = []
+    real = ds.encode_prompt
+    monkeypatch.setattr(ds, "encode_prompt", lambda tok, text, n: calls.append(text) or real(tok, text, n))
+    path = tmp_path / "big.parquet"
+    pq.write_table(pa.table({"q": [f"{i % 1000:03d}=" for i in range(10_000)]}), path)
+    run = load_run_config(EXAMPLES.parent / "grpo_tiny.yaml", ["data.columns={prompt: q}"])
+    check_prompt_lengths(run, path)
+    assert len(calls) == CHECKED_PROMPTS
+    calls.clear()
+    small = tmp_path / "small.parquet"
+    pq.write_table(pa.table({"q": ["1=", "2=", "9" * 40 + "="]}), small)
+    with pytest.raises(ConfigError, match=r"the longest prompt \(row 2\) has 42 tokens"):
+        check_prompt_lengths(run, small)
+    assert len(calls) == 3
