@@ -128,11 +128,15 @@ def encode_chat_sft(tok, messages: list[dict], max_len: int) -> Sequence:
 class Encoded(CollectionSequence):
     """Rows encoded on first use and kept: a rank encodes (tokenizes) only the items it touches,
     so a large data set costs each rank its own share, not the whole set. `encoded` counts the
-    rows encoded so far. A template failure names the file and the row."""
+    rows encoded so far. A template failure names the file and the row. The first chat row is
+    encoded at once: a tokenizer without a chat template fails when the data set opens."""
 
     def __init__(self, path: Path, rows: list[Row], encode: Callable[[Row], Any]):
         self.path, self.rows, self._encode = path, rows, encode
         self._items: dict[int, Any] = {}
+        first_chat = next((i for i, r in enumerate(rows) if r.is_chat), None)
+        if first_chat is not None:
+            self[first_chat]
 
     @property
     def encoded(self) -> int:
