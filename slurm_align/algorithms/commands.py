@@ -3,16 +3,31 @@
 Loads and validates the run config (algorithm set from the subcommand) against the profile,
 writes the resolved config into the run directory and launches it (local mpirun ranks or a
 plain Slurm job); every rank runs launchers/train.py.
+
+`slurm-align eval MODEL --data FILE [--config CONFIG] [--samples N] [--temperature T]
+[--engine E] [--profile NAME] [--run-dir DIR] [--follow] [a.b=c ...]`
+
+Evaluates a checkpoint (an iter_* folder or a run's checkpoints folder) or a Hugging Face
+folder on a data set as a job of its own (the actor component only; launchers/evaluate.py runs
+algorithms/eval_main.py on every rank). The model's shape and the scorer come from CONFIG,
+by default the config.yaml of the run the checkpoint belongs to (an HF folder needs --config).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from pathlib import Path
 
 from rich.console import Console
 
+from slurm_align.config.errors import ConfigError
+from slurm_align.config.loading import check_against_profile, load_run_config
+from slurm_align.rundir import new_run_dir
+from slurm_align.slurm.choose import choose_profile, default_run_root
 from slurm_align.slurm.commands import _report_final, add_run_arguments, load_inputs
 from slurm_align.slurm.launch import launch_run
+from slurm_align.slurm.render import Entry
 
 TRAIN_ALGORITHMS = {"sft": "supervised fine-tuning on {input, output} JSONL",
                     "rm": "reward model on {prompt, chosen, rejected} JSONL (Bradley-Terry) or on {input, output, "
@@ -33,6 +48,49 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def eval_overrides(model: Path, args: argparse.Namespace) -> tuple[Path, list[str]]:
+    """The config to start from and the overrides that make it an evaluation job of `model`."""
+    model = model.expanduser().resolve()
+    if not model.exists():
+        raise ConfigError.at("MODEL", str(model), "no such checkpoint or Hugging Face folder")
+    hf = (model / "config.json").is_file()
+    config = args.config
+    if config is None:   # the run the checkpoint belongs to
+        config = next((p / "config.yaml" for p in [model, *model.parents] if (p / "config.yaml").is_file()), None)
+        if config is None or hf:
+            raise ConfigError.at("--config", None, f"{model} is {'a Hugging Face folder' if hf else 'not inside a run'}"
+                                 " directory: give the run config (model shape, tokenizer, scorer) with --config")
+    where = [f"model.hf_path={model}", "model.init_checkpoint=null"] if hf else [f"model.init_checkpoint={model}"]
+    sampled = [f"eval.samples={args.samples}"] + ([f"eval.temperature={args.temperature}"]
+                                                  if args.temperature is not None else [])
+    engine = [f"generation.engine={args.engine}"] if args.engine else []
+    return Path(config), [*where, f"eval.val_path={args.data}", "eval.interval=1", "eval.standalone=true",
+                          "run_dir=null", *sampled, *engine, *args.overrides]
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    out, err = Console(), Console(stderr=True)
+    config, overrides = eval_overrides(args.model, args)
+    run = load_run_config(config, overrides)
+    if not run.spec.rollout:
+        raise ConfigError.at("algorithm", run.algorithm, "slurm-align eval takes a rollout run's config (ppo, grpo, "
+                             "...): it generates with the run's engine and scores with eval.scorer or reward.rule")
+    if run.eval.scorer is None and run.reward.rule is None:
+        raise ConfigError.at("eval.scorer", None, "nothing scores the answers: set eval.scorer=module:function")
+    profile = choose_profile(args.profile, args.profile_set)
+    check_against_profile(run, profile, source=config)
+    run_dir = args.run_dir or new_run_dir(default_run_root(profile), "eval")
+    job = launch_run(run, profile, run_dir, entry=Entry("evaluate"))
+    out.print(f"eval: job [bold]{job.job_id}[/] ({job.record.backend}, profile {profile.name})")
+    out.print(f"run directory: {job.run_dir.root}  (results: {job.run_dir.root / 'eval'})")
+    if not args.follow:
+        return 0
+    code = _report_final(job, job.wait(console=err))
+    for path in sorted((job.run_dir.root / "eval").glob("metrics_step_*.json")):
+        out.print(json.dumps(json.loads(path.read_text()), indent=1))
+    return code
+
+
 def register(sub) -> None:
     p = sub.add_parser("train", help="train with SFT, a reward model, DPO or KTO (one job component)")
     algos = p.add_subparsers(dest="algorithm", required=True, metavar="ALGORITHM")
@@ -41,3 +99,15 @@ def register(sub) -> None:
         add_run_arguments(a)
         a.add_argument("--follow", action="store_true", help="wait for the job and show its state")
         a.set_defaults(func=cmd_train)
+
+    e = sub.add_parser("eval", help="evaluate a checkpoint or HF model on a data set (pass@k; a job of its own)")
+    e.add_argument("model", type=Path, help="checkpoint (iter_* or a checkpoints folder) or Hugging Face folder")
+    e.add_argument("--data", type=Path, required=True, help="prompts with the scorer's fields (any data format)")
+    e.add_argument("--config", type=Path, default=None,
+                   help="run config (default: config.yaml of the run the checkpoint is in)")
+    e.add_argument("--samples", type=int, default=1, help="answers per prompt (pass@k up to this)")
+    e.add_argument("--temperature", type=float, default=None, help="sampling temperature (0: greedy)")
+    e.add_argument("--engine", default=None, help="generation engine (torch, naive, trtllm)")
+    add_run_arguments(e, with_config=False)
+    e.add_argument("--follow", action="store_true", help="wait for the job, then print its metrics")
+    e.set_defaults(func=cmd_eval)

@@ -21,6 +21,15 @@ prompts changed, and an exact sign test of whether a change is more than chance)
 written whole (temp file, then os.replace), so a reader never sees part of one; a resumed run
 rewrites the steps it redoes.
 
+Sampled evaluation (eval.samples N > 1, or eval.temperature > 0; also `slurm-align eval`): N
+answers per prompt at eval.temperature, each with its own seed (rollout_collector.sample_seed,
+keyed apart from the training steps). The metrics add val/pass@k for k = 1, 2, 4, ... up to N
+(the unbiased estimator of Chen et al. 2021, 1 - C(n-c, k) / C(n, k), with c the prompt's correct
+answers, averaged over prompts) and val/majority (the most frequent answer's correctness). Each
+per-prompt row then also holds every sample ("samples": [{"response", "score", "correct"}]),
+"n" and "num_correct"; its "response"/"score"/"correct" are those of the majority answer, so
+the rows pair for the sign tests as greedy ones do.
+
 Runs in the generation layout after a refit: each generation replica takes a strided share of
 the prompts (all its ranks in lock-step, as for rollouts), its requester scores them, and one
 all-reduce over the component gives every rank the means; the per-prompt rows are gathered on
@@ -29,7 +38,11 @@ the component's rank 0, which writes them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +50,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from slurm_align.algorithms.rollout_collector import sample_seed
 from slurm_align.config.run import RunConfig
 from slurm_align.data.datasets import PromptDataset
 from slurm_align.rewards.rule import RuleReward
@@ -44,13 +58,64 @@ from slurm_align.rundir import write_atomic
 
 FULL_MARK = 1.0
 """A prompt is `correct` where its score reaches this (the exact scorers' 1)."""
+EVAL_DRAWS = 1 << 40
+"""The `draws` key of sampled evaluation's per-sample seeds: apart from every training step's."""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k estimate from n samples with c correct (Chen et al. 2021):
+    1 - C(n-c, k) / C(n, k), the chance that k of the n drawn without replacement hold a correct
+    one. Exact integers (math.comb), then one division."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_ks(n: int) -> list[int]:
+    """The k reported for n samples: powers of two below n, and n."""
+    return sorted({*(1 << i for i in range(n.bit_length()) if 1 << i < n), n})
+
+
+def majority(texts: Sequence[str]) -> int:
+    """Index of the majority answer (the most frequent stripped text; ties: the first seen)."""
+    counts = Counter(t.strip() for t in texts)
+    best = max(counts.values())
+    return next(i for i, t in enumerate(texts) if counts[t.strip()] == best)
+
+
+def prompt_summary(index: int, prompt: str, texts: Sequence[str], scores: Sequence[float]) -> dict[str, Any]:
+    """One prompt's row of a sampled evaluation (see the module's docstring)."""
+    correct = [int(s >= FULL_MARK) for s in scores]
+    m = majority(texts)
+    n, c = len(texts), sum(correct)
+    return {"index": index, "prompt": prompt, "response": texts[m], "score": float(scores[m]), "correct": correct[m],
+            "n": n, "num_correct": c, "mean_score": float(np.mean(scores)),
+            **{f"pass@{k}": pass_at_k(n, c, k) for k in pass_ks(n)},
+            "samples": [{"response": t, "score": float(s), "correct": ok}
+                        for t, s, ok in zip(texts, scores, correct)]}
+
+
+def sampled_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """val/pass@k, val/score (mean over every sample), val/majority over per-prompt rows."""
+    n = rows[0]["n"]
+    out = {f"val/pass@{k}": float(np.mean([r[f"pass@{k}"] for r in rows])) for k in pass_ks(n)}
+    out["val/score"] = float(np.mean([r["mean_score"] for r in rows]))
+    out["val/majority"] = float(np.mean([r["correct"] for r in rows]))
+    return out
 
 
 @dataclass
 class EvalSet:
     rows: list[dict[str, Any]]       # held-out prompt rows (prompt + the fields the scorer reads)
-    prompts: list[np.ndarray]        # their token ids, encoded as the rollout prompts are
+    prompts: Sequence[np.ndarray]    # their token ids, encoded as the rollout prompts are (on first use)
     scorer: RuleReward
+    samples: int = 1                 # answers per prompt (eval.samples)
+    temperature: float = 0.0         # 0: greedy (eval.temperature)
+    seed: int = 0                    # the run's seed: sampled answers' seeds derive from it
+
+    @property
+    def sampled(self) -> bool:
+        return self.samples > 1 or self.temperature > 0
 
     @classmethod
     def from_run(cls, run: RunConfig, tokenizer) -> EvalSet | None:
@@ -61,11 +126,11 @@ class EvalSet:
         scorer = ev.scorer or run.reward.rule
         # RunConfig: eval.interval needs eval.val_path and a scorer
         assert ev.val_path is not None and scorer is not None, "checked by RunConfig"
-        dataset = PromptDataset(ev.val_path, tokenizer, run.model.max_seq_len)
+        dataset = PromptDataset(ev.val_path, tokenizer, run.model.max_seq_len, run.data.columns)
         rows, prompts = dataset.fields(), dataset.token_arrays()
         if ev.num_prompts:
             rows, prompts = rows[: ev.num_prompts], prompts[: ev.num_prompts]
-        return cls(rows, prompts, RuleReward.load(scorer))
+        return cls(rows, prompts, RuleReward.load(scorer), ev.samples, ev.temperature, run.seed)
 
     def due(self, run: RunConfig, step: int) -> bool:
         """After step k when k is a multiple of eval.interval, and after the last step (the
@@ -89,6 +154,8 @@ class EvalResult:
 def evaluate(collector, layout, comm, evalset: EvalSet, max_new_tokens: int, batch_size: int) -> EvalResult:
     """Collective over `comm` (the component's world), inside `generation_layout`, the
     collector's engine refitted (algorithms/rollout_collector.py: its greedy engine call)."""
+    if evalset.sampled:
+        return evaluate_sampled(collector, layout, comm, evalset, max_new_tokens, batch_size)
     mine = list(range(layout.dp_rank, len(evalset.rows), layout.dp_size))
     total = np.zeros(4)          # score sum, response tokens, responses, tool calls
     scored: list[tuple[int, str, float]] = []    # (index, response, score) of the prompts this rank scored
@@ -124,3 +191,37 @@ def evaluate(collector, layout, comm, evalset: EvalSet, max_new_tokens: int, bat
                  "correct": int(s >= FULL_MARK)} for i, text, s in sorted(p for part in parts for p in part)]
         assert [r["index"] for r in rows] == list(range(len(evalset.rows))), "every held-out prompt scored once"
     return EvalResult(out, rows)
+
+
+@torch.no_grad()
+def evaluate_sampled(collector, layout, comm, evalset: EvalSet, max_new_tokens: int, batch_size: int) -> EvalResult:
+    """evaluate() with evalset.samples answers per prompt at evalset.temperature (module
+    docstring): `batch_size` answers per engine call, a prompt's answers in one call; every
+    answer's seed is a function of (run seed, prompt index, sample), so any layout draws the same."""
+    if collector.env is not None:
+        raise ValueError("sampled evaluation (eval.samples > 1 or eval.temperature > 0) is single-turn only; "
+                         "multi-turn runs evaluate greedily")
+    n = evalset.samples
+    params = dataclasses.replace(collector.params, temperature=evalset.temperature, max_new_tokens=max_new_tokens,
+                                 return_logprobs=False)
+    mine = list(range(layout.dp_rank, len(evalset.rows), layout.dp_size))
+    per_call = max(1, batch_size // n)
+    scored: list[tuple[int, list[str], list[float]]] = []
+    for a in range(0, len(mine), per_call):
+        idx = mine[a:a + per_call]
+        flat = [i for i in idx for _ in range(n)]
+        seeds = [sample_seed(evalset.seed, EVAL_DRAWS, i * n + j) for i in idx for j in range(n)]
+        out = collector.engine.generate([torch.from_numpy(evalset.prompts[i]) for i in flat], params, seeds=seeds)
+        if not layout.is_requester:
+            continue
+        texts = [collector.tokenizer.decode(r.tolist()) for r in out.responses()]
+        scores = evalset.scorer.many(texts, [evalset.rows[i] for i in flat])
+        scored += [(i, texts[p * n:(p + 1) * n], scores[p * n:(p + 1) * n]) for p, i in enumerate(idx)]
+    parts = comm.gather(scored if layout.is_requester else [], root=0)
+    rows = None
+    if parts is not None:
+        rows = [prompt_summary(i, evalset.rows[i]["prompt"], texts, scores)
+                for i, texts, scores in sorted(p for part in parts for p in part)]
+        assert [r["index"] for r in rows] == list(range(len(evalset.rows))), "every held-out prompt scored once"
+    metrics = comm.bcast(sampled_metrics(rows) if rows is not None else None, root=0)
+    return EvalResult(metrics, rows)

@@ -48,7 +48,7 @@ from slurm_align.algorithms.policy_gradient import Rewards
 from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums, collective_device
 from slurm_align.algorithms.rollout_collector import VERSION, RolloutCollector
 from slurm_align.config import RunConfig, load_run_config
-from slurm_align.data.datasets import PromptDataset
+from slurm_align.data.mixture import run_prompts
 from slurm_align.generation import engine_from_config
 from slurm_align.generation.base import TorchEngineBase
 from slurm_align.generation.params import GptShape
@@ -125,8 +125,7 @@ class Generator:
         self.rank = env.rank
         torch.manual_seed(run.seed)
         tokenizer = build_tokenizer(run.model)
-        assert run.data.train_path is not None, "checked at submit (slurm.launch)"
-        dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len)
+        dataset = run_prompts(run, tokenizer)   # data.train_path or data.mixture
         self.shape = GptShape.from_model_config(run.model)
         self.layout = replica_layout(self.comm, run.generator.tensor_parallel)
         self.engine = engine_from_config(run, env.device, self.layout)

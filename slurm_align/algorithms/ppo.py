@@ -34,6 +34,7 @@ import contextlib
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -54,7 +55,7 @@ from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
 from slurm_align.algorithms.rollout_collector import RolloutCollector
 from slurm_align.config import RunConfig, load_run_config
 from slurm_align.critic.client import CriticClient
-from slurm_align.data.datasets import PromptDataset
+from slurm_align.data.mixture import run_prompts
 from slurm_align.generation import Engine, engine_from_config
 from slurm_align.generation.memory import TrainingStateOffload, generation_phase
 from slurm_align.generation.params import logprob_temperature
@@ -95,7 +96,7 @@ class PPOActor:
     """One actor rank's parts (made by `build_actor`) and the PPO loop over them."""
 
     def __init__(self, run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext, *, tokenizer,
-                 prompts: list[np.ndarray], policy: list, optimizer: ModelOptimizer, reference,
+                 prompts: Sequence[np.ndarray], policy: list, optimizer: ModelOptimizer, reference,
                  offload: TrainingStateOffload | None, engine: Engine, critic: CriticClient | None, tracer: Tracer,
                  store: RolloutStore | None, metrics: MetricsLogger, start_step: int, rewards: Rewards,
                  evalset: EvalSet | None, remote: RemoteRollouts | None = None):
@@ -108,6 +109,7 @@ class PPOActor:
         self.rewards, self.evalset = rewards, evalset
         self.init_checkpoint: Path | None = None   # the resolved model.init_checkpoint (build_actor sets it)
         self.remote = remote   # rollout.mode 'disaggregated': the generator component's stream
+        self.collected_metrics: dict[str, float] = {}
         assert run.spec.loss is not None, "config.algorithms: a rollout algorithm has a loss"
         self.update = PolicyUpdate(run, policy, optimizer, pctx,
                                    loss=run.spec.loss)
@@ -129,6 +131,7 @@ class PPOActor:
         self.collector.set_version(step - 1)   # the weights after step - 1 optimizer steps
         with self.pctx.generation_layout(run.switches.refold) as layout:
             got = self.collector.collect(step, self.env.comm, layout)
+        self.collected_metrics = got.metrics   # dynamic sampling's, logged with the step's rollouts
         return got.batch, got.pending
 
     def receive(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Future | None]]]:
@@ -284,7 +287,7 @@ class PPOActor:
         sync = self.weight_sync(step)
         # Named as NeMo-Aligner users know them: train_rollouts/, train_optim/, timers/.
         val = self.evaluate(step) if self.evalset is not None and self.evalset.due(run, step) else {}
-        rollouts = {**self.rollout_metrics(shard), **advantage_metrics}
+        rollouts = {**self.rollout_metrics(shard), **advantage_metrics, **self.collected_metrics}
         return {"step": step, **val, **{f"train_rollouts/{k}": v for k, v in rollouts.items()},
                 **{f"train_optim/{k}": v for k, v in optim.items()},
                 **{f"weight_sync/{k}": v for k, v in sync.items()},
@@ -405,8 +408,7 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     torch.manual_seed(run.seed)
     tokenizer = build_tokenizer(run.model)
     # Prompts are encoded as the SFT trainer formats its inputs (plain: [BOS] text; chat: the template).
-    assert run.data.train_path is not None, "checked at submit (slurm.launch)"
-    dataset = PromptDataset(run.data.train_path, tokenizer, run.model.max_seq_len)
+    dataset = run_prompts(run, tokenizer)   # data.train_path or data.mixture
     prompts = dataset.token_arrays()
     policy = build_gpt(run.model, pctx, seed=run.seed, training=run.training)
     init_checkpoint = None

@@ -50,11 +50,33 @@ def sample_seed(run_seed: int, draws: int, index: int) -> int:
     return (run_seed * 1_000_003 + draws * 100_003 + index) % (2**62)
 
 
-def prompt_order(run: RunConfig, num_prompts: int, step: int) -> np.ndarray:
+def overlong_penalty(lengths: np.ndarray, max_new_tokens: int, buffer: int, factor: float = 1.0) -> np.ndarray:
+    """DAPO's overlong reward shaping: 0 up to max_new_tokens - buffer tokens, then falling
+    linearly to -factor at max_new_tokens: factor x ((max_new_tokens - buffer) - length) / buffer
+    (-factor past the maximum, which the engines never exceed)."""
+    free = max_new_tokens - buffer
+    over = np.clip(np.asarray(lengths, dtype=np.float64) - free, 0, None)
+    return (-factor * np.minimum(over / buffer, 1.0)).astype(np.float32)
+
+
+def varied_groups(mb: RolloutBatch) -> dict[int, bool]:
+    """Per group of the batch, whether its rule rewards are not all equal (a group is whole in
+    one micro-batch: its samples are generated together)."""
+    rewards, groups = mb["rule_reward"].double(), mb["group"]
+    out: dict[int, bool] = {}
+    for g in torch.unique(groups).tolist():
+        r = rewards[groups == g]
+        out[int(g)] = bool(r.max() > r.min())
+    return out
+
+
+def prompt_order(run: RunConfig, num_prompts: int, step: int, round: int = 0) -> np.ndarray:
     """Dataset positions of step `step`'s num_rollout_samples prompt slots (a permutation, or a
-    draw with replacement when the step wants more prompts than the data set has)."""
+    draw with replacement when the step wants more prompts than the data set has). `round` > 0:
+    dynamic sampling's extra rounds of the step, each its own draw."""
     n = run.ppo.num_rollout_samples
-    rng = np.random.default_rng(run.seed + step - 1)   # keyed by the number of steps before it
+    # keyed by the number of steps before it (and the round, past the first)
+    rng = np.random.default_rng(run.seed + step - 1 if round == 0 else [run.seed, step, round])
     if n != num_prompts:
         return rng.choice(num_prompts, size=n, replace=n > num_prompts)
     return rng.permutation(n)
@@ -66,6 +88,8 @@ class Collected:
     without a critic). Empty on ranks that do not request prompts."""
     pending: list[tuple[RolloutBatch, Future | None]] = field(default_factory=list)
     pad_id: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Dynamic sampling's (rl.dynamic_sampling_max_rounds): rounds, kept and dropped groups."""
 
     @property
     def batch(self) -> RolloutBatch:
@@ -76,7 +100,7 @@ class RolloutCollector:
     """Generation of rollouts on one rank's engine (every rank of a generation replica calls
     the same methods in lock-step; only the replica's requester keeps the samples)."""
 
-    def __init__(self, run: RunConfig, engine, tokenizer, prompts: list[np.ndarray], rewards, *, rank: int,
+    def __init__(self, run: RunConfig, engine, tokenizer, prompts: Sequence[np.ndarray], rewards, *, rank: int,
                  tracer=None, critic=None):
         self.run, self.engine, self.tokenizer, self.prompts = run, engine, tokenizer, prompts
         self.rewards, self.rank, self.tracer, self.critic = rewards, rank, tracer, critic
@@ -112,6 +136,10 @@ class RolloutCollector:
         mb.set_samples(VERSION, [self.version] * len(index))
         rule = self.rewards.score(out.responses(), list(rows)) if rows is not None else None
         if rule is not None:
+            if self.run.rl.overlong_buffer:   # DAPO's soft length penalty, part of the reward
+                lengths = np.asarray([len(r) for r in out.responses()])
+                rule = rule + overlong_penalty(lengths, self.run.generation.max_new_tokens,
+                                               self.run.rl.overlong_buffer, self.run.rl.overlong_penalty)
             mb.set_samples("rule_reward", rule)
         return mb
 
@@ -140,18 +168,27 @@ class RolloutCollector:
         prompt slot i, group i: a group never splits), through the work-stealing prompt server
         (or static shards); each finished micro-batch goes to the critic at once, and to
         `on_batch` (the generator streams it to the actor)."""
+        out = self._collect_round(step, comm, layout, 0, on_batch)
+        if self.run.rl.dynamic_sampling_max_rounds:
+            out = self._fill_with_varied_groups(step, comm, layout, out)
+        return out
+
+    def _collect_round(self, step: int, comm, layout, round: int,
+                       on_batch: Callable[[RolloutBatch], None] | None = None) -> Collected:
+        """One pass over num_rollout_samples prompt slots; round r's slots are numbered from
+        r x num_rollout_samples, so that indices, groups and seeds stay unique within the step."""
         run = self.run
-        k = run.rl.n_samples_per_prompt
-        order = prompt_order(run, len(self.prompts), step)
+        k, n = run.rl.n_samples_per_prompt, run.ppo.num_rollout_samples
+        order = prompt_order(run, len(self.prompts), step, round)
         out = Collected(pad_id=self.pad_id)
         generate = self.generate_samples if self.env is None else self.generate_conversations
-        source = open_prompt_source(comm, layout, run.ppo.num_rollout_samples, dynamic=run.switches.dynamic_prompts,
+        source = open_prompt_source(comm, layout, n, dynamic=run.switches.dynamic_prompts,
                                     tracer=self.tracer, step=step)
         for batch in replica_batches(layout, source, run.generation.prompt_batch_size):
             # Dataset positions may repeat when n > dataset; the step-local index keeps samples unique.
-            idx = [int(i) * k + j for i in batch for j in range(k)]
-            mb = generate([self.prompts[order[i // k]] for i in idx], index=idx,
-                          group=[i // k for i in idx], rows=[int(order[i // k]) for i in idx],
+            idx = [(round * n + int(i)) * k + j for i in batch for j in range(k)]
+            mb = generate([self.prompts[order[i // k - round * n]] for i in idx], index=idx,
+                          group=[i // k for i in idx], rows=[int(order[i // k - round * n]) for i in idx],
                           seeds=[sample_seed(run.seed, step - 1, i) for i in idx],
                           keep=layout.is_requester, step=step)
             if mb is not None:
@@ -159,6 +196,45 @@ class RolloutCollector:
                 if on_batch is not None:
                     on_batch(mb)
         source.close()
+        return out
+
+    def _fill_with_varied_groups(self, step: int, comm, layout, out: Collected) -> Collected:
+        """DAPO's dynamic sampling (collective over `comm`): more rounds of prompts until the step
+        has num_rollout_samples groups whose rule rewards are not all equal, or
+        rl.dynamic_sampling_max_rounds extra rounds were run; then the step keeps that many
+        groups, the varied ones first (in slot order), equal ones filling what is short (the
+        equal-reward filter drops those from training), renumbered as one round's would be."""
+        run = self.run
+        k, n = run.rl.n_samples_per_prompt, run.ppo.num_rollout_samples
+        rounds = 1
+        while True:
+            mine = [(int(g), bool(v)) for mb, _ in out.pending for g, v in varied_groups(mb).items()]
+            groups = sorted(g for part in comm.allgather(mine) for g in part)
+            varied = [g for g, v in groups if v]
+            if len(varied) >= n or rounds > run.rl.dynamic_sampling_max_rounds:
+                break
+            out.pending += self._collect_round(step, comm, layout, rounds).pending
+            rounds += 1
+        chosen = varied[:n] + [g for g, v in groups if not v][:max(n - len(varied), 0)]
+        new_id = {g: i for i, g in enumerate(sorted(chosen))}
+        kept: list[tuple[RolloutBatch, Future | None]] = []
+        for mb, fut in out.pending:
+            assert fut is None, "RunConfig: dynamic sampling runs without a critic"
+            old = mb["group"].tolist()
+            rows = [r for r, g in enumerate(old) if g in new_id]
+            if rows:
+                part = mb.select(rows)
+                ids = [new_id[old[r]] for r in rows]
+                part.set_samples("index", [g * k + int(i) % k for g, i in zip(ids, part["index"].tolist())])
+                part.set_samples("group", ids)
+                kept.append((part, None))
+        n_varied = min(len(varied), n)
+        n_equal = len(groups) - len(varied)
+        out.pending = kept
+        out.metrics = {"dynamic_sampling_rounds": float(rounds), "kept_varied_groups": float(n_varied),
+                       "kept_equal_groups": float(len(chosen) - n_varied),
+                       "dropped_equal_groups": float(n_equal - (len(chosen) - n_varied)),
+                       "dropped_varied_groups": float(len(varied) - n_varied)}
         return out
 
     def to_critic(self, mb: RolloutBatch, step: int) -> Future | None:

@@ -52,8 +52,10 @@ class Trainer:
             raise ConfigError.at("model.num_labels", run.model.num_labels,
                                  f"loss {spec.name!r} reads {self.loss.value_outputs} output(s) of the value head")
         tok = build_tokenizer(run.model)
-        self.train_ds = self.loss.dataset(run.data.train_path, tok, run.model.max_seq_len)
-        self.val_ds = self.loss.dataset(run.data.val_path, tok, run.model.max_seq_len) if run.data.val_path else None
+        cols = run.data.columns
+        self.train_ds = self.loss.dataset(run.data.train_path, tok, run.model.max_seq_len, cols)
+        self.val_ds = (self.loss.dataset(run.data.val_path, tok, run.model.max_seq_len, cols)
+                       if run.data.val_path else None)
         # Items are samples (sft) or pairs (rm, dpo: two sequences each).
         batching = run_batching(run, "actor", tc.micro_batch_size, sequences_per_item=2 if self.loss.pairs else 1)
         self.worker = ModelWorker(run.model, pctx, seed=run.seed, value_head=self.loss.value_head,

@@ -216,32 +216,47 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
                         f"multiple of actor.data_parallel={dp}")
     if problems:
         raise ConfigError(problems, source)
-    if run.spec.rollout and run.data.train_path is not None:
-        check_prompt_lengths(run, run.data.train_path)
+    if run.spec.rollout:
+        for path, columns in ([(run.data.train_path, run.data.columns)] if run.data.train_path is not None else []) \
+                + [(s.path, s.columns or run.data.columns) for s in run.data.mixture]:
+            check_prompt_lengths(run, path, columns)
 
 
-def check_prompt_lengths(run: RunConfig, train_path: Path) -> None:
-    """Longest prompt (of `train_path`, the run's data.train_path) + generation.max_new_tokens must
-    fit the policy's and the critic's max_seq_len (the engine would refuse it in the middle of the job)."""
+CHECKED_PROMPTS = 2000
+"""Prompts tokenized at submit: all of a data set this small, a seeded sample of a larger one (the
+login node reads and validates every row but tokenizes only these; each rank tokenizes its own
+prompts when it uses them, data/datasets.py)."""
+
+
+def check_prompt_lengths(run: RunConfig, train_path: Path, columns: dict[str, str] | None = None) -> None:
+    """Longest prompt (of `train_path`, the run's data.train_path; of a sample of CHECKED_PROMPTS
+    rows when it has more) + generation.max_new_tokens must fit the policy's and the critic's
+    max_seq_len (the engine would refuse it in the middle of the job)."""
     # deferred: circular import (these import slurm_align.config, whose __init__ imports this
     # module), and the CLI stays fast: they load torch and tokenizers, which only this check needs.
+    import numpy as np
+
     from slurm_align.data.datasets import encode_chat_prompt, encode_prompt
     from slurm_align.data.jsonl import read_rows
     from slurm_align.models.tokenizer import build_tokenizer
 
     tok = build_tokenizer(run.model)   # raises ConfigError when it does not fit model.vocab_size
     longest, line = 0, None
-    for row in read_rows(train_path, "prompt"):
+    rows = read_rows(train_path, "prompt", run.data.columns if columns is None else columns)
+    if len(rows) > CHECKED_PROMPTS:
+        picked = np.random.default_rng(run.seed).choice(len(rows), CHECKED_PROMPTS, replace=False)
+        rows = [rows[i] for i in sorted(picked)]
+    for row in rows:
         data = row.data
         ids = encode_chat_prompt(tok, data["messages"], 1 << 30) if "messages" in data \
             else encode_prompt(tok, data["prompt"], 1 << 30)
         if len(ids) > longest:
-            longest, line = len(ids), row.line
+            longest, line = len(ids), row.where
     new = run.generation.max_new_tokens
     limit = min(run.model.max_seq_len, run.critic_model_config.max_seq_len)
     if longest + new > limit:
         raise ConfigError.at(
             "generation.max_new_tokens", new,
-            f"the longest prompt (line {line}) has {longest} tokens, and {longest} + {new} > "
+            f"the longest prompt ({line}) has {longest} tokens, and {longest} + {new} > "
             f"max_seq_len={limit} of the models; lower max_new_tokens to at most {limit - longest}, "
             "shorten the prompts or raise model.max_seq_len", source=train_path)

@@ -257,12 +257,38 @@ def _experts_fit(name: str, par: ParallelConfig, m: ModelConfig) -> None:
                          "tensor_parallel=1 (with pipeline and expert parallelism)")
 
 
+class DataSource(StrictModel):
+    """One source of a mixture (data.mixture)."""
+
+    path: Path
+    """A prompt data file or save_to_disk folder (any format of data.train_path)."""
+    weight: float = Field(1.0, gt=0)
+    """Relative weight: each mixed position draws this source with weight / sum of weights."""
+    columns: dict[str, str] = Field(default_factory=dict)
+    """Column map of this source (default: data.columns)."""
+
+
 class DataConfig(StrictModel):
     train_path: Path | None = None
-    """JSONL training data: prompts {"prompt"} (PPO), {"input","output"} (SFT),
-    {"prompt","chosen","rejected"} (RM, DPO)."""
+    """Training data: prompts {"prompt"} (PPO), {"input","output"} (SFT),
+    {"prompt","chosen","rejected"} (RM, DPO), or chat rows {"messages"}; a .jsonl, .parquet or
+    .arrow/.feather file, or a folder written by datasets' save_to_disk (data/sources.py)."""
     val_path: Path | None = None
-    """JSONL validation data, same format as train_path."""
+    """Validation data, same format as train_path."""
+    columns: dict[str, str] = Field(default_factory=dict)
+    """Column map for every data file of the run (train, validation, eval.val_path): the
+    project's key -> the file's column, e.g. {prompt: question, answer: gold}."""
+    mixture: list[DataSource] = Field(default_factory=list)
+    """Prompt sets mixed with weights, instead of train_path (RL algorithms): a seeded draw of
+    source and row per position (data/mixture.py), so a resume continues the same sequence."""
+    mixture_size: int | None = Field(None, ge=1)
+    """Positions of the mixed data set (default: the sources' rows together)."""
+
+    @model_validator(mode="after")
+    def _one_training_source(self):
+        if self.mixture and self.train_path is not None:
+            raise ValueError("data: give either train_path or mixture (a list of {path, weight, columns}), not both")
+        return self
 
 
 class GenerationConfig(StrictModel):
@@ -376,6 +402,17 @@ class RLConfig(StrictModel):
     filter_equal_reward_groups: bool = False
     """Dynamic sampling (DAPO): drop the groups whose rewards are all equal (zero group advantage)
     before training; how many were dropped is in the metrics (train_rollouts/dropped_groups)."""
+    dynamic_sampling_max_rounds: int = Field(0, ge=0)
+    """DAPO's dynamic sampling: generate up to this many extra rounds of prompts until the step has
+    ppo.num_rollout_samples groups whose rule rewards are not all equal (0: off). Needs
+    filter_equal_reward_groups, a rule reward and no critic. Metrics: train_rollouts/
+    dynamic_sampling_rounds, kept_varied_groups, kept_equal_groups (filling a step the cap left
+    short), dropped_equal_groups, dropped_varied_groups (the last round's surplus)."""
+    overlong_buffer: int = Field(0, ge=0)
+    """DAPO's overlong reward shaping: the last this many tokens before generation.max_new_tokens
+    add a penalty falling linearly from 0 to -overlong_penalty (0: off). Single-turn rule rewards."""
+    overlong_penalty: float = Field(1.0, ge=0)
+    """The penalty at generation.max_new_tokens tokens."""
 
 
 RolloutCorrectionMode = Literal["none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"]
@@ -483,6 +520,21 @@ class EvalConfig(StrictModel):
     """'module:function' scoring a response as a rule reward does. Default: reward.rule."""
     num_prompts: int = Field(0, ge=0)
     """Evaluate on the first N prompts of val_path (0: all)."""
+    samples: int = Field(1, ge=1)
+    """Answers per prompt; above 1 the metrics add val/pass@k for k = 1, 2, 4, ... up to this and
+    val/majority (algorithms/evaluation.py)."""
+    temperature: float = Field(0.0, ge=0.0)
+    """Sampling temperature of the answers (0: greedy; samples > 1 needs a temperature above 0)."""
+    standalone: bool = False
+    """This run is an evaluation job (`slurm-align eval`): the actor component only, which
+    evaluates model.init_checkpoint (or model.hf_path) once and writes RUN_DIR/eval/."""
+
+    @model_validator(mode="after")
+    def _samples_differ(self):
+        if self.samples > 1 and self.temperature == 0:
+            raise ValueError(f"eval.samples={self.samples} with eval.temperature=0: greedy answers are all the "
+                             "same; set eval.temperature above 0 (e.g. 1.0)")
+        return self
 
 
 class TrainerConfig(StrictModel):
@@ -886,6 +938,9 @@ class RunConfig(StrictModel):
     def _rollout_options_fit(self):
         spec = self.spec
         if not spec.rollout:
+            if self.data.mixture:
+                raise ValueError(f"data.mixture: mixes prompt sets of the RL algorithms; {self.algorithm} "
+                                 "reads data.train_path")
             return self
         n = self.rl.n_samples_per_prompt
         if n < spec.min_group_size:
@@ -897,6 +952,18 @@ class RunConfig(StrictModel):
                              f"critic_model.num_labels={labels} attributes: give one weight per attribute")
         if not self.reward.use_model and self.reward.rule is None and not self.multi_turn:
             raise ValueError("reward: neither a reward model (reward.model) nor a rule (reward.rule) gives rewards")
+        if self.rl.dynamic_sampling_max_rounds:
+            why = ("rl.filter_equal_reward_groups is off" if not self.rl.filter_equal_reward_groups else
+                   "it needs a rule reward (reward.rule)" if self.reward.rule is None and not self.multi_turn else
+                   "a critic scores the samples (a value model or reward.model)" if self.spec.value_model
+                   or self.reward.use_model else
+                   "rollout.mode 'disaggregated' streams samples before the step is chosen"
+                   if self.rollout.mode == "disaggregated" else None)
+            if why:
+                raise ValueError(f"rl.dynamic_sampling_max_rounds={self.rl.dynamic_sampling_max_rounds}: {why}")
+        if self.rl.overlong_buffer >= self.generation.max_new_tokens:
+            raise ValueError(f"rl.overlong_buffer={self.rl.overlong_buffer} must be below generation.max_new_tokens="
+                             f"{self.generation.max_new_tokens} (the penalty covers the last tokens before it)")
         if not spec.group_filter and self.rl.filter_equal_reward_groups:
             allowed = ", ".join(a.name for a in REGISTRY.values() if a.rollout and a.group_filter)
             raise ValueError(f"rl.filter_equal_reward_groups needs a group estimator ({allowed}), "
@@ -952,7 +1019,7 @@ class RunConfig(StrictModel):
         """Job components this run needs: actor and critic for PPO; for the other rollout
         algorithms the actor, plus a reward-only critic when a reward model scores; one for
         the trainers."""
-        if not self.spec.rollout:
+        if not self.spec.rollout or self.eval.standalone:
             return ("actor",)
         critic = self.spec.value_model or self.reward.use_model
         generator = self.rollout.mode == "disaggregated"

@@ -11,8 +11,11 @@ an LM loss/log-prob counts).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as CollectionSequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, overload
 
 import jinja2
 import numpy as np
@@ -122,31 +125,77 @@ def encode_chat_sft(tok, messages: list[dict], max_len: int) -> Sequence:
     return Sequence(ids, plen, tuple(trained[:len(ids) - plen]))
 
 
-def _encode_rows(path, kind: str, tok, encode) -> tuple[list[Row], list]:
-    """encode(row) for every row of a data file; template failures name the file and line."""
-    rows = read_rows(path, kind)
-    items, problems = [], []
-    for row in rows:
+class Encoded(CollectionSequence):
+    """Rows encoded on first use and kept: a rank encodes (tokenizes) only the items it touches,
+    so a large data set costs each rank its own share, not the whole set. `encoded` counts the
+    rows encoded so far. A template failure names the file and the row. The first chat row is
+    encoded at once: a tokenizer without a chat template fails when the data set opens."""
+
+    def __init__(self, path: Path, rows: list[Row], encode: Callable[[Row], Any]):
+        self.path, self.rows, self._encode = path, rows, encode
+        self._items: dict[int, Any] = {}
+        first_chat = next((i for i, r in enumerate(rows) if r.is_chat), None)
+        if first_chat is not None:
+            self[first_chat]
+
+    @property
+    def encoded(self) -> int:
+        return len(self._items)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, i: int) -> Any: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[Any]: ...
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        item = self._items.get(i)
+        if item is None:
+            item = self._items[i] = self._encode_one(self.rows[i])
+        return item
+
+    def _encode_one(self, row: Row) -> Any:
         try:
-            items.append(encode(row))
-        except ConfigError as e:  # the tokenizer has no chat template: once for the file is enough
-            raise ConfigError([f"line {row.line}: a chat row, but {e}"], path) from None
+            return self._encode(row)
+        except ConfigError as e:   # the tokenizer has no chat template
+            raise ConfigError([f"{row.where}: a chat row, but {e}"], self.path) from None
         except (jinja2.TemplateError, TemplatePrefixError) as e:
-            problems.append(f"line {row.line}: chat template: {e}")
-    if problems:
-        raise ConfigError(problems[:20], path)
-    return rows, items
+            raise ConfigError([f"{row.where}: chat template: {e}"], self.path) from None
+
+
+class _Mapped(CollectionSequence):
+    """`fn` of each item of an Encoded sequence, computed on access (not cached twice)."""
+
+    def __init__(self, items: Encoded, fn: Callable[[Any], Any]):
+        self._items, self._fn = items, fn
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __getitem__(self, i):  # type: ignore[override]  # int -> item, slice -> list, as Encoded
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self._fn(self._items[i])
 
 
 class SFTDataset:
-    def __init__(self, path: str | Path, tok, max_len: int):
+    def __init__(self, path: str | Path, tok, max_len: int, columns: Mapping[str, str] | None = None):
         def encode(row: Row) -> Sequence:
             d = row.data
             if row.is_chat:
                 return encode_chat_sft(tok, d["messages"], max_len)
             return encode_pair(tok, d["input"], d["output"], max_len)
 
-        self.rows, self.items = _encode_rows(path, "SFT", tok, encode)
+        self.rows = read_rows(path, "SFT", columns)
+        self.items = Encoded(Path(path), self.rows, encode)
         self.pad_id = tok.pad_id
 
     def __len__(self) -> int:
@@ -165,7 +214,7 @@ class SFTDataset:
 class PreferenceDataset:
     """Each item is a (chosen, rejected) pair sharing a prompt."""
 
-    def __init__(self, path: str | Path, tok, max_len: int):
+    def __init__(self, path: str | Path, tok, max_len: int, columns: Mapping[str, str] | None = None):
         def encode(row: Row) -> tuple[Sequence, Sequence]:
             d = row.data
             if row.is_chat:
@@ -174,9 +223,10 @@ class PreferenceDataset:
             return (encode_pair(tok, d["prompt"], d["chosen"], max_len),
                     encode_pair(tok, d["prompt"], d["rejected"], max_len))
 
-        self.rows, pairs = _encode_rows(path, "preference", tok, encode)
-        self.chosen = [c for c, _ in pairs]
-        self.rejected = [r for _, r in pairs]
+        self.rows = read_rows(path, "preference", columns)
+        self.items = Encoded(Path(path), self.rows, encode)
+        self.chosen = _Mapped(self.items, lambda pair: pair[0])
+        self.rejected = _Mapped(self.items, lambda pair: pair[1])
         self.pad_id = tok.pad_id
         self.rewards = [_pair_rewards(row, path) for row in self.rows]
 
@@ -211,22 +261,24 @@ def _pair_rewards(row: Row, path: str | Path) -> tuple[float, float]:
 
 
 class PromptDataset:
-    """Prompt token ids (PPO's prompts): plain rows as [BOS] prompt, chat rows rendered."""
+    """Prompt token ids (PPO's prompts): plain rows as [BOS] prompt, chat rows rendered; each
+    prompt is encoded when first used (Encoded)."""
 
-    def __init__(self, path: str | Path, tok, max_len: int):
+    def __init__(self, path: str | Path, tok, max_len: int, columns: Mapping[str, str] | None = None):
         def encode(row: Row) -> list[int]:
             if row.is_chat:
                 return encode_chat_prompt(tok, row.data["messages"], max_len)
             return encode_prompt(tok, row.data["prompt"], max_len)
 
-        self.rows, self.items = _encode_rows(path, "prompt", tok, encode)
+        self.rows = read_rows(path, "prompt", columns)
+        self.items = Encoded(Path(path), self.rows, encode)
 
     def __len__(self) -> int:
         return len(self.items)
 
-    def token_arrays(self) -> list[np.ndarray]:
-        """The prompts as int64 arrays (what the generation engines take)."""
-        return [np.asarray(ids, dtype=np.int64) for ids in self.items]
+    def token_arrays(self) -> _Mapped:
+        """The prompts as int64 arrays (what the generation engines take), encoded on access."""
+        return _Mapped(self.items, lambda ids: np.asarray(ids, dtype=np.int64))
 
     def fields(self) -> list[dict]:
         """Each row as a rule reward or scorer reads it: "prompt" (a chat row's last user turn)

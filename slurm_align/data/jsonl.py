@@ -1,7 +1,9 @@
-"""JSONL readers with errors that name the file, the line and what is wrong.
+"""Data rows with errors that name the file, the line (or row) and what is wrong.
 
-Each line is a plain row (as NeMo-Aligner users know them) or a chat row (a conversation as
-transformers' apply_chat_template takes it, rendered with the tokenizer's chat template):
+Rows come from JSONL, parquet, Arrow or a datasets save_to_disk folder, with an optional column
+map (data/sources.py); each row, written here as a JSONL line, is a plain row (as NeMo-Aligner
+users know them) or a chat row (a conversation as transformers' apply_chat_template takes it,
+rendered with the tokenizer's chat template):
 
     prompts      {"prompt": str}
                  {"messages": [turn, ...]}                 the last turn is not the assistant's
@@ -26,11 +28,13 @@ with "messages" is a chat row. Extra keys are allowed and ignored.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slurm_align.config.errors import ConfigError
+from slurm_align.data.sources import _NotJson, records
 
 SFT_KEYS = ("input", "output")
 PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
@@ -51,33 +55,16 @@ class Row:
     data: dict[str, Any]
     extra: dict[str, Any]
     """The line's other fields (e.g. a rule reward's reference answer), as they are."""
+    unit: str = "line"
+    """"line" (JSONL, numbered from 1) or "row" (tables, numbered from 0): how errors name it."""
+
+    @property
+    def where(self) -> str:
+        return f"{self.unit} {self.line}"
 
     @property
     def is_chat(self) -> bool:
         return "messages" in self.data
-
-
-class _NotJson(str):
-    """What a line that is not JSON gives instead of a value: the parser's complaint."""
-
-
-def _json_lines(path: Path, kind: str) -> list[tuple[int, Any]]:
-    """(line number, parsed value, or _NotJson) for every non-blank line."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError([f"{kind} data file not found"], path) from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError([f"cannot read {kind} data file ({e})"], path) from None
-    out = []
-    for n, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            out.append((n, json.loads(line)))
-        except json.JSONDecodeError as e:
-            out.append((n, _NotJson(f"not valid JSON ({e.msg} at column {e.colno})")))
-    return out
 
 
 def _not_object(value: Any, keys: str) -> str:
@@ -108,22 +95,25 @@ def _finish(rows: list, problems: list[str], path: Path, kind: str, expected: st
     if problems:
         raise ConfigError(problems[:MAX_PROBLEMS], path)
     if not rows:
-        raise ConfigError([f"{kind} data file is empty (expected JSON lines with {expected})"], path)
+        raise ConfigError([f"{kind} data file is empty (expected rows with {expected})"], path)
     return rows
 
 
-def read_jsonl(path: str | Path, keys: tuple[str, ...], kind: str, keep_extra: bool = False) -> list[dict[str, Any]]:
-    """Plain rows only: every non-blank line must be a JSON object with string values for `keys`.
+def read_jsonl(path: str | Path, keys: tuple[str, ...], kind: str, keep_extra: bool = False,
+               columns: Mapping[str, str] | None = None) -> list[dict[str, Any]]:
+    """Plain rows only: every row must be an object with string values for `keys` (any format of
+    data/sources.py; `columns` maps our keys to the file's columns).
     keep_extra: a row keeps its other fields too (e.g. a rule reward's reference answer)."""
     path = Path(path)
     rows, problems = [], []
-    for n, obj in _json_lines(path, kind):
+    unit, found = records(path, kind, columns)
+    for n, obj in found:
         if isinstance(obj, _NotJson) or not isinstance(obj, dict):
-            problems.append(f"line {n}: {_not_object(obj, str(list(keys)))}")
+            problems.append(f"{unit} {n}: {_not_object(obj, str(list(keys)))}")
             continue
         problem = _plain_problem(obj, keys, kind)
         if problem:
-            problems.append(f"line {n}: {problem}")
+            problems.append(f"{unit} {n}: {problem}")
         else:
             rows.append(dict(obj) if keep_extra else {k: obj[k] for k in keys})
     return _finish(rows, problems, path, kind, f"keys {list(keys)}")
@@ -177,14 +167,16 @@ def _chat_row(obj: dict, kind: str) -> tuple[dict | None, str | None]:
     return row, None
 
 
-def read_rows(path: str | Path, kind: str) -> list[Row]:
-    """Plain and chat rows of a `kind` ('prompt', 'SFT' or 'preference') data file."""
+def read_rows(path: str | Path, kind: str, columns: Mapping[str, str] | None = None) -> list[Row]:
+    """Plain and chat rows of a `kind` ('prompt', 'SFT' or 'preference') data file, in any
+    format of data/sources.py; `columns` maps our keys to the file's columns."""
     path = Path(path)
     keys = PLAIN_KEYS[kind]
     rows, problems = [], []
-    for n, obj in _json_lines(path, kind):
+    unit, found = records(path, kind, columns)
+    for n, obj in found:
         if isinstance(obj, _NotJson) or not isinstance(obj, dict):
-            problems.append(f"line {n}: {_not_object(obj, f'{list(keys)} or messages')}")
+            problems.append(f"{unit} {n}: {_not_object(obj, f'{list(keys)} or messages')}")
             continue
         if "messages" in obj:
             data, problem = _chat_row(obj, kind)
@@ -194,8 +186,8 @@ def read_rows(path: str | Path, kind: str) -> list[Row]:
             if problem:
                 problem += " (or a chat row with 'messages')"
         if problem:
-            problems.append(f"line {n}: {problem}")
+            problems.append(f"{unit} {n}: {problem}")
         else:
             assert data is not None, "a row without a problem has its data"
-            rows.append(Row(n, data, {k: v for k, v in obj.items() if k not in data}))
+            rows.append(Row(n, data, {k: v for k, v in obj.items() if k not in data}, unit))
     return _finish(rows, problems, path, kind, f"keys {list(keys)} or 'messages'")

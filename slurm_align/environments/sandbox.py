@@ -29,12 +29,19 @@ no preexec_fn, which is unsafe in a threaded process such as the tool pool):
   than run unhidden). This matters most when the caller is a normal user, whose own files the
   sandbox's uid can otherwise read. The environment is replaced by a minimal one (no secrets
   from the caller's environment variables).
-- what is NOT confined: a program that calls setsid() leaves the process group and outlives
-  the wall-clock kill (it stays under the CPU-time, process and file limits); programs of
-  sandboxes running at once as the same uid can signal each other's processes; files written
-  into world-writable directories (/tmp, /dev/shm) stay after the run (each under the size
-  limit; the working directory itself is removed). A PID namespace
-  or a cgroup would close both; neither is used yet.
+- processes: the program is the first process (init) of a PID namespace of its own (root makes
+  it directly, a normal user inside its user namespace); when it ends or is killed, the kernel
+  kills every process it started, those that left its process group with setsid() included,
+  and the run returns only once they are gone (result.pid_namespace).
+- /tmp and /dev/shm: fresh tmpfs mounts (SandboxLimits.tmp_bytes each) in the sandbox's mount
+  namespace, so nothing it writes there stays after the run, and it sees nothing the node keeps
+  there (result.private_tmp); the working directory is bound back at its path inside them.
+  Where the kernel gives neither namespace the run goes ahead without and says so in the result,
+  or, with `require_containment`, is refused (exit code 125).
+- what is NOT confined: programs of sandboxes running at once as the same uid can signal each
+  other's processes (a PID namespace hides its processes from the others, but not the others
+  from it: the node's /proc stays mounted); other world-writable directories (/var/tmp) keep
+  what is written there (each file under the size limit).
 """
 
 from __future__ import annotations
@@ -60,20 +67,38 @@ _BOOTSTRAP = r"""
 import ctypes, json, os, resource, sys
 cfg = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET = 0x00020000, 0x10000000, 0x40000000
+CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWNET, CLONE_NEWPID = 0x00020000, 0x10000000, 0x40000000, 0x20000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 1, 2, 4, 8, 4096, 16384, 1 << 18
-status = {"network_isolated": False, "user_namespace": False, "hidden": [], "uid": os.getuid()}
+PR_SET_PDEATHSIG, SIGKILL = 1, 9
+status = {"network_isolated": False, "user_namespace": False, "hidden": [], "uid": os.getuid(),
+          "pid_namespace": False, "private_tmp": False}
 own_mounts = False
 
 def fail(msg):
     os.write(2, ("sandbox: " + msg + "\n").encode())
     os._exit(125)
 
-def hide(paths):
-    # private mounts (nothing propagates back to the node), then an empty read-only tmpfs over
-    # each directory and /dev/null over each file
+def own_mount_namespace():
+    # private mounts (nothing propagates back to the node); then the hidden paths are covered and
+    # /tmp and /dev/shm are fresh, so that nothing the program writes there outlives the namespace
     if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
         fail(f"cannot make the mounts private: errno {ctypes.get_errno()}")
+    hide(cfg["hidden_paths"])
+    cwd = os.getcwd()
+    keep = os.open(cwd, os.O_RDONLY)   # the working directory, reached below when /tmp is covered
+    fresh = [libc.mount(b"tmpfs", d.encode(), b"tmpfs", MS_NOSUID | MS_NODEV,
+                        f"size={cfg['tmp_bytes']},mode=1777".encode()) == 0
+             for d in ("/tmp", "/dev/shm") if os.path.isdir(d)]
+    status["private_tmp"] = bool(fresh) and all(fresh)
+    if not os.path.isdir(cwd):   # it was under /tmp: the same path, bound into the fresh /tmp
+        os.makedirs(cwd)
+        if libc.mount(f"/proc/self/fd/{keep}".encode(), cwd.encode(), None, MS_BIND, None) != 0:
+            fail(f"cannot bind the working directory {cwd} into the private /tmp: errno {ctypes.get_errno()}")
+        os.chdir(cwd)
+    os.close(keep)
+
+def hide(paths):
+    # an empty read-only tmpfs over each directory and /dev/null over each file
     for p in paths:
         if os.path.isdir(p):
             ok = libc.mount(b"tmpfs", p.encode(), b"tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC,
@@ -90,8 +115,9 @@ if os.getuid() == 0:
     # root makes the network and mount namespaces itself (no user namespace needed for them),
     # then drops to the sandbox user before anything of the model's runs
     status["network_isolated"] = libc.unshare(CLONE_NEWNET) == 0
-    if cfg["hidden_paths"] and libc.unshare(CLONE_NEWNS) == 0:
-        hide(cfg["hidden_paths"])
+    status["pid_namespace"] = libc.unshare(CLONE_NEWPID) == 0   # for the program, forked below
+    if libc.unshare(CLONE_NEWNS) == 0:
+        own_mount_namespace()
         own_mounts = True
     try:
         os.setgroups([])
@@ -105,29 +131,67 @@ if os.getuid() == 0:
 uid, gid = os.getuid(), os.getgid()
 status["uid"] = uid
 # a user namespace of our own: RLIMIT_NPROC then counts this sandbox's processes alone; a normal
-# user also gets the network and mount namespaces through it
+# user also gets the network, mount and PID namespaces through it
 flags = CLONE_NEWUSER | (0 if status["network_isolated"] else CLONE_NEWNET) | \
-    (CLONE_NEWNS if cfg["hidden_paths"] and not own_mounts else 0)
+    (0 if own_mounts else CLONE_NEWNS) | (0 if status["pid_namespace"] else CLONE_NEWPID)
 if libc.unshare(flags) == 0:
     for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
         with open(f"/proc/self/{name}", "w") as f:
             f.write(text)
-    status["user_namespace"] = status["network_isolated"] = True
+    status["user_namespace"] = status["network_isolated"] = status["pid_namespace"] = True
     if flags & CLONE_NEWNS:
-        hide(cfg["hidden_paths"])
+        own_mount_namespace()
         own_mounts = True
 if cfg["hidden_paths"] and not own_mounts:
     fail(f"cannot hide {cfg['hidden_paths']}: no mount namespace could be made (errno {ctypes.get_errno()})")
 if cfg["require_network_isolation"] and not status["network_isolated"]:
     fail("no network namespace could be made and require_network_isolation is set")
+if cfg["require_containment"] and not (status["pid_namespace"] and status["private_tmp"]):
+    fail(f"require_containment is set, but the kernel gave no {'PID namespace' if not status['pid_namespace'] else ''}"
+         f"{' and no ' if not status['pid_namespace'] and not status['private_tmp'] else ''}"
+         f"{'private /tmp and /dev/shm' if not status['private_tmp'] else ''}")
+
 for name, value in cfg["rlimits"].items():
     resource.setrlimit(getattr(resource, name), tuple(value))
 python = next((p for p in cfg["pythons"] if os.access(p, os.X_OK)), None)
 if python is None:
     fail(f"none of {cfg['pythons']} is executable by uid {uid}")
 status["python"] = python
-os.write(cfg["status_fd"], json.dumps(status).encode())
-os.close(cfg["status_fd"])
+
+def report():
+    os.write(cfg["status_fd"], json.dumps(status).encode())
+    os.close(cfg["status_fd"])
+
+if status["pid_namespace"]:
+    # The program is the namespace's first process (its init): when it ends, the kernel kills
+    # every process left in the namespace, setsid() or not, and it is not gone (a zombie or
+    # reaped) before they all are. This process waits for it and passes its status on; killed
+    # (the timeout kills this process group), it takes the program with it (PR_SET_PDEATHSIG);
+    # the caller also kills the program by its pid (init_pid) and waits for it to be gone.
+    parent = os.getpid()
+    alive_r, alive_w = os.pipe()   # EOF on alive_r once this process is gone
+    child = os.fork()
+    if child:
+        os.close(alive_r)
+        status["init_pid"] = child
+        report()
+        _, st = os.waitpid(child, 0)
+        if os.WIFSIGNALED(st):   # the same death (no imports here: the stdlib may be out of reach)
+            os.kill(parent, os.WTERMSIG(st))
+            os._exit(128 + os.WTERMSIG(st))   # a signal this process ignores (SIGPIPE, SIGINT)
+        os._exit(os.waitstatus_to_exitcode(st))
+    os.close(alive_w)
+    os.close(cfg["status_fd"])
+    libc.prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0)
+    os.set_blocking(alive_r, False)
+    try:
+        os.read(alive_r, 1)
+        os._exit(137)   # EOF: the parent died before the prctl above (getppid() is 0 in the namespace)
+    except BlockingIOError:
+        pass            # the parent lives (it holds the pipe open)
+    os.close(alive_r)
+else:
+    report()
 os.execve(python, [python, "-I", "-u", cfg["file"]], cfg["env"])   # -u: output so far survives a kill
 """
 
@@ -164,6 +228,11 @@ class SandboxLimits:
     """Refuse to run (exit code 125) where no network namespace can be made."""
     tmp_dir: str | None = None
     """Where the fresh working directory is made (default: the system's temporary directory)."""
+    tmp_bytes: int = 64 << 20
+    """Size of the program's private /tmp and of its /dev/shm (each a fresh tmpfs)."""
+    require_containment: bool = False
+    """Refuse to run (exit code 125) where the kernel gives no PID namespace (so that no process
+    of the program outlives it) or no private /tmp and /dev/shm (so that it leaves no files)."""
 
 
 @dataclass
@@ -181,6 +250,10 @@ class SandboxResult:
     python: str | None = None
     """The interpreter that ran the program."""
     hidden_paths: list[str] = field(default_factory=list)
+    pid_namespace: bool = False
+    """The program ran as the first process of a PID namespace: none of its processes outlived it."""
+    private_tmp: bool = False
+    """/tmp and /dev/shm were fresh tmpfs mounts of its own: nothing it wrote there stayed."""
     wall_s: float = 0.0
 
 
@@ -198,6 +271,29 @@ def _rlimits(limits: SandboxLimits) -> dict[str, tuple[int, int]]:
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is alive: not gone and not a zombie (a PID namespace's init turns zombie
+    only once every process of its namespace is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] not in ("Z", "X")
+
+
+def _end_namespace(init_pid: int | None, grace_s: float = 10.0) -> None:
+    """Kill the program's PID namespace (by its init: a program that called setsid() is out of
+    the process group) and wait until the kernel has taken every process of it."""
+    if init_pid is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if _running(init_pid):
+            os.kill(init_pid, signal.SIGKILL)
+    deadline = time.monotonic() + grace_s
+    while _running(init_pid) and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def run_file(path: str | Path, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
@@ -228,6 +324,7 @@ def _run(code: str, workdir: Path, limits: SandboxLimits) -> SandboxResult:
            "status_fd": status_w, "rlimits": _rlimits(limits),
            "hidden_paths": [os.path.abspath(p) for p in limits.hidden_paths],
            "require_network_isolation": limits.require_network_isolation,
+           "require_containment": limits.require_containment, "tmp_bytes": limits.tmp_bytes,
            "env": env}
     start = time.monotonic()
     try:
@@ -269,18 +366,22 @@ def _run(code: str, workdir: Path, limits: SandboxLimits) -> SandboxResult:
     exit_code = proc.wait()
     proc.stdout.close()
     proc.stderr.close()
+    with contextlib.suppress(BlockingIOError):   # a status that came with the program's end
+        streams[status_r] += os.read(status_r, 1 << 16)
     os.close(status_r)
     try:
         status = json.loads(streams[status_r].decode() or "{}")
     except (json.JSONDecodeError, UnicodeDecodeError):
         status = {}
+    _end_namespace(status.get("init_pid"))
     out, err = bytes(streams[out_fd]), bytes(streams[err_fd])
     return SandboxResult(
         stdout=out.decode("utf-8", "replace"), stderr=err.decode("utf-8", "replace"), exit_code=exit_code,
         timed_out=timed_out, output_truncated=truncated, network_isolated=bool(status.get("network_isolated")),
         process_limit_scope="namespace" if status.get("user_namespace") else "uid", uid=status.get("uid"),
         python=status.get("python"),
-        hidden_paths=status.get("hidden", []), wall_s=round(time.monotonic() - start, 3))
+        hidden_paths=status.get("hidden", []), pid_namespace=bool(status.get("pid_namespace")),
+        private_tmp=bool(status.get("private_tmp")), wall_s=round(time.monotonic() - start, 3))
 
 
 def main(argv: list[str] | None = None) -> int:

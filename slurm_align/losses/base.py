@@ -10,6 +10,7 @@ step and the reduction of the sums over micro-batches, DP and PP before `metrics
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -36,9 +37,11 @@ class Loss:
         self.options = options
         self.vocab_size = model.vocab_size
 
-    def dataset(self, path, tok, max_len: int):
-        """The data set of JSONL rows this loss trains on."""
-        return PreferenceDataset(path, tok, max_len) if self.pairs else SFTDataset(path, tok, max_len)
+    def dataset(self, path, tok, max_len: int, columns: Mapping[str, str] | None = None):
+        """The data set this loss trains on (JSONL, parquet, Arrow, a saved HF dataset; `columns`:
+        data.columns, our keys -> the file's)."""
+        return (PreferenceDataset(path, tok, max_len, columns) if self.pairs
+                else SFTDataset(path, tok, max_len, columns))
 
     def count(self, mb: dict) -> float:
         """This micro-batch's part of the global normaliser (pairs or real sequences by default)."""

@@ -10,6 +10,7 @@ z0 is the mean over the micro-batch's mismatched pairs (TRL takes it over the wh
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +26,8 @@ class KTODataset:
     """Labelled SFT rows; batch() gives the items' own sequences then their mismatched twins,
     plus "desirable" [n] (1.0 / 0.0)."""
 
-    def __init__(self, path: str | Path, tok, max_len: int):
-        self.sft = SFTDataset(path, tok, max_len)
+    def __init__(self, path: str | Path, tok, max_len: int, columns: Mapping[str, str] | None = None):
+        self.sft = SFTDataset(path, tok, max_len, columns)
         self.pad_id, self.tok, self.max_len = self.sft.pad_id, tok, max_len
         labels, problems = [], []
         for row in self.sft.rows:
@@ -78,8 +79,8 @@ class KTO(Loss):
 
     options: KTOOptions
 
-    def dataset(self, path, tok, max_len: int):
-        return KTODataset(path, tok, max_len)
+    def dataset(self, path, tok, max_len: int, columns: Mapping[str, str] | None = None):
+        return KTODataset(path, tok, max_len, columns)
 
     def __call__(self, output, mb):
         lp = self.token_logprobs(output, mb)

@@ -8,6 +8,7 @@ an attribute a row leaves out (or sets to null) is unlabelled there and adds not
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
@@ -24,8 +25,9 @@ class AttributeDataset:
     """SFT rows with their attribute labels: batch() adds "labels" [n, attributes] (NaN where a
     row has no label)."""
 
-    def __init__(self, path: str | Path, tok, max_len: int, attributes: list[str], *, require_labels: bool = True):
-        self.sft = SFTDataset(path, tok, max_len)
+    def __init__(self, path: str | Path, tok, max_len: int, attributes: list[str], *, require_labels: bool = True,
+                 columns: Mapping[str, str] | None = None):
+        self.sft = SFTDataset(path, tok, max_len, columns)
         self.pad_id = self.sft.pad_id
         labels, problems = [], []
         for row in self.sft.rows:
@@ -64,8 +66,8 @@ class Regression(Loss):
         super().__init__(options, model)
         self.value_outputs = len(options.attributes)
 
-    def dataset(self, path, tok, max_len: int):
-        return AttributeDataset(path, tok, max_len, self.options.attributes)
+    def dataset(self, path, tok, max_len: int, columns: Mapping[str, str] | None = None):
+        return AttributeDataset(path, tok, max_len, self.options.attributes, columns=columns)
 
     def count(self, mb):
         """Labelled (row, attribute) entries: the MSE is their mean."""

@@ -6,5 +6,7 @@ combination with a reward model's score.
   fields, e.g. `answer`) and returning a finite float; anything else stops the run with an error
   naming the function and the sample's prompt.
 - shipped verifiable rewards: `slurm_align.rewards.sort:exact` / `:partial` (the synthetic
-  sort task) and `slurm_align.rewards.arithmetic:exact_answer` (answers ride in the data).
+  sort task), `slurm_align.rewards.arithmetic:exact_answer` (answers ride in the data),
+  `slurm_align.rewards.math:verified_answer` (math answers by equivalence, math-verify) and
+  `slurm_align.rewards.code:passes_tests` (model-written code against the row's tests, sandboxed).
 """

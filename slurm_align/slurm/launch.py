@@ -240,7 +240,7 @@ def resolve_input_paths(run: RunConfig, after: Sequence[str] = (), produced: Seq
     unless a job this one starts after writes it (`produced_later`): a pipeline's PPO stage reads
     the SFT stage's checkpoint folder, which exists only once that stage has run."""
     problems, updates = [], {}
-    if run.data.train_path is None:
+    if run.data.train_path is None and not run.data.mixture:
         problems.append(f"field 'data.train_path': required for algorithm '{run.algorithm}' "
                         "(a JSONL file: prompts for ppo, SFT pairs for sft, preferences for rm/dpo)")
     fields = {"data": ("train_path", "val_path"), "model": ("init_checkpoint", "hf_path"),
@@ -249,7 +249,7 @@ def resolve_input_paths(run: RunConfig, after: Sequence[str] = (), produced: Seq
         sub = getattr(run, section)
         if sub is None:
             continue
-        changed = {}
+        changed: dict[str, object] = {}
         for name in names:
             value = getattr(sub, name)
             if value is None:
@@ -264,6 +264,15 @@ def resolve_input_paths(run: RunConfig, after: Sequence[str] = (), produced: Seq
             if not tok.is_file():
                 problems.append(f"field '{section}.tokenizer.path': got {str(sub.tokenizer.path)!r}; no such file")
             changed["tokenizer"] = sub.tokenizer.model_copy(update={"path": tok})
+        if section == "data" and sub.mixture:   # each mixed source, as train_path
+            mixture = []
+            for i, src in enumerate(sub.mixture):
+                path = Path(src.path).expanduser().resolve()
+                if not path.exists():
+                    problems.append(f"field 'data.mixture[{i}].path': got {str(src.path)!r}; no such file or "
+                                    f"directory (relative paths are taken from {Path.cwd()})")
+                mixture.append(src.model_copy(update={"path": path}))
+            changed["mixture"] = mixture
         if changed:
             updates[section] = sub.model_copy(update=changed)
     if problems:

@@ -230,6 +230,7 @@ def input_paths(run: RunConfig) -> list[Path]:
         for name in names:
             if getattr(sub, name, None) is not None:
                 found.append(Path(getattr(sub, name)).absolute())
+        found += [Path(src.path).absolute() for src in getattr(sub, "mixture", [])]
         tok = getattr(getattr(sub, "tokenizer", None), "path", None)
         if tok is not None:
             found.append(Path(tok).absolute())

@@ -26,13 +26,16 @@ from slurm_align.environments.sandbox import SandboxLimits, run_code
 from slurm_align.rundir import RunDir, create_run_secret
 
 FAST = SandboxLimits(timeout_s=20.0, cpu_s=5, processes=8)
+OUTSIDE_TMP = "/var/tmp"
+"""Where tests put files the program should see or not: the node's /tmp is out of its sight (its
+/tmp is a fresh tmpfs of its own)."""
 IS_ROOT = os.getuid() == 0
 
 
 @pytest.fixture
 def open_dir():
     """A temporary directory others may traverse (pytest's tmp_path is 0700, shut to `nobody`)."""
-    d = Path(tempfile.mkdtemp(prefix="sandbox-test-"))
+    d = Path(tempfile.mkdtemp(prefix="sandbox-test-", dir=OUTSIDE_TMP))
     os.chmod(d, 0o755)
     yield d
     shutil.rmtree(d, ignore_errors=True)
@@ -184,6 +187,42 @@ def test_background_children_do_not_outlive_the_program():
     assert r.stdout == "started\n" and r.exit_code == 0
     assert not r.timed_out                              # returned when the program ended, not at 20 s
     assert survivors(marker) == []                      # and its child went with it
+
+
+def test_a_new_session_and_a_double_forked_grandchild_do_not_outlive_the_program():
+    """setsid() leaves the process group the timeout kills: the PID namespace takes them anyway,
+    when the program ends and when it is killed at its timeout."""
+    marker = f"{os.getpid()}{time.time_ns() % 10**6 + 1}"
+    code = (f"import os, subprocess, sys\n"
+            f"subprocess.Popen(['sleep', '{marker}'], start_new_session=True)\n"
+            f"if os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            f"        os.execvp('sleep', ['sleep', '{marker}1'])\n    os._exit(0)\n"
+            f"print(os.getpid())\n")
+    r = run_code(code, FAST)
+    assert r.pid_namespace, r
+    assert r.exit_code == 0 and r.stdout == "1\n", r       # the program is its namespace's first process
+    assert not r.timed_out                                 # the detached sleepers held no pipe open
+    assert survivors(marker) == []
+    r = run_code(code.replace("print(os.getpid())\n", "while True:\n    pass\n"),
+                 SandboxLimits(timeout_s=2.0, cpu_s=5, processes=8))
+    assert r.timed_out and survivors(marker) == []
+
+
+def test_files_written_to_tmp_and_dev_shm_are_gone_after_the_run():
+    marker = f"sandbox-left-{os.getpid()}-{time.time_ns()}"
+    code = (f"import os\nfor d in ('/tmp', '/dev/shm'):\n"
+            f"    open(os.path.join(d, '{marker}'), 'w').write('x')\n"
+            f"    print(os.path.exists(os.path.join(d, '{marker}')))\n")
+    r = run_code(code, FAST)
+    assert r.stdout == "True\nTrue\n" and r.exit_code == 0, r    # it could write there
+    assert r.private_tmp
+    assert not Path("/tmp", marker).exists() and not Path("/dev/shm", marker).exists()
+
+
+def test_containment_can_be_required():
+    r = run_code("print('ran')", SandboxLimits(timeout_s=20.0, cpu_s=5, processes=8, require_containment=True))
+    # here the kernel gives both, so it runs; where it cannot, the bootstrap refuses with 125
+    assert (r.stdout, r.exit_code, r.pid_namespace, r.private_tmp) == ("ran\n", 0, True, True), r
 
 
 def test_cli_prints_json():

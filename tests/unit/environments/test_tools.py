@@ -323,7 +323,8 @@ def test_python_tool_hides_the_run_directory_from_the_code_it_runs():
     # The code's uid owns the run's files, as it does when a normal user runs the job (the usual
     # case on a cluster): here, as root, the files go to the sandbox's user, `nobody`. Uid alone
     # then keeps nothing from the code; only the hidden run directory does.
-    base = Path(tempfile.mkdtemp(prefix="python-tool-test-"))   # traversable by `nobody` (tmp_path is 0700)
+    # traversable by `nobody` (tmp_path is 0700), and outside /tmp (the sandbox's /tmp is its own)
+    base = Path(tempfile.mkdtemp(prefix="python-tool-test-", dir="/var/tmp"))
     try:
         os.chmod(base, 0o755)
         rd = RunDir(base / "run")

@@ -198,7 +198,8 @@ def test_chat_rows_in_sft_preference_and_prompt_datasets(folders, tmp_path: Path
                             tok, max_len=256)
     assert prompts.items[0] == prompt_ids and prompts.rows[0].extra == {"answer": "4"}
     # what PPO's engines and a rule reward get: int64 ids; "prompt" (a chat row's last user turn) + other fields
-    assert [a.tolist() for a in prompts.token_arrays()] == prompts.items and prompts.token_arrays()[0].dtype == np.int64
+    assert [a.tolist() for a in prompts.token_arrays()] == prompts.items[:]
+    assert prompts.token_arrays()[0].dtype == np.int64
     chat_fields, plain_fields = prompts.fields()
     assert chat_fields["prompt"] == [m for m in conv[:-1] if m["role"] == "user"][-1]["content"]
     assert chat_fields["answer"] == "4" and chat_fields["messages"] == conv[:-1]
