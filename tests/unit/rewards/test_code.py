@@ -4,6 +4,7 @@ contained by the sandbox (nothing it starts or writes outlives the scoring run).
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -43,7 +44,10 @@ def test_hostile_code_is_contained():
                f"open('/tmp/{left}', 'w').write('x')\nopen('/dev/shm/{left}', 'w').write('x')\n"
                "def square(x):\n    while True:\n        pass\n```")
     r = run_tests(hostile, TESTS, SHORT)
-    assert r.timed_out and r.exit_code != 0
+    # stopped by the wall-clock limit, or (an idle machine: the loop gets its 3 CPU-s before 5 s
+    # pass) by the CPU limit's SIGXCPU/SIGKILL; which comes first depends on the load beside it
+    assert r.timed_out or r.exit_code in (-signal.SIGKILL, -signal.SIGXCPU), r
+    assert r.exit_code != 0
     assert survivors(marker) == []
     assert not Path("/tmp", left).exists() and not Path("/dev/shm", left).exists()
     r = run_tests("```python\nimport socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)\n```", "", SHORT)
