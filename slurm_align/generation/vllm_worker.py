@@ -1,0 +1,48 @@
+"""The worker extension through which weights reach vLLM's model (vLLM's `worker_extension_cls`).
+
+vLLM mixes this class into its GPU/CPU worker, so `LLM.collective_rpc("<method>", args=...)` runs
+these methods on every worker, next to the model (`self.model_runner.model`). A plain function
+cannot be sent without vLLM's insecure serialization; a method name can, as NeMo-RL and veRL do.
+Kept free of vLLM imports at module level: vLLM imports it by its dotted name inside the worker.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+
+class WeightLoader:
+    """Methods vLLM's worker gains (the attributes used are the worker's own)."""
+
+    model_runner: Any
+    device: Any
+    vllm_config: Any
+
+    def load_hf_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
+        """One bucket of HF-named full tensors into the model, in place (the model's own
+        load_weights: it fuses q/k/v and gate/up, transposes GPT-2's Conv1D, takes its TP slice).
+        Returns the number of tensors loaded."""
+        self.model_runner.model.load_weights(weights=weights)
+        return len(weights)
+
+    def finish_refit(self) -> None:
+        """What vLLM does after a model's weights are loaded (per-layer post-processing, e.g. the
+        CPU GEMM's packed copy of a linear weight); run once after the last bucket."""
+        # Deferred: vLLM is an optional extra, and this runs inside its worker.
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        model_config = self.vllm_config.model_config
+        process_weights_after_loading(self.model_runner.model, model_config, self.device)
+
+    def param_digests(self) -> dict[str, str]:
+        """sha256 of each parameter of the model as it runs (vLLM's own names and layout): what
+        the model holds, for checks that a refit reached it."""
+        out = {}
+        for name, p in self.model_runner.model.named_parameters():
+            t = p.detach().to("cpu", copy=True).contiguous()
+            out[name] = hashlib.sha256(f"{t.dtype} {tuple(t.shape)} ".encode()
+                                       + t.view(torch.uint8).numpy().tobytes()).hexdigest()
+        return out
