@@ -167,6 +167,17 @@ def test_settings_the_cpu_engine_cannot_honour_are_refused():
         make_engine("vllm", SHAPE, kv_fraction=0.5)
 
 
+def test_the_output_fields_collect_outputs_reads_are_vllms():
+    """collect_outputs (shared with TensorRT-LLM, whose fields test_trtllm_engine checks) reads
+    these of each completion; vLLM's CompletionOutput has them all."""
+    import dataclasses
+
+    from vllm.outputs import CompletionOutput
+
+    names = {f.name for f in dataclasses.fields(CompletionOutput)}
+    assert {"token_ids", "finish_reason", "stop_reason", "logprobs"} <= names
+
+
 def test_cpu_head_dims_are_vllm_cpus_own():
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
