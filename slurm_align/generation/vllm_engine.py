@@ -157,7 +157,6 @@ class VllmEngine:
         self.workdir = Path(self.options.workdir or tempfile.mkdtemp(prefix="slurm_align_vllm_"))
         self._llm: Any = None
         self.asleep = False
-        self.refits = 0
 
     # -- refit -------------------------------------------------------------------------------
     def refit(self, full_state_dict: dict[str, torch.Tensor]) -> float:
@@ -182,7 +181,6 @@ class VllmEngine:
             self._llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self._llm.reset_prefix_cache()   # nothing computed with the old weights is reused
-        self.refits += 1
         return time.perf_counter() - t0
 
     def _create_llm(self, weights_dtype: torch.dtype) -> Any:
@@ -231,12 +229,6 @@ class VllmEngine:
         self.asleep = False
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-
-    def param_digests(self) -> dict[str, str]:
-        """sha256 of each parameter the running model holds (vLLM's names and layout)."""
-        if self._llm is None:
-            raise GenerationError("VllmEngine: no LLM yet; call refit(full_state_dict) first")
-        return self._llm.collective_rpc("param_digests")[0]
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams,

@@ -8,7 +8,6 @@ Kept free of vLLM imports at module level: vLLM imports it by its dotted name in
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -18,7 +17,6 @@ class WeightLoader:
     """Methods vLLM's worker gains (the attributes used are the worker's own)."""
 
     model_runner: Any
-    device: Any
     vllm_config: Any
 
     def start_refit(self) -> None:
@@ -51,13 +49,3 @@ class WeightLoader:
 
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model_runner.model, self.vllm_config.model_config)
-
-    def param_digests(self) -> dict[str, str]:
-        """sha256 of each parameter of the model as it runs (vLLM's own names and layout): what
-        the model holds, for checks that a refit reached it."""
-        out = {}
-        for name, p in self.model_runner.model.named_parameters():
-            t = p.detach().to("cpu", copy=True).contiguous()
-            out[name] = hashlib.sha256(f"{t.dtype} {tuple(t.shape)} ".encode()
-                                       + t.view(torch.uint8).numpy().tobytes()).hexdigest()
-        return out
