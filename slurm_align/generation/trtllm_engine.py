@@ -373,31 +373,37 @@ class TrtllmEngine:
         return self._collect(results, params, want_lp)
 
     def _collect(self, results: list, params: SamplingParams, want_lp: bool) -> GenerationOutput:
-        n, m = len(results), params.max_new_tokens
-        stops = set(native_stop_ids(params))
-        tokens = torch.full((n, m), params.pad_id, dtype=torch.int64)
-        logprobs = torch.zeros(n, m, dtype=torch.float32) if want_lp else None
-        lengths = torch.zeros(n, dtype=torch.int64)
-        is_end = torch.zeros(n, dtype=torch.bool)
-        for i, r in enumerate(results):
-            c = r.outputs[0]
-            ids = list(c.token_ids)[:m]
-            ended = bool(stops) and c.finish_reason == "stop"
-            if ended and (not ids or ids[-1] not in stops):  # stop token left out of the ids
-                last = c.stop_reason if c.stop_reason in stops else params.eos_id
-                if last is not None:
-                    ids = [*ids[:m - 1], last]
+        return collect_outputs(results, params, want_lp)
+
+
+def collect_outputs(results: list, params: SamplingParams, want_lp: bool) -> GenerationOutput:
+    """GenerationOutput from an LLM API's per-prompt results (TensorRT-LLM's and vLLM's share the
+    shape: outputs[0] with token_ids, finish_reason, stop_reason and per-step log-prob dicts)."""
+    n, m = len(results), params.max_new_tokens
+    stops = set(native_stop_ids(params))
+    tokens = torch.full((n, m), params.pad_id, dtype=torch.int64)
+    logprobs = torch.zeros(n, m, dtype=torch.float32) if want_lp else None
+    lengths = torch.zeros(n, dtype=torch.int64)
+    is_end = torch.zeros(n, dtype=torch.bool)
+    for i, r in enumerate(results):
+        c = r.outputs[0]
+        ids = list(c.token_ids)[:m]
+        ended = bool(stops) and c.finish_reason == "stop"
+        if ended and (not ids or ids[-1] not in stops):  # stop token left out of the ids
+            last = c.stop_reason if c.stop_reason in stops else params.eos_id
+            if last is not None:
+                ids = [*ids[:m - 1], last]
+            logprobs = None
+        tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        lengths[i], is_end[i] = len(ids), ended
+        if logprobs is not None:
+            lp = _sampled_logprobs(c.logprobs, ids)
+            if lp is None:
                 logprobs = None
-            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-            lengths[i], is_end[i] = len(ids), ended
-            if logprobs is not None:
-                lp = _sampled_logprobs(c.logprobs, ids)
-                if lp is None:
-                    logprobs = None
-                else:
-                    logprobs[i, : len(lp)] = torch.tensor(lp)
-        width = int(lengths.max()) if n else 0
-        return GenerationOutput(tokens[:, :width], lengths, is_end, None if logprobs is None else logprobs[:, :width])
+            else:
+                logprobs[i, : len(lp)] = torch.tensor(lp)
+    width = int(lengths.max()) if n else 0
+    return GenerationOutput(tokens[:, :width], lengths, is_end, None if logprobs is None else logprobs[:, :width])
 
 
 def native_stop_ids(params: SamplingParams) -> list[int]:

@@ -41,6 +41,21 @@ _TP_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0, 
            "w1": 0, "w3": 0, "w2": 1}
 
 
+def supported_model_type(cfg: ModelConfig, archs: dict[str, str], engine: str) -> str:
+    """The HF model_type of `cfg` when `archs` (model_type -> the engine's architecture) has it;
+    a GenerationError naming the engine and what it runs otherwise."""
+    try:
+        model_type = export_model_type(cfg, None)
+    except ConfigError as e:
+        model_type = f"none ({e})"
+    if model_type not in archs:
+        raise GenerationError(
+            f"generation engine {engine!r} has no model for this architecture (HF model_type {model_type}; "
+            f"position_embedding={cfg.position_embedding}, normalization={cfg.normalization}, "
+            f"activation={cfg.activation}); it runs {', '.join(archs)}")
+    return model_type
+
+
 def hf_model_type(cfg: ModelConfig) -> str:
     """The HF model_type TensorRT-LLM runs this model as; a GenerationError for the others."""
     try:
@@ -72,10 +87,12 @@ def hf_weights(full: dict[str, torch.Tensor], cfg: ModelConfig,
     return {hf_name: t.to(dtype or t.dtype).contiguous() for hf_name, t in converted.items()}
 
 
-def hf_bucket(full: dict[str, torch.Tensor], names: list[str], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def hf_bucket(full: dict[str, torch.Tensor], names: list[str], cfg: ModelConfig,
+              model_type: str | None = None) -> dict[str, torch.Tensor]:
     """HF-named tensors of the megatron tensors `names` only (one refit bucket): converting a
-    bucket at a time keeps the converted copy to one bucket, not a second model."""
-    model_type = hf_model_type(cfg)
+    bucket at a time keeps the converted copy to one bucket, not a second model. `model_type`:
+    the engine's (default: TensorRT-LLM's, hf_model_type)."""
+    model_type = model_type or hf_model_type(cfg)
     table = sources(cfg, model_type, value_head=False, score_head=False)
     out: dict[str, torch.Tensor] = {}
     for name in names:
@@ -83,10 +100,10 @@ def hf_bucket(full: dict[str, torch.Tensor], names: list[str], cfg: ModelConfig)
     return out
 
 
-def check_full_names(full: dict[str, torch.Tensor], cfg: ModelConfig) -> list[str]:
+def check_full_names(full: dict[str, torch.Tensor], cfg: ModelConfig, model_type: str | None = None) -> list[str]:
     """The megatron names of `full` in the model's order; a GenerationError when they do not
-    match the model (hf_weights checks with it before converting)."""
-    model_type = hf_model_type(cfg)
+    match the model (hf_weights checks with it before converting). `model_type` as in hf_bucket."""
+    model_type = model_type or hf_model_type(cfg)
     table = sources(cfg, model_type, value_head=False, score_head=False)
     got = {k for k in full if not k.endswith("_extra_state")}
     missing, extra = sorted(set(table) - got), sorted(got - set(table))

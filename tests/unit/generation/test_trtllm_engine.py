@@ -40,7 +40,7 @@ KWARGS_FIELDS = {"tensorrt_llm.llmapi.llm.LLM": ("tensorrt_llm.llmapi.llm_args.T
 # _collective_rpc's method runs on TensorRT-LLM's Ray worker: its extension class first, then the worker itself
 RPC_TARGET = {"tensorrt_llm.llmapi.llm.LLM._collective_rpc": ("tensorrt_llm.llmapi.rlhf_utils.WorkerExtension",
                                                               "tensorrt_llm.executor.ray_gpu_worker.RayGPUWorker")}
-ATTRIBUTE_READS = {"c": "tensorrt_llm.executor.result.CompletionOutput"}  # engine._collect's completion
+ATTRIBUTE_READS = {"c": "tensorrt_llm.executor.result.CompletionOutput"}  # collect_outputs' completion
 
 
 def _imports(tree: ast.AST) -> dict[str, str]:
@@ -136,7 +136,7 @@ def problems_in(source: str, filename: str) -> list[str]:
             checked = key.split(".")[0] in CHECKED_PACKAGES or canonical in OBJECTS
             if checked:
                 problems += check_call(key, node, f"{filename}:{node.lineno}")
-        elif isinstance(node, ast.FunctionDef) and node.name == "_collect":
+        elif isinstance(node, ast.FunctionDef) and node.name in ("_collect", "collect_outputs"):  # the reader
             for sub in ast.walk(node):
                 if (isinstance(sub, ast.Attribute) and isinstance(sub.value, ast.Name)
                         and sub.value.id in ATTRIBUTE_READS):

