@@ -86,7 +86,8 @@ class Trainer:
     def save(self) -> Path:
         path = self.worker.save(self.ckpt_root, self.step,
                                 {"consumed_samples": self.step * self.run.trainer.global_batch_size,
-                                 "algorithm": self.name, **lora_base(self.run.model, self.run.seed)})
+                                 "algorithm": self.name,
+                                 **lora_base(self.run.model, self.run.seed, self.worker.init_checkpoint)})
         if self.rank == 0:   # committed on every rank (save_checkpoint's last barrier): older ones may go
             apply_retention(self.run.checkpointing, self.ckpt_root, self.metrics.path)
         return path

@@ -84,8 +84,12 @@ class ModelWorker:
         self.grad_clip, self.batching = grad_clip, batching
         training = training or TrainingConfig()
         self.chunks = build_gpt(model, pctx, value_head=value_head, seed=seed, training=training)
-        if model.init_checkpoint:
-            load_weights(model.init_checkpoint, self.chunks)
+        # an iter_* folder, or a trainer's checkpoints folder (then its newest complete one), as
+        # the RL actor takes it (algorithms/ppo.build_actor)
+        self.init_checkpoint = (find_latest(model.init_checkpoint) or Path(model.init_checkpoint)
+                                if model.init_checkpoint else None)
+        if self.init_checkpoint is not None:
+            load_weights(self.init_checkpoint, self.chunks)
         attach_configured(self.chunks, model, pctx, seed)   # LoRA: on the loaded base
         # MoE: per-expert load and the load-balancing loss in the step's metrics
         self.router_stats = RouterStats(self.chunks, model.num_experts) if model.num_experts else None

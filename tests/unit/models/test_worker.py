@@ -147,3 +147,19 @@ def test_kto_raises_the_held_out_margin_of_desirable_over_undesirable(pctx, tmp_
     val = PreferenceDataset(SYNTH / "pref_val.jsonl", build_tokenizer(trainer.run.model), MODEL["max_seq_len"])
     m = held_out_margins(trainer, val)
     assert sign_test(int((m > 0).sum()), int((m < 0).sum())) < 1e-3, m
+
+
+def test_a_trainers_checkpoints_folder_as_init_checkpoint_loads_its_newest(pctx, tmp_path: Path):
+    """model.init_checkpoint may name a trainer's checkpoints folder (checkpoints/sft), as the RL
+    actor takes it: the worker loads the newest complete iter_* in it, not the first or none."""
+    sft = Trainer(make_run("sft", SYNTH / "sft_train.jsonl"), pctx, tmp_path / "sft")
+    for step in (1, 2):
+        sft.train_step(0)
+        sft.step = step
+        sft.save()
+    newest = {k: v.clone() for k, v in sft.chunks[0].state_dict().items() if isinstance(v, torch.Tensor)}
+    dpo = Trainer(make_run("dpo", SYNTH / "pref_train.jsonl", model={**MODEL, "init_checkpoint": sft.ckpt_root}),
+                  pctx, tmp_path / "dpo")
+    assert dpo.worker.init_checkpoint == sft.ckpt_root / "iter_0000002"
+    loaded = dpo.chunks[0].state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in newest.items() if "_extra_state" not in k)
