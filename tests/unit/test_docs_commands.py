@@ -19,6 +19,7 @@ from slurm_align.cli import build_parser
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.reference import explain
 from slurm_align.config.run import RunConfig
+from slurm_align.losses.registry import LOSSES
 
 PAGES = [*sorted((REPO_ROOT / "docs").rglob("*.md")), REPO_ROOT / "README.md"]
 PROGRAMS = ("slurm-align", ".venv/bin/slurm-align")
@@ -55,6 +56,11 @@ CASES = [(p, c) for p in PAGES for c in commands(p)]
 
 def check_override(model, assignment: str) -> None:
     key = assignment.split("=", 1)[0]
+    if model is RunConfig and key.startswith("loss.options."):   # the options of a registered loss
+        option = key.removeprefix("loss.options.")
+        assert any(option in spec.options.model_fields for spec in LOSSES.values()), \
+            f"override {assignment!r}: no registered loss has the option {option!r}"
+        return
     try:
         explain(model, key)
     except KeyError as e:
