@@ -31,6 +31,18 @@ from models_worker import init_parallel  # noqa: E402
 
 from slurm_align.config.run import ModelConfig, RopeScalingConfig  # noqa: E402
 
+
+def sgd(policy: list, pctx, run):
+    """The run's optimizer (models/optimizer.build_optimizer: reduce, clip, step) with SGD at lr 1
+    inside: the weights move by exactly the gradient (AdamW's first step is sign-like and would
+    hide or blow up tiny differences)."""
+    from slurm_align.models.optimizer import build_optimizer
+
+    opt = build_optimizer([p for c in policy for p in c.parameters()], pctx, run.training, lr=1.0)
+    opt.optimizer = torch.optim.SGD(opt.params, lr=1.0)   # the schedule steps the AdamW it replaced
+    return opt
+
+
 BASE = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=260, max_seq_len=64)
 SHAPES = {
     "gpt": ModelConfig(**BASE),
@@ -135,9 +147,7 @@ def step(pctx, out: Path) -> None:
                             switches={"sequence_packing": switches,
                                       "token_budget_micro_batches": "max_tokens" in micro})
             policy = build_gpt(cfg, pctx, seed=31)
-            # SGD, lr 1: the weights move by exactly the gradient (AdamW's first step is
-            # sign-like and would hide or blow up tiny differences).
-            opt = torch.optim.SGD([p for c in policy for p in c.parameters()], lr=1.0)
+            opt = sgd(policy, pctx, run)
             b = rollouts()
             before = full_state_dict(policy, pctx)
             PolicyUpdate(run, policy, opt, pctx).train(b, 1, NoTracer())
@@ -225,7 +235,7 @@ def corrected(pctx, out: Path) -> None:
                                   "token_budget_micro_batches": "max_tokens" in micro},
                         rollout_correction={"mode": "token_truncate", "threshold": C})
         policy = build_gpt(cfg, pctx, seed=31)
-        opt = torch.optim.SGD([p for c in policy for p in c.parameters()], lr=1.0)
+        opt = sgd(policy, pctx, run)
         b = rollouts()
         b.set_tokens("rollout_logprobs", engine_logprobs(b))
         m = rc.apply(run.rollout_correction, b, None)   # the column estimate_advantages sets
