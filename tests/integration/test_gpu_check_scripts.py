@@ -193,7 +193,8 @@ def test_the_wheelhouse_asks_only_for_what_the_gpu_checks_need():
     never wandb, mlflow, shellcheck (about 38 of the old 45.5 MiB); less what the machine has."""
     reqs, skipped = wanted([], read_have(HAVE), target_env("3.12", "manylinux_2_28_x86_64"))
     names = {canonicalize_name(r.name) for r in reqs}
-    assert names == {"megatron-core", "zarr", "google-crc32c", "submitit", "pydantic"}, names
+    # datasets and math-verify: the data sources and the math reward (the machine has pyarrow)
+    assert names == {"megatron-core", "zarr", "google-crc32c", "submitit", "pydantic", "datasets", "math-verify"}, names
     assert set(skipped) == {"nvidia-pytriton"}
     test_extra = {canonicalize_name(r.name) for r in setup_requirements()["test"]}
     assert set(GPU_CHECK_TEST_DEPS) <= test_extra
