@@ -1,4 +1,4 @@
-"""`slurm-align train {sft,rm,dpo,kto} CONFIG --profile NAME [--run-dir DIR] [--follow] [a.b=c ...]`
+"""`slurm-align train {sft,rm,dpo,kto,kd} CONFIG --profile NAME [--run-dir DIR] [--follow] [a.b=c ...]`
 
 Loads and validates the run config (algorithm set from the subcommand) against the profile,
 writes the resolved config into the run directory and launches it (local mpirun ranks or a
@@ -11,6 +11,13 @@ Evaluates a checkpoint (an iter_* folder or a run's checkpoints folder) or a Hug
 folder on a data set as a job of its own (the actor component only; launchers/evaluate.py runs
 algorithms/eval_main.py on every rank). The model's shape and the scorer come from CONFIG,
 by default the config.yaml of the run the checkpoint belongs to (an HF folder needs --config).
+
+`slurm-align generate MODEL --data FILE [--config CONFIG] [--samples N] [--temperature T]
+[--top-k-logprobs K] [--shard-size S] [--engine E] [--profile NAME] [--run-dir DIR] [--follow]`
+
+Samples responses (their log-probs and, with K, the model's top-K log-probs per response token)
+for every prompt of a data set into RUN_DIR/generate/shard_*.jsonl, on the same standalone
+actor as eval (algorithms/generate.py); rerun with the same --run-dir to resume.
 """
 
 from __future__ import annotations
@@ -34,7 +41,9 @@ TRAIN_ALGORITHMS = {"sft": "supervised fine-tuning on {input, output} JSONL",
                           "<attribute>...} (loss.name=regression)",
                     "dpo": "DPO / IPO / RPO (loss.options.preference_loss) against the frozen initial policy on "
                            "{prompt, chosen, rejected} JSONL",
-                    "kto": "KTO against the frozen initial policy on {input, output, label} JSONL"}
+                    "kto": "KTO against the frozen initial policy on {input, output, label} JSONL",
+                    "kd": "offline knowledge distillation on a teacher's top-K log-probs (slurm-align generate "
+                          "--top-k-logprobs K: its generate/ folder or a shard file)"}
 
 
 def cmd_train(args: argparse.Namespace) -> int:
