@@ -48,11 +48,15 @@ import torch
 
 from slurm_align.algorithms.rollout_collector import sample_seed
 from slurm_align.generation.params import SamplingParams
-from slurm_align.models.forward import forward_logits
+from slurm_align.models.forward import forward_top_k
 from slurm_align.rundir import write_atomic
 
 GENERATE_DRAWS = 1 << 41
 """The `draws` key of generation's per-sample seeds: apart from training steps' and evaluation's."""
+
+
+TOP_K_MICRO_BATCH = 4
+"""Sequences per micro-batch of the top-K forward: bounds its [rows, seq, vocab] float32 log-probs."""
 
 
 @dataclass(frozen=True)
@@ -63,7 +67,7 @@ class GenerateSpec:
     shard_size: int = 64            # prompts per shard file
     max_new_tokens: int = 32
     seed: int = 0                   # the run's seed: every sample's seed derives from it
-    forward_batch: int = 16         # sequences per top-K forward (bounds the [b, s, vocab] logits)
+    forward_batch: int = 64         # sequences per top-K forward call (TOP_K_MICRO_BATCH per micro-batch)
 
 
 def shard_path(out_dir: Path, shard: int) -> Path:
@@ -111,14 +115,14 @@ def add_top_k(policy: list, pctx, rows: list[dict[str, Any]], k: int, vocab_size
         tokens = torch.zeros(len(seqs), int(lengths.max()), dtype=torch.int64)
         for j, s in enumerate(seqs):
             tokens[j, :len(s)] = torch.tensor(s)
-        logits = forward_logits(policy, pctx, tokens, vocab_size, lengths=lengths, broadcast=True)
-        assert logits is not None, "broadcast: every pipeline stage has them"
-        # the trainers' own op: log_softmax of the float32 logits (models/forward.next_token_logprobs)
-        top = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+        got = forward_top_k(policy, pctx, tokens, vocab_size, k, micro_batch_size=TOP_K_MICRO_BATCH, lengths=lengths,
+                            broadcast=True)
+        assert got is not None, "broadcast: every pipeline stage has them"
+        values, ids = got
         for j, r in enumerate(part):
             p, m = len(r["prompt_ids"]), len(r["response_ids"])
-            r["topk_ids"] = top.indices[j, p - 1:p - 1 + m].tolist()
-            r["topk_logprobs"] = top.values[j, p - 1:p - 1 + m].tolist()
+            r["topk_ids"] = ids[j, p - 1:p - 1 + m].tolist()
+            r["topk_logprobs"] = values[j, p - 1:p - 1 + m].tolist()
 
 
 def generate_shards(engine, policy: list, pctx, comm, *, prompts: Sequence[np.ndarray],
