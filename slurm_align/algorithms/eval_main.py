@@ -9,31 +9,16 @@ RUN_DIR/eval/metrics_step_<N>.json, and prints them.
 from __future__ import annotations
 
 import json
-import re
 import sys
 import traceback
 from pathlib import Path
 
-import torch
-
 from slurm_align.algorithms.evaluation import EvalSet, evaluate, write_results
-from slurm_align.algorithms.ppo import actor_engine
 from slurm_align.algorithms.rollout_collector import RolloutCollector
+from slurm_align.algorithms.standalone import checkpoint_step, load_standalone_actor
 from slurm_align.config import RunConfig, load_run_config
-from slurm_align.generation.refit import refit_from_training
-from slurm_align.models.checkpoint import find_latest, load_weights
-from slurm_align.models.gpt import build_gpt
-from slurm_align.models.lora import attach_configured
-from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.parallel.bootstrap import init_distributed
-from slurm_align.parallel.layout import initialize_model_parallel
 from slurm_align.rundir import RunDir, write_atomic
-
-
-def checkpoint_step(path: Path | None) -> int:
-    """The step of an iter_<N> checkpoint folder; 0 for anything else (an HF folder)."""
-    m = re.match(r"^iter_(\d+)$", path.name) if path is not None else None
-    return int(m.group(1)) if m else 0
 
 
 def metrics_path(rd: RunDir, step: int) -> Path:
@@ -42,21 +27,11 @@ def metrics_path(rd: RunDir, step: int) -> Path:
 
 def run_eval(run: RunConfig, rd: RunDir, env) -> dict[str, float]:
     """Collective over the component: load, refit, evaluate; rank 0 writes the results."""
-    pctx = initialize_model_parallel(env, run.actor.tensor_parallel, run.actor.pipeline_parallel,
-                                     run.actor.expert_parallel)
-    torch.manual_seed(run.seed)
-    tokenizer = build_tokenizer(run.model)
-    policy = build_gpt(run.model, pctx, seed=run.seed)   # model.hf_path: the HF weights
-    checkpoint = None
-    if run.model.init_checkpoint is not None:
-        checkpoint = find_latest(run.model.init_checkpoint) or run.model.init_checkpoint
-        load_weights(checkpoint, policy)
-    attach_configured(policy, run.model, pctx, run.seed)
-    engine = actor_engine(run, env, pctx)
+    actor = load_standalone_actor(run, env)
+    pctx, tokenizer, engine, checkpoint = actor.pctx, actor.tokenizer, actor.engine, actor.checkpoint
     evalset = EvalSet.from_run(run, tokenizer)
     assert evalset is not None, "slurm-align eval sets eval.interval"
     collector = RolloutCollector(run, engine, tokenizer, [], None, rank=env.rank)
-    refit_from_training(engine, policy, pctx, refold=run.switches.refold)
     with pctx.generation_layout(run.switches.refold) as layout:
         # the in-run evaluation's batch (ppo.PPOActor.evaluate): the same answers, batch for batch
         got = evaluate(collector, layout, env.comm, evalset, run.generation.max_new_tokens,

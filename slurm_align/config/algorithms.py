@@ -70,6 +70,7 @@ for _spec in (
     AlgorithmSpec("rm", rollout=False, sweep_batch=_TRAINER, trainer="bradley_terry"),
     AlgorithmSpec("dpo", rollout=False, sweep_batch=_TRAINER, trainer="preference"),
     AlgorithmSpec("kto", rollout=False, sweep_batch=_TRAINER, trainer="kto"),
+    AlgorithmSpec("kd", rollout=False, sweep_batch=_TRAINER, trainer="kd"),
     AlgorithmSpec("grpo", rollout=True, estimator="grpo", loss="policy", min_group_size=2),
     AlgorithmSpec("rloo", rollout=True, estimator="rloo", loss="policy", min_group_size=2),
     AlgorithmSpec("reinforce_pp", rollout=True, estimator="reinforce_pp", loss="policy", kl_in_reward=True),

@@ -527,8 +527,9 @@ class EvalConfig(StrictModel):
     temperature: float = Field(0.0, ge=0.0)
     """Sampling temperature of the answers (0: greedy; samples > 1 needs a temperature above 0)."""
     standalone: bool = False
-    """This run is an evaluation job (`slurm-align eval`): the actor component only, which
-    evaluates model.init_checkpoint (or model.hf_path) once and writes RUN_DIR/eval/."""
+    """This run is the actor component alone over a data set (algorithms/standalone.py): an
+    evaluation job (`slurm-align eval`), which evaluates model.init_checkpoint (or model.hf_path)
+    once and writes RUN_DIR/eval/, or a generation job (`slurm-align generate`, RUN_DIR/generate/)."""
 
     @model_validator(mode="after")
     def _samples_differ(self):
@@ -568,9 +569,9 @@ class LossSection(StrictModel):
     `loss: {options: {preference_loss: ipo, beta: 0.5}}`."""
 
     name: str | None = None
-    """A registered loss (losses/registry.py: nll, bradley_terry, regression, preference, kto;
+    """A registered loss (losses/registry.py: nll, bradley_terry, regression, preference, kto, kd;
     ppo_clip for the RL actor; and those that modules under `plugins:` register). Default: the
-    algorithm's own (nll for sft, bradley_terry for rm, preference for dpo, kto for kto,
+    algorithm's own (nll for sft, bradley_terry for rm, preference for dpo, kto for kto, kd for kd,
     ppo_clip for the policy-gradient algorithms)."""
     options: dict[str, Any] = Field(default_factory=dict)
     """The loss's typed options, checked against the model it registered (unknown keys and bad

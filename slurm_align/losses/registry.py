@@ -176,12 +176,31 @@ class KTOOptions(StrictModel):
     """lambda_U, the weight of undesirable rows. Default 1."""
 
 
+class KDOptions(StrictModel):
+    """Offline knowledge distillation on a teacher's stored top-K log-probs (losses/distill.py):
+    kd_weight * KL(teacher || student) over the top-K, both renormalised over those K tokens,
+    plus sft_weight * the response tokens' negative log-likelihood; both averaged over response
+    tokens."""
+
+    kd_weight: float = Field(1.0, ge=0)
+    """Weight of the top-K forward KL. Default 1."""
+    sft_weight: float = Field(0.0, ge=0)
+    """Weight of the SFT term (NLL of the stored response). Default 0 (off)."""
+
+    @model_validator(mode="after")
+    def _something_trains(self):
+        if self.kd_weight == 0 and self.sft_weight == 0:
+            raise ValueError("kd_weight and sft_weight are both 0: nothing would train")
+        return self
+
+
 for _spec in (
     LossSpec("nll", "slurm_align.losses.nll:NLL"),
     LossSpec("bradley_terry", "slurm_align.losses.bradley_terry:BradleyTerry", BradleyTerryOptions),
     LossSpec("preference", "slurm_align.losses.preference:Preference", PreferenceOptions),
     LossSpec("regression", "slurm_align.losses.regression:Regression", RegressionOptions),
     LossSpec("kto", "slurm_align.losses.kto:KTO", KTOOptions),
+    LossSpec("kd", "slurm_align.losses.distill:KD", KDOptions),
     LossSpec("ppo_clip", "slurm_align.algorithms.policy_loss:clipped_policy_loss", kind="policy"),
 ):
     register_loss(_spec)

@@ -179,6 +179,24 @@ def forward_logits(chunks: list, pctx: Any, tokens: torch.Tensor, vocab_size: in
 
 
 @torch.no_grad()
+def forward_top_k(chunks: list, pctx: Any, tokens: torch.Tensor, vocab_size: int, k: int, *,
+                  micro_batch_size: int | None = None, lengths: torch.Tensor | None = None,
+                  batching: Batching | None = None,
+                  broadcast: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The K largest next-token log-probs at each position and their token ids ([batch, seq, k]
+    each, descending): log_softmax of the float32 TP-gathered logits, as next_token_logprobs
+    takes it, reduced to the top K per micro-batch (of `micro_batch_size` rows, or `batching`),
+    so only one micro-batch's [rows, seq, vocab] log-probs exist at once. Position p is the
+    distribution of token p+1. Last stage (or, with `broadcast`, every PP rank); None elsewhere."""
+    def post(out, mb):
+        top = torch.log_softmax(per_sequence(_gathered_logits(out, vocab_size), mb), dim=-1).topk(k, dim=-1)
+        return torch.cat([top.values, top.indices.float()], -1)   # ids < 2**24: exact in float32
+    both = _forward(chunks, pctx, tokens, post, _batching(batching, micro_batch_size), lengths, broadcast,
+                    extra_dim=(2 * k,))
+    return None if both is None else (both[..., :k], both[..., k:].long())
+
+
+@torch.no_grad()
 def forward_logprobs(chunks: list, pctx: Any, tokens: torch.Tensor, vocab_size: int, *,
                      lengths: torch.Tensor | None = None, batching: Batching | None = None,
                      broadcast: bool = False, temperature: float = 1.0) -> torch.Tensor | None:

@@ -1,0 +1,146 @@
+"""Offline knowledge distillation (NeMo-Aligner's SFT with knowledge distillation): the student
+trains on responses with the teacher's stored top-K next-token log-probs (`slurm-align generate
+--top-k-logprobs K`, algorithms/generate.py). At each response position, over the teacher's K
+tokens, both distributions renormalised over those K:
+
+    q_k = softmax_K(teacher log-probs),   p_k = softmax_K(student log-probs at the same ids)
+    KL(q || p) = sum_k q_k (log q_k - log p_k)                    (forward KL, mean over tokens)
+    loss = kd_weight * KL + sft_weight * NLL(response tokens)     (losses/registry.py KDOptions)
+
+Renormalising over the K ids makes the loss blind to the mass outside them (for teacher and
+student alike), which is what top-K storage allows; the student's full-vocabulary log-softmax
+(TP-gathered) is taken first, so the softmax over K equals softmax_K of its logits.
+
+Data: generate's rows ({"prompt_ids", "response_ids", "topk_ids", "topk_logprobs"}), from one
+JSONL/parquet file or generate's output folder of shard_*.jsonl files; the token ids are used as
+stored (no re-tokenisation), cut to max_len with their top-K.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from slurm_align.config.errors import ConfigError
+from slurm_align.data.datasets import Sequence, pad, response_mask
+from slurm_align.data.sources import records
+from slurm_align.losses.base import Loss
+from slurm_align.losses.registry import KDOptions
+from slurm_align.models.forward import per_sequence
+
+KEYS = ("prompt_ids", "response_ids", "topk_ids", "topk_logprobs")
+
+
+def _rows(path: Path, columns: Mapping[str, str] | None) -> list[tuple[str, Any]]:
+    """(where: 'FILE line N' or 'FILE row N', record) of a data file, or of generate's shard folder in shard order."""
+    files = sorted(path.glob("shard_*.jsonl")) if path.is_dir() and not (path / "state.json").exists() else [path]
+    if not files:
+        raise ConfigError(["distillation data: a folder without shard_*.jsonl files (slurm-align generate's output) "
+                           "or datasets' state.json"], path)
+    out = []
+    for f in files:
+        unit, found = records(f, "distillation", columns)
+        out += [(f"{f} {unit} {n}", obj) for n, obj in found]
+    return out
+
+
+class DistillDataset:
+    """Teacher-labelled responses: batch() gives tokens, lengths, the response mask and, aligned
+    with the mask ([n, s-1]: position p predicts token p+1), "topk_ids" [n, s-1, K] and
+    "topk_logprobs" [n, s-1, K] (0 off the response)."""
+
+    def __init__(self, path: str | Path, tok, max_len: int, columns: Mapping[str, str] | None = None):
+        self.pad_id = tok.pad_id
+        self.items: list[Sequence] = []
+        self.topk: list[tuple[np.ndarray, np.ndarray]] = []
+        problems: list[str] = []
+        self.k = 0
+        for where, obj in _rows(Path(path), columns):
+            missing = [k for k in KEYS if not isinstance(obj, dict) or obj.get(k) is None]
+            if missing:
+                found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+                problems.append(f"{where}: no {missing} (found {found}); write the data with "
+                                "`slurm-align generate --top-k-logprobs K`")
+                continue
+            prompt, resp = list(obj["prompt_ids"]), list(obj["response_ids"])
+            ids, lps = np.asarray(obj["topk_ids"], dtype=np.int64), np.asarray(obj["topk_logprobs"], dtype=np.float32)
+            k = ids.shape[1] if ids.ndim == 2 else -1
+            if ids.shape != lps.shape or ids.ndim != 2 or len(ids) != len(resp) or not prompt:
+                problems.append(f"{where}: topk_ids {ids.shape} and topk_logprobs {lps.shape} must both be "
+                                f"[len(response_ids)={len(resp)}, K], with a non-empty prompt")
+                continue
+            if self.k and k != self.k:
+                problems.append(f"{where}: K={k}, other rows have K={self.k} (one generate job's output)")
+                continue
+            self.k = k
+            keep = max(0, min(len(resp), max_len - len(prompt)))
+            self.items.append(Sequence(prompt + resp[:keep], len(prompt)))
+            self.topk.append((ids[:keep], lps[:keep]))
+            if len(problems) >= 20:
+                break
+        if problems or not self.items:
+            raise ConfigError(problems[:20] or ["distillation data: no rows"], path)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def item_tokens(self, indices: list[int]) -> np.ndarray:
+        return np.asarray([len(self.items[i].ids) for i in indices], dtype=np.int64)
+
+    def batch(self, indices: list[int]) -> dict:
+        seqs = [self.items[i] for i in indices]
+        tokens, lengths = pad([s.ids for s in seqs], self.pad_id)
+        width = tokens.shape[1] - 1
+        ids = torch.zeros(len(seqs), width, self.k, dtype=torch.int64)
+        lps = torch.zeros(len(seqs), width, self.k, dtype=torch.float32)
+        for j, (s, i) in enumerate(zip(seqs, indices)):
+            tid, tlp = self.topk[i]
+            a = s.prompt_len - 1     # position a predicts the first response token
+            ids[j, a:a + len(tid)] = torch.from_numpy(tid)
+            lps[j, a:a + len(tlp)] = torch.from_numpy(tlp)
+        return {"tokens": tokens, "lengths": lengths, "mask": response_mask(seqs, tokens.shape[1]),
+                "topk_ids": ids, "topk_logprobs": lps}
+
+
+def topk_forward_kl(student_logp: torch.Tensor, topk_ids: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+    """Per position [...]: KL(q || p) over the teacher's K ids, both renormalised over them.
+    `student_logp` [..., V] (any normalisation), `topk_ids`, `teacher_logp` [..., K]."""
+    s = student_logp.gather(-1, topk_ids)
+    log_p = s - torch.logsumexp(s, -1, keepdim=True)
+    log_q = teacher_logp - torch.logsumexp(teacher_logp, -1, keepdim=True)
+    return (log_q.exp() * (log_q - log_p)).sum(-1)
+
+
+class KD(Loss):
+    name = "kd"
+    columns = ("tokens", "lengths", "mask", "real", "topk_ids", "topk_logprobs")
+
+    options: KDOptions
+
+    def dataset(self, path, tok, max_len: int, columns: Mapping[str, str] | None = None):
+        return DistillDataset(path, tok, max_len, columns)
+
+    def count(self, mb: dict) -> float:
+        return float(mb["mask"].sum())   # response tokens (filler samples have mask 0)
+
+    def __call__(self, output: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict[str, Any]]:
+        logits = per_sequence(gather_from_tensor_model_parallel_region(output)[..., :self.vocab_size], mb)
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)      # [b, s-1, V], the trainers' op
+        width = logp.shape[1]
+        mask = mb["mask"][:, :width].to(logp.device)
+        ids = mb["topk_ids"][:, :width].to(logp.device)
+        kl = topk_forward_kl(logp, ids, mb["topk_logprobs"][:, :width].to(logp.device))
+        nll = -self.token_logprobs(output, mb)[:, :width] if self.options.sft_weight else torch.zeros_like(kl)
+        kl_sum, nll_sum = (kl * mask).sum(), (nll * mask).sum()
+        loss_sum = self.options.kd_weight * kl_sum + self.options.sft_weight * nll_sum
+        return loss_sum / mb["norm"], {"loss_sum": loss_sum.detach(), "kl_sum": kl_sum.detach(),
+                                       "nll_sum": nll_sum.detach(), "tokens": mask.sum()}
+
+    def metrics(self, s: dict) -> dict[str, float]:
+        n = s["tokens"].clamp(min=1)
+        return {"loss": float(s["loss_sum"] / n), "kl": float(s["kl_sum"] / n), "nll": float(s["nll_sum"] / n)}
