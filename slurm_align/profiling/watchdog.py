@@ -85,6 +85,9 @@ class Watchdog:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:   # its beat in flight
+            # must not land after the last one
+            self._thread.join(timeout=10 * self.poll_s + 5)
         self._beat(force=True)
 
     # --- the watchdog's thread ----------------------------------------------------------------
