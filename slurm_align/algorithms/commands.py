@@ -143,6 +143,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return _report_final(job, job.wait(console=err))
 
 
+def standalone_parser(sub, name: str, help_text: str, *, data: str, samples: str,
+                      temperature: float | None) -> argparse.ArgumentParser:
+    """The arguments `eval` and `generate` share: a model, a data set and how to sample it
+    (both run the actor component alone over the data: algorithms/standalone.py)."""
+    p = sub.add_parser(name, help=help_text)
+    p.add_argument("model", type=Path, help="checkpoint (iter_* or a checkpoints folder) or Hugging Face folder")
+    p.add_argument("--data", type=Path, required=True, help=data)
+    p.add_argument("--config", type=Path, default=None,
+                   help="run config (default: config.yaml of the run the checkpoint is in)")
+    p.add_argument("--samples", type=int, default=1, help=samples)
+    p.add_argument("--temperature", type=float, default=temperature, help="sampling temperature (0: greedy)")
+    p.add_argument("--engine", default=None, help="generation engine (torch, naive, vllm, trtllm)")
+    return p
+
+
 def register(sub) -> None:
     p = sub.add_parser("train", help="train with SFT, a reward model, DPO or KTO (one job component)")
     algos = p.add_subparsers(dest="algorithm", required=True, metavar="ALGORITHM")
@@ -152,30 +167,19 @@ def register(sub) -> None:
         a.add_argument("--follow", action="store_true", help="wait for the job and show its state")
         a.set_defaults(func=cmd_train)
 
-    e = sub.add_parser("eval", help="evaluate a checkpoint or HF model on a data set (pass@k; a job of its own)")
-    e.add_argument("model", type=Path, help="checkpoint (iter_* or a checkpoints folder) or Hugging Face folder")
-    e.add_argument("--data", type=Path, required=True, help="prompts with the scorer's fields (any data format)")
-    e.add_argument("--config", type=Path, default=None,
-                   help="run config (default: config.yaml of the run the checkpoint is in)")
-    e.add_argument("--samples", type=int, default=1, help="answers per prompt (pass@k up to this)")
-    e.add_argument("--temperature", type=float, default=None, help="sampling temperature (0: greedy)")
-    e.add_argument("--engine", default=None, help="generation engine (torch, naive, trtllm)")
+    e = standalone_parser(sub, "eval", "evaluate a checkpoint or HF model on a data set (pass@k; a job of its own)",
+                          data="prompts with the scorer's fields (any data format)",
+                          samples="answers per prompt (pass@k up to this)", temperature=None)
     add_run_arguments(e, with_config=False)
     e.add_argument("--follow", action="store_true", help="wait for the job, then print its metrics")
     e.set_defaults(func=cmd_eval)
 
-    g = sub.add_parser("generate", help="sample responses (and top-K log-probs) for a data set, in resumable shards")
-    g.add_argument("model", type=Path, help="checkpoint (iter_* or a checkpoints folder) or Hugging Face folder")
-    g.add_argument("--data", type=Path, required=True, help="prompts (any data format)")
-    g.add_argument("--config", type=Path, default=None,
-                   help="run config (default: config.yaml of the run the checkpoint is in)")
-    g.add_argument("--samples", type=int, default=1, help="responses per prompt")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (0: greedy)")
+    g = standalone_parser(sub, "generate", "sample responses (and top-K log-probs) for a data set, in resumable "
+                          "shards", data="prompts (any data format)", samples="responses per prompt", temperature=1.0)
     g.add_argument("--top-k-logprobs", type=int, default=0,
                    help="also store each response position's top-K log-probs of the model (0: none)")
     g.add_argument("--shard-size", type=int, default=64, help="prompts per output shard (the unit of resuming)")
     g.add_argument("--max-new-tokens", type=int, default=None, help="default: generation.max_new_tokens")
-    g.add_argument("--engine", default=None, help="generation engine (torch, naive, vllm, trtllm)")
     add_run_arguments(g, with_config=False)
     g.add_argument("--follow", action="store_true", help="wait for the job")
     g.set_defaults(func=cmd_generate)
