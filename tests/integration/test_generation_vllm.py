@@ -15,6 +15,7 @@ import importlib.util
 import numpy as np
 import pytest
 
+from slurm_align import REPO_ROOT
 from slurm_align.config import load_profile
 from tests.integration.test_disaggregated import store, training_rows
 from tests.integration.test_grpo import grpo_config, launch, metrics
@@ -46,7 +47,9 @@ def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path, mode):
                       "switches.dynamic_prompts=false", "ppo.num_rollout_samples=8", "rl.n_samples_per_prompt=8",
                       "ppo.global_batch_size=64", "ppo.train_micro_batch_size=16", "ppo.actor_lr=5e-3",
                       "eval.num_prompts=8")
-    launch(tmp_path, run, profile=load_profile("local", ["components.actor.tasks_per_node=1"]))
+    local = load_profile("local", ["components.actor.tasks_per_node=1"])
+    # the reward lives in tests/: jobs run in their run directory, so make the repo importable there
+    launch(tmp_path, run, profile=local.model_copy(update={"env": {**local.env, "PYTHONPATH": str(REPO_ROOT)}}))
     rows, data = training_rows(tmp_path / "run"), store(tmp_path / "run")
     assert [m["step"] for m in rows] == list(range(1, STEPS + 1))
     assert all(m["train_optim/grad_norm"] > 0 for m in rows), [m["train_optim/grad_norm"] for m in rows]

@@ -1,7 +1,7 @@
 """A pipeline on the real local Slurm cluster: SFT -> RM -> PPO queued in one call, each stage
 starting only after the stages it reads from completed; a failing first stage leaves its
 dependents cancelled by Slurm, with the reason in `slurm-align status`, and `pipeline --resume`
-queues both again."""
+queues them again. One chain of jobs covers both paths (the suite's time on the cluster)."""
 
 from __future__ import annotations
 
@@ -59,22 +59,44 @@ def _stages(root: Path) -> dict[str, dict]:
 
 
 @pytest.mark.slurm
-def test_pipeline_queues_sft_rm_ppo_at_once_and_runs_each_after_its_inputs(slurm_cluster, tmp_path):
+def test_a_pipeline_queues_at_once_cancels_after_a_failure_and_resume_runs_each_stage_after_its_inputs(
+        slurm_cluster, tmp_path):
+    """One pipeline through both paths (one chain of jobs instead of two): SFT -> RM -> PPO queued
+    in one call with Slurm's afterok dependencies; the SFT stage's data is broken, so it fails, RM
+    (independent) completes and Slurm cancels PPO, which status explains; once the data is fixed
+    `pipeline --resume` queues SFT and PPO again, and PPO starts only after both of its inputs
+    ended and trains from their checkpoints."""
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text("this is not JSON\n")   # exists (passes the submit checks), fails when read
     root = tmp_path / "pipe"
-    proc = _cli("pipeline", str(_spec(tmp_path, SYNTH / "sft_train.jsonl")), "--profile", "local-slurm",
-                "--run-dir", str(root))
+    proc = _cli("pipeline", str(_spec(tmp_path, broken)), "--profile", "local-slurm", "--run-dir", str(root))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stages = _stages(root)
     assert {n: s["after"] for n, s in stages.items()} == {"sft": [], "rm": [], "ppo": ["sft", "rm"]}
-    ppo_id = stages["ppo"]["job_id"]
     # Queued with its dependency on both (before either ran: the dependency is Slurm's, not ours)
-    dep = subprocess.run(["scontrol", "show", "job", ppo_id], capture_output=True, text=True).stdout
+    dep = subprocess.run(["scontrol", "show", "job", stages["ppo"]["job_id"]], capture_output=True, text=True).stdout
     assert f"afterok:{stages['sft']['job_id']}" in dep and f"afterok:{stages['rm']['job_id']}" in dep, dep
-    for name in ("sft", "rm", "ppo"):
+
+    assert Job(JobRecord.load(root / "sft")).wait(timeout_s=600) == "FAILED"
+    assert Job(JobRecord.load(root / "rm")).wait(timeout_s=900) == "COMPLETED"
+    assert Job(JobRecord.load(root / "ppo")).wait(timeout_s=120) == "CANCELLED"
+    status = {s["name"]: s for s in json.loads(_cli("status", str(root), "--json").stdout)["stages"]}
+    assert {n: s["state"] for n, s in status.items()} == {"sft": "FAILED", "rm": "COMPLETED", "ppo": "CANCELLED"}
+    assert status["ppo"]["why"].startswith("cancelled by Slurm: stage sft ended FAILED"), status
+
+    # Once the input is fixed, --resume queues what did not complete (and what waits on it).
+    broken.write_text((SYNTH / "sft_train.jsonl").read_text())
+    old = {n: s["job_id"] for n, s in stages.items()}
+    proc = _cli("pipeline", "--resume", str(root))
+    assert proc.returncode == 0 and "queued again: sft, ppo" in proc.stdout, proc.stdout + proc.stderr
+    stages = _stages(root)
+    assert stages["sft"]["job_id"] != old["sft"] and stages["ppo"]["job_id"] != old["ppo"]
+    assert stages["rm"]["job_id"] == old["rm"]   # completed: not run again
+    for name in ("sft", "ppo"):
         job = Job(JobRecord.load(root / name))
         state = job.wait(timeout_s=900)
         assert state == "COMPLETED", (name, [p.read_text()[-2000:] for ps in job.failed_logs().values() for p in ps])
-    ppo_start, _ = _job_times(ppo_id)
+    ppo_start, _ = _job_times(stages["ppo"]["job_id"])
     for name in ("sft", "rm"):
         assert ppo_start >= _job_times(stages[name]["job_id"])[1], name
     # PPO loaded the SFT and RM stages' checkpoints (a missing one fails the job at load)
@@ -85,31 +107,3 @@ def test_pipeline_queues_sft_rm_ppo_at_once_and_runs_each_after_its_inputs(slurm
     assert [(s["name"], s["state"]) for s in status["stages"]] == [
         ("sft", "COMPLETED"), ("rm", "COMPLETED"), ("ppo", "COMPLETED")]
     assert status["stages"][2]["last_checkpoint_step"] == 1
-
-
-@pytest.mark.slurm
-def test_a_failed_stage_leaves_its_dependents_cancelled_and_resume_requeues_them(slurm_cluster, tmp_path):
-    broken = tmp_path / "broken.jsonl"
-    broken.write_text("this is not JSON\n")   # exists (passes the submit checks), fails when read
-    root = tmp_path / "pipe"
-    spec = _spec(tmp_path, broken)
-    data = json.loads(spec.read_text())
-    del data["stages"]["rm"]                  # the failure alone: sft -> ppo
-    data["stages"]["ppo"]["overrides"] = [o for o in data["stages"]["ppo"]["overrides"] if "{rm." not in o]
-    spec.write_text(json.dumps(data))
-    proc = _cli("pipeline", str(spec), "--profile", "local-slurm", "--run-dir", str(root))
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert Job(JobRecord.load(root / "sft")).wait(timeout_s=600) == "FAILED"
-    assert Job(JobRecord.load(root / "ppo")).wait(timeout_s=120) == "CANCELLED"
-    status = json.loads(_cli("status", str(root), "--json").stdout)["stages"]
-    assert [(s["name"], s["state"]) for s in status] == [("sft", "FAILED"), ("ppo", "CANCELLED")]
-    assert status[1]["why"].startswith("cancelled by Slurm: stage sft ended FAILED"), status
-    # Once the input is fixed, --resume queues both again (ppo after the new sft job) and they complete.
-    broken.write_text((SYNTH / "sft_train.jsonl").read_text())
-    old = {s["name"]: s["job_id"] for s in status}
-    proc = _cli("pipeline", "--resume", str(root))
-    assert proc.returncode == 0 and "queued again: sft, ppo" in proc.stdout, proc.stdout + proc.stderr
-    stages = _stages(root)
-    assert stages["sft"]["job_id"] != old["sft"] and stages["ppo"]["job_id"] != old["ppo"]
-    for name in ("sft", "ppo"):
-        assert Job(JobRecord.load(root / name)).wait(timeout_s=900) == "COMPLETED", name
