@@ -36,8 +36,8 @@ class JudgeServer(CriticServer):
     component = "judge"
 
     def __init__(self, *args, encode, **kw):
-        """`encode(prompts)` -> (tokens, lengths) with the judge's tokenizer (JudgeModel.encode);
-        `tokenizer`: for the answers' token ids."""
+        """`encode`: (encode(prompts) -> (tokens, lengths), the judge's tokenizer), from JudgeModel:
+        requests are tokenized here, the answers' token ids checked."""
         super().__init__(*args, **kw)
         self._encode, self._tokenizer = encode
 
@@ -69,10 +69,9 @@ class JudgeServer(CriticServer):
                 raise P.CriticPayloadError(f"{ANSWERS}: {len(prompts)} prompts; expected 1 to {MAX_PROMPTS}")
             if not 2 <= len(answers) <= 16:
                 raise P.CriticPayloadError(f"{ANSWERS}: {len(answers)} allowed answers; expected 2 to 16")
-            encode, tok = self._encode
             try:
-                ids = answer_token_ids(tok, answers)
-                tokens, lengths = encode(prompts)
+                ids = answer_token_ids(self._tokenizer, answers)
+                tokens, lengths = self._encode(prompts)
             except JudgeModelError as e:
                 raise P.CriticPayloadError(f"{ANSWERS}: {e}") from None
             logprobs = self._submit("infer", {"tokens": tokens.numpy(), "lengths": lengths.numpy(),
