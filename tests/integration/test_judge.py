@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -101,7 +100,8 @@ def test_judge_component_answers_its_run_with_its_models_log_probs_and_refuses_s
             status, text = raw_infer(found, endpoint, headers, body)
             assert status in (400, 403, 500), (endpoint, how, status, text)
             assert "restricted" in text or "refused" in text, (endpoint, how, text)
-    for method, path in [("GET", f"/v2/models/{S.ANSWERS}/config"), ("POST", f"/v2/repository/models/{S.ANSWERS}/unload")]:
+    for method, path in [("GET", f"/v2/models/{S.ANSWERS}/config"),
+                         ("POST", f"/v2/repository/models/{S.ANSWERS}/unload")]:
         status, text = raw(found, path, b"{}" if method == "POST" else None, method=method)
         assert status == 403 and "restricted" in text, (path, status, text)
     assert judge["proc"].proc.poll() is None, judge["proc"].log_text()   # the shutdown was refused
@@ -152,7 +152,7 @@ def test_remote_judge_reads_verdicts_from_log_probs_or_text_and_never_leaks_its_
         RemoteJudge(RemoteJudgeConfig(url=url, model="judge", api_key_env="MY_JUDGE_KEY")).answer_logprobs(["x"], "AB")
     assert "sk-wrong" not in str(e.value)
     monkeypatch.delenv("MY_JUDGE_KEY")
-    with pytest.raises(JudgeError, match="MY_JUDGE_KEY.*not set"):
+    with pytest.raises(JudgeError, match=r"MY_JUDGE_KEY.*not set"):
         RemoteJudge(RemoteJudgeConfig(url=url, model="judge", api_key_env="MY_JUDGE_KEY")).answer_logprobs(["x"], "AB")
 
     # `slurm-align label` with the remote judge: the sorted answer is chosen; the key appears in
@@ -161,8 +161,9 @@ def test_remote_judge_reads_verdicts_from_log_probs_or_text_and_never_leaks_its_
     samples = tmp_path / "samples.jsonl"
     samples.write_text("".join(json.dumps({"prompt": pr, "response": r}) + "\n" for pr, a, b in ITEMS for r in (a, b)))
     config = tmp_path / "run.yaml"
+    remote = {"url": url, "model": "judge", "api_key_env": "MY_JUDGE_KEY"}
     config.write_text(yaml.safe_dump({"judge": {"template": "pairwise_compact", "principles": ["sorted"],
-                                                "remote": {"url": url, "model": "judge", "api_key_env": "MY_JUDGE_KEY"}}}))
+                                                "remote": remote}}))
     out = tmp_path / "labels.jsonl"
     assert cli_main(["label", str(samples), "--config", str(config), "--out", str(out)]) == 0
     rows = [json.loads(x) for x in out.read_text().splitlines()]
