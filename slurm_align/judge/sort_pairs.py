@@ -41,3 +41,21 @@ def judge_sft_rows(rng: random.Random, n: int, template: str = "pairwise_compact
         rows.append({"input": pairwise_prompt(tpl, SORT_PRINCIPLE, prompt, a, b),
                      "output": rule_verdict(prompt, a, b)})
     return rows
+
+
+def write_judge_data(folder, train: int = 8000, val: int = 200, seed: int = 11) -> None:
+    """folder/judge_train.jsonl and judge_val.jsonl (examples/judge_tiny.yaml trains on them)."""
+    import json
+    from pathlib import Path
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("train", judge_sft_rows(random.Random(seed), train)),
+                       ("val", judge_sft_rows(random.Random(seed + 1), val))):
+        (folder / f"judge_{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+if __name__ == "__main__":   # python -m slurm_align.judge.sort_pairs FOLDER
+    import sys
+
+    write_judge_data(sys.argv[1])

@@ -174,3 +174,21 @@ def test_remote_judge_reads_verdicts_from_log_probs_or_text_and_never_leaks_its_
     captured = capsys.readouterr()
     for text in (captured.out, captured.err, out.read_text(), config.read_text(), log.read_text()):
         assert "sk-test-4242" not in text
+
+
+@pytest.mark.skipif(os.environ.get("SLURM_ALIGN_JUDGE_TRAIN") != "1",
+                    reason="trains the sort judge (1,500 SFT steps, minutes); set SLURM_ALIGN_JUDGE_TRAIN=1")
+def test_trained_judge_agrees_with_the_task_rule_on_held_out_pairs(tmp_path):
+    """A small judge trained here (SFT on the rule's "A"/"B" verdicts of training pairs) agrees with
+    the rule on >= 90% of 1,000 held-out pairs, and beats its untrained twin (same weights before
+    training) on the same pairs by an exact sign test."""
+    from slurm_align.analysis.significance import paired_counts
+    from tests.support.judge_support import agreement, train_sort_judge
+    from tests.support.learning import ALPHA
+
+    trained = agreement(train_sort_judge(tmp_path))
+    twin = agreement(None)
+    counts = paired_counts(twin, trained)
+    print(f"judge agreement: trained {trained.mean():.3f}, untrained {twin.mean():.3f}; {counts}")
+    assert trained.mean() >= 0.90, trained.mean()
+    assert counts.p_better < ALPHA, counts
