@@ -54,6 +54,8 @@ def _run(args) -> int:
     template = JudgeTemplate.get(run.judge.template)
     if args.command == "label" and args.random_labels:
         rows = L.label(samples, None, template, run.judge.principles, random_labels=True, seed=args.seed)
+    elif args.command == "revise" and args.random_labels:
+        rows = L.revise(samples, None, template, run.judge.principles, random_choice=True, seed=args.seed)
     else:
         with open_judge(run, args.config, args.judge_run) as judge:
             if args.command == "label":
@@ -75,10 +77,11 @@ def register(sub) -> None:
         p.add_argument("--out", type=Path, required=True, help="output JSONL (preference rows / SFT rows)")
         p.add_argument("--judge-run", type=Path, default=None,
                        help="run directory of a running judge component to ask (default: judge.model here)")
+        p.add_argument("--random-labels", action="store_true",
+                       help="no feedback, the control of an RLAIF experiment: label picks the chosen response "
+                            "by a seeded coin, revise keeps a random response; no judge is asked")
+        p.add_argument("--seed", type=int, default=0, help="seed of --random-labels")
         if name == "label":
-            p.add_argument("--random-labels", action="store_true",
-                           help="no feedback: chosen by a seeded coin (the control of an RLAIF experiment)")
-            p.add_argument("--seed", type=int, default=0, help="seed of --random-labels")
             p.add_argument("--min-margin", type=float, default=0.0,
                            help="leave out pairs whose p(chosen) is below 0.5 + this")
         p.add_argument("overrides", nargs="*", help="config overrides a.b=c")

@@ -11,7 +11,8 @@ with prompt and response works), grouped by prompt.
 - revise: self-critique and revision against the principles, for models too small to write a
   critique: each response is critiqued by the judge (its pairwise wins against the prompt's other
   responses), and the revision is the response the critique ranks first; written as SFT rows
-  {"input", "output", "judge_wins"}. A prompt whose responses all tie keeps none.
+  {"input", "output", "judge_wins"}. A prompt whose responses all tie keeps none. Its control
+  (`random_choice`) takes a random response of each prompt, no judge asked.
 """
 
 from __future__ import annotations
@@ -75,8 +76,14 @@ def label(samples: dict[str, list[str]], judge: Judge | None, template: JudgeTem
     return rows
 
 
-def revise(samples: dict[str, list[str]], judge: Judge, template: JudgeTemplate,
-           principles: Sequence[str]) -> list[dict]:
+def revise(samples: dict[str, list[str]], judge: Judge | None, template: JudgeTemplate,
+           principles: Sequence[str], *, random_choice: bool = False, seed: int = 0) -> list[dict]:
+    """`random_choice`: the no-feedback control, a seeded random response of each prompt."""
+    if random_choice:
+        rng = random.Random(seed)
+        return [{"input": prompt, "output": rng.choice(list(dict.fromkeys(responses))), "judge_wins": 0.0}
+                for prompt, responses in samples.items()]
+    assert judge is not None
     items, owners = [], []
     for prompt, responses in samples.items():
         distinct = list(dict.fromkeys(responses))
