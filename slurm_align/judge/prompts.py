@@ -35,8 +35,9 @@ JUDGE_TEMPLATES: dict[str, str] = {
         "Reply with one digit.\n"
         "Score: "),
     # The principle is the one this judge was trained on: it is not spelled out in its context.
-    "pairwise_compact": "{{ prompt }}{{ a[:12] }}|{{ b[:12] }}?",
-    "pointwise_compact": "{{ prompt }}{{ response[:12] }}?",
+    # Answers are cut to 9 characters (the task's answers have at most 7 digits) to fit 32 tokens.
+    "pairwise_compact": "{{ prompt }}{{ a[:9] }}|{{ b[:9] }}?",
+    "pointwise_compact": "{{ prompt }}{{ response[:9] }}?",
     "critique": (
         "Principle: {{ principle }}\nPrompt: {{ prompt }}\nAnswer: {{ response }}\n"
         "Critique the answer against the principle.\nCritique: "),
