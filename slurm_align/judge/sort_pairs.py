@@ -1,8 +1,8 @@
 """Judge training and test data on the synthetic sort task: pairs of answers to one prompt, the
 verdict ("A" or "B") the task's rule gives (the higher `rewards.sort.partial`; exact answers score
 1), rendered with a pairwise template. The pairs are of the sort the CAI pipeline's policy makes:
-the right answer against a wrong one (a digit substituted, shuffled, a digit dropped or added,
-truncated), and two different wrong ones; pairs the rule ties are not drawn.
+the right answer against a corrupted one (shuffled, a digit dropped or added, truncated), and two
+different corrupted ones; pairs the rule ties are not drawn.
 """
 
 from __future__ import annotations
@@ -16,24 +16,12 @@ from slurm_align.rewards.sort import partial
 SORT_PRINCIPLE = "the answer lists the prompt's digits, all of them, in ascending order"
 
 
-def substituted(rng: random.Random, good: str) -> str:
-    """The sorted answer with one digit replaced by another, kept sorted: the error a weak sort
-    policy makes most (it writes '12466' for '41672='), which corrupted() never draws."""
-    i = rng.randrange(len(good))
-    digit = str((int(good[i]) + rng.choice((-2, -1, 1, 2))) % 10)
-    return "".join(sorted(good[:i] + digit + good[i + 1:]))
-
-
-def wrong(rng: random.Random, good: str) -> str:
-    return substituted(rng, good) if rng.random() < 0.5 else synthetic.corrupted(rng, good)
-
-
 def rule_pair(rng: random.Random) -> tuple[str, str, str]:
     """(prompt, a, b) with partial(a) != partial(b)."""
     while True:
         prompt, good = synthetic.make_prompt(rng)
-        x = good if rng.random() < 0.6 else wrong(rng, good)
-        y = wrong(rng, good)
+        x = good if rng.random() < 0.6 else synthetic.corrupted(rng, good)
+        y = synthetic.corrupted(rng, good)
         if partial(x, prompt) == partial(y, prompt):
             continue
         return (prompt, x, y) if rng.random() < 0.5 else (prompt, y, x)
