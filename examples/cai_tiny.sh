@@ -19,10 +19,10 @@ mkdir -p "$runs"
 [[ -e "$runs/sft/checkpoints/sft" ]] || "$sa" train sft examples/sft_tiny.yaml --profile "$profile" \
     --run-dir "$runs/sft" --follow trainer.num_steps=50 trainer.save_interval=0
 [[ -e "$runs/judge-data" ]] || .venv/bin/python -m slurm_align.judge.sort_pairs "$runs/judge-data"
-[[ -e "$runs/judge/checkpoints/sft" ]] || "$sa" train sft examples/judge_tiny.yaml --profile "$profile" \
-    --run-dir "$runs/judge" --follow data.train_path="$runs/judge-data/judge_train.jsonl" \
+[[ -e "$runs/judge-model/checkpoints/sft" ]] || "$sa" train sft examples/judge_tiny.yaml --profile "$profile" \
+    --run-dir "$runs/judge-model" --follow data.train_path="$runs/judge-data/judge_train.jsonl" \
     data.val_path="$runs/judge-data/judge_val.jsonl"
-judge=(judge.model.init_checkpoint="$runs/judge/checkpoints/sft")
+judge=(judge.model.init_checkpoint="$runs/judge-model/checkpoints/sft")
 
 # 1. red-team prompts (the task's training prompts) -> 4 responses each from the SFT policy
 [[ -e "$runs/responses/generate" ]] || "$sa" generate "$runs/sft/checkpoints/sft" --config examples/grpo_tiny.yaml \

@@ -53,13 +53,13 @@ EXAMPLES: dict[tuple[str, ...], tuple[str, ...]] = {
     ),
     ("label",): (
         "slurm-align label runs/cai/responses/generate --config examples/cai_tiny.yaml --out runs/cai/labels.jsonl "
-        "judge.model.init_checkpoint=runs/cai/judge/checkpoints/sft",
+        "judge.model.init_checkpoint=runs/cai/judge-model/checkpoints/sft",
         "slurm-align label runs/cai/responses/generate --config examples/cai_tiny.yaml --out runs/cai/random.jsonl "
         "--random-labels",
     ),
     ("revise",): (
         "slurm-align revise runs/cai/responses/generate --config examples/cai_tiny.yaml "
-        "--out runs/cai/revisions.jsonl judge.model.init_checkpoint=runs/cai/judge/checkpoints/sft",
+        "--out runs/cai/revisions.jsonl judge.model.init_checkpoint=runs/cai/judge-model/checkpoints/sft",
     ),
     ("generate",): (
         "slurm-align generate runs/tiny/ppo/checkpoints/actor --data examples/synthetic/prompts.jsonl "
