@@ -192,3 +192,19 @@ def test_trained_judge_agrees_with_the_task_rule_on_held_out_pairs(tmp_path):
     print(f"judge agreement: trained {trained.mean():.3f}, untrained {twin.mean():.3f}; {counts}")
     assert trained.mean() >= 0.90, trained.mean()
     assert counts.p_better < ALPHA, counts
+
+
+@pytest.mark.skipif(os.environ.get("SLURM_ALIGN_CAI") != "1",
+                    reason="runs examples/cai_tiny.sh end to end (~25 min here); set SLURM_ALIGN_CAI=1")
+def test_constitutional_ai_example_raises_held_out_accuracy_and_its_control_does_not(tmp_path):
+    """The CAI example as shipped: the judge arm's final policy beats the SFT start on held-out exact
+    accuracy (exact sign test), the no-feedback control's does not. Measured so far: it does NOT
+    (docs/cai.md: 0.268 -> 0.042, control 0.157); this test states the claim."""
+    from slurm_align.judge.cai_report import report
+    from tests.support.learning import ALPHA, TWIN_ALPHA
+
+    subprocess.run(["bash", str(REPO / "examples" / "cai_tiny.sh"), str(tmp_path / "cai")], cwd=REPO, check=True,
+                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = report(tmp_path / "cai")
+    assert out["judge_dpo_vs_sft"]["p_better"] < ALPHA, out
+    assert out["control_dpo_vs_sft"]["p_better"] > TWIN_ALPHA, out
