@@ -176,7 +176,7 @@ class PolicyUpdate:
         total = all_reduce_sums(all_reduce_sums(totals, dp), self.pctx.pp_group)
         tokens = max(total["tokens"], 1.0)
         out = {"loss": total["loss"] / len(norms), "grad_norm": float(np.mean(norms)), "lr": lr,
-               "optimizer_steps": float(len(norms))}
+               "optimizer_steps": float(len(norms)), **self.optimizer.metrics()}   # fp16: loss scale
         if self.loss == "policy":
             out.update(ppo_ratio=total["ratio"] / tokens, ppo_ratio_clamped=total["clipped"] / tokens)
             if self.terms.kl_loss_coef > 0:

@@ -418,7 +418,7 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
         load_weights(init_checkpoint, policy)
     attach_configured(policy, run.model, pctx, run.seed)   # LoRA: on the loaded base
     optimizer = build_optimizer(trainable_parameters(policy), pctx, run.training, lr=run.ppo.actor_lr,
-                                grad_clip=run.ppo.grad_clip, total_steps=actor_optimizer_steps(run))
+                                grad_clip=run.ppo.grad_clip, total_steps=actor_optimizer_steps(run), models=policy)
     # The reference policy is the initial policy: in host memory and swapped in, or (LoRA) the
     # same model with its adapters off.
     reference = reference_policy(policy)

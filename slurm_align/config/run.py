@@ -711,11 +711,23 @@ class TrainingConfig(StrictModel):
     the run; each model keeps its own LR, weight decay and gradient clip (ppo.actor_lr,
     ppo.critic_lr, trainer.lr, ...). Built in one place: models/optimizer.build_optimizer."""
 
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """'fp32': parameters, activations and gradients in fp32 (exact, as before). 'bf16':
     parameters and activations in bf16, gradients accumulated in fp32 (`main_grad`) and the
     update made on fp32 main weights, copied back to the bf16 parameters after each step
-    (megatron's mixed-precision recipe). fp16 (needs loss scaling) is not offered."""
+    (megatron's mixed-precision recipe). 'fp16': the same in fp16, with dynamic loss scaling
+    (megatron's DynamicGradScaler: the loss is multiplied by the scale before the backward pass,
+    the fp32 gradients divided by it; a step whose gradients hold inf/nan is skipped and the
+    scale lowered; `loss_scale` and `skipped_steps` are in the metrics). LoRA: the base weights
+    take this precision, the adapters stay fp32 (they are what trains)."""
+    initial_loss_scale: float = Field(2.0 ** 16, gt=0)
+    """fp16 only: the loss scale of the first step (megatron's initial_loss_scale)."""
+    min_loss_scale: float = Field(1.0, gt=0)
+    """fp16 only: the scale is never lowered below this."""
+    loss_scale_window: int = Field(1000, ge=1)
+    """fp16 only: steps without inf/nan after which the scale is doubled."""
+    loss_scale_hysteresis: int = Field(2, ge=1)
+    """fp16 only: consecutive inf/nan steps after which the scale is halved (each is skipped)."""
     distributed_optimizer: bool = False
     """ZeRO-1: fp32 main weights and Adam state sharded over the data-parallel ranks (each rank
     updates 1/DP of them: gradients are reduce-scattered, updated weights all-gathered). Off:
@@ -743,6 +755,13 @@ class TrainingConfig(StrictModel):
     default: the run's total optimizer steps."""
     min_lr: float = Field(0.0, ge=0)
     """LR at the end of the decay (and after it)."""
+
+    @model_validator(mode="after")
+    def _loss_scale_fits(self):
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ValueError(f"min_loss_scale={self.min_loss_scale} must not exceed "
+                             f"initial_loss_scale={self.initial_loss_scale}")
+        return self
 
     @model_validator(mode="after")
     def _schedule_fits(self):
@@ -927,13 +946,6 @@ class RunConfig(StrictModel):
         if self.critic_model is not None and self.critic_model.lora is not None:
             raise ValueError("critic_model.lora: the critic trains its full weights; LoRA applies to the "
                              "policy (model.lora)")
-        return self
-
-    @model_validator(mode="after")
-    def _precision_fits(self):
-        if self.training.precision != "fp32" and self.model.lora is not None:
-            raise ValueError(f"training.precision={self.training.precision!r} with model.lora: the adapters are "
-                             "built in fp32 and do not take bf16 inputs yet; use precision 'fp32' with LoRA")
         return self
 
     @model_validator(mode="after")
