@@ -82,7 +82,9 @@ def nll(logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
     return loss, {"loss": loss.detach()}
 
 
-def train(pctx, training: TrainingConfig, steps: int) -> tuple[list[float], list, object]:
+def train(pctx, training: TrainingConfig, steps: int, norms: list | None = None) -> tuple[list[float], list, object]:
+    """`steps` optimizer steps on one batch: the losses, the chunks, the optimizer (`norms`:
+    each step's gradient norm is appended there)."""
     chunks = build_gpt(MODEL, pctx, seed=11, training=training)
     opt = build_optimizer([p for c in chunks for p in c.parameters()], pctx, training, lr=3e-3, grad_clip=1.0,
                           total_steps=steps, models=chunks)
@@ -90,7 +92,9 @@ def train(pctx, training: TrainingConfig, steps: int) -> tuple[list[float], list
     for _ in range(steps):
         opt.zero_grad()
         losses.append(float(run_schedule(chunks, [{"tokens": batch()}], nll, forward_only=False)[0]["loss"]))
-        opt.step()
+        norm = opt.step()
+        if norms is not None:
+            norms.append(norm)
     return losses, chunks, opt
 
 
@@ -165,8 +169,10 @@ def test_fp16_trains_as_fp32_does_with_loss_scaling():
     # hysteresis 1: an overflowing step would halve the scale at once (there should be none)
     t = TrainingConfig(precision="fp16", initial_loss_scale=2.0 ** 12, loss_scale_hysteresis=1)
     with single_rank_world() as (_, pctx):
-        fp32, _, _ = train(pctx, TrainingConfig(), 8)
-        fp16, chunks, opt = train(pctx, t, 8)
+        norms32: list[float] = []
+        norms16: list[float] = []
+        fp32, _, _ = train(pctx, TrainingConfig(), 8, norms32)
+        fp16, chunks, opt = train(pctx, t, 8, norms16)
     assert {p.dtype for c in chunks for p in c.parameters()} == {torch.float16}
     assert [b.main.dtype for b in opt.buckets] == [torch.float32]
     # The loss was scaled before the backward pass and the gradients unscaled: without either,
@@ -175,6 +181,7 @@ def test_fp16_trains_as_fp32_does_with_loss_scaling():
     assert opt.metrics() == {"loss_scale": 2.0 ** 12, "skipped_steps": 0.0} and opt.steps == 8
     assert fp16[-1] < fp16[0] - 0.5
     assert fp16 == pytest.approx(fp32, abs=0.02)
+    assert norms16 == pytest.approx(norms32, rel=0.05) and min(norms32) > 1.0   # unscaled; the clip acts
 
 
 def test_fp16_overflow_skips_the_step_and_halves_the_scale(tmp_path: Path):
