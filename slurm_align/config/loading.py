@@ -119,6 +119,14 @@ def load_profile(name_or_path: str | None = None, overrides: list[str] | None = 
     return validate(ClusterProfile, data, path)
 
 
+def with_profile_defaults(run: RunConfig, profile: ClusterProfile) -> RunConfig:
+    """The run with the profile's defaults for what its config leaves unset: `training.precision`
+    from `profile.precision`. A value the config (or an override) sets is kept."""
+    if profile.precision is None or "precision" in run.training.model_fields_set:
+        return run
+    return run.model_copy(update={"training": run.training.model_copy(update={"precision": profile.precision})})
+
+
 def check_against_profile(run: RunConfig, profile: ClusterProfile, source: str | Path | None = None) -> None:
     """TP x PP x DP of each component must equal the ranks the profile gives it."""
     problems = []

@@ -258,6 +258,9 @@ class ClusterProfile(StrictModel):
     """The compute nodes share /tmp (and the other usually node-local folders) with the submitting
     machine: only true for a one-host cluster such as the local test cluster. False: a 'slurm'
     profile refuses a run directory or interpreter under /tmp, /var/tmp, /dev/shm, /run, /local."""
+    precision: Dtype | None = None
+    """The `training.precision` of runs on this profile whose config does not set it (the shipped
+    GPU example: bf16); unset: the run's own default, fp32 (the CPU profiles)."""
     gpu_memory_gib: float | None = Field(None, gt=0)
     """Memory of one GPU in GiB (e.g. 80 for an H100 80GB). When set, `submit` refuses a run whose
     memory plan (`slurm-align plan`) exceeds it on any component; default: not checked."""

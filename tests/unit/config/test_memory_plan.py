@@ -116,3 +116,27 @@ def test_plan_command_prints_each_component_against_the_profile(capsys):
     assert code == 0
     assert "actor      policy      2,007,764,992" in text   # Llama-3-8B / TP 4 (8.03e9 / 4)
     assert "critic     TOTAL" in text and "of 80 GiB fits" in text and "KV cache" in text
+
+
+def test_the_gpu_profile_trains_in_bf16_unless_the_run_says_otherwise(tmp_path: Path, capsys):
+    """The shipped GPU profile's `precision: bf16` is the default of runs that leave
+    training.precision unset (the plan shows bf16 weights); a config's own value wins; the CPU
+    profiles leave fp32."""
+    from slurm_align.config import load_profile, load_run_config
+    from slurm_align.config.loading import with_profile_defaults
+
+    text = (REPO_ROOT / "examples" / "plans" / "llama3_8b_ppo.yaml").read_text()
+    config = tmp_path / "run.yaml"
+    config.write_text(text.replace("training: {precision: bf16, ", "training: {"))
+    gpu, local = load_profile("example-gpu-cluster"), load_profile("local")
+    unset = load_run_config(config)
+    assert unset.training.precision == "fp32"
+    assert with_profile_defaults(unset, gpu).training.precision == "bf16"
+    assert with_profile_defaults(unset, gpu).training.distributed_optimizer   # the rest is the run's
+    assert with_profile_defaults(unset, local).training.precision == "fp32"
+    for own in ("fp32", "fp16"):
+        assert with_profile_defaults(load_run_config(config, [f"training.precision={own}"]),
+                                     gpu).training.precision == own
+    assert cli_main(["plan", str(config), "--profile", "example-gpu-cluster"]) == 0
+    policy = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("actor      policy"))
+    assert policy.split()[3] == f"{2_007_764_992 * 2 / 2 ** 30:.2f}"   # TP 4's share of 8.03e9, 2 bytes each
