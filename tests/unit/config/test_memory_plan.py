@@ -31,6 +31,10 @@ SHAPES = {
     "qwen_qkv_bias_qk_norm": (LLAMA.model_copy(update={"add_qkv_bias": True, "qk_layernorm": True,
                                                        "tie_embeddings": False}), False),
     "value_head": (LLAMA, True),
+    # MoE (megatron's router + SequentialMLP experts): Qwen3-MoE-like and GELU experts with biases
+    "moe_swiglu": (LLAMA.model_copy(update={"num_experts": 4, "moe_router_topk": 2, "tie_embeddings": False}), False),
+    "moe_gelu_bias": (ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, num_experts=3,
+                                  moe_router_topk=2, ffn_hidden_size=40), False),
 }
 
 
@@ -61,10 +65,12 @@ def test_lora_trained_count_and_optimizer_bytes_equal_the_real_optimizer():
     assert plan.grads == 4 * plan.trained and plan.weights == 4 * plan.params
 
 
-def test_bf16_plan_equals_the_real_optimizers_tensors():
+@pytest.mark.parametrize("shape", ["llama_tied", "moe_swiglu"])
+def test_bf16_plan_equals_the_real_optimizers_tensors(shape: str):
     t = TrainingConfig(precision="bf16")
+    cfg = SHAPES[shape][0]
     with single_rank_world() as (_, pctx):
-        chunks = build_gpt(LLAMA, pctx, seed=1, training=t)
+        chunks = build_gpt(cfg, pctx, seed=1, training=t)
         params = [p for c in chunks for p in c.parameters()]
         opt = build_optimizer(params, pctx, t, lr=1e-3)
         opt.step()
@@ -73,7 +79,7 @@ def test_bf16_plan_equals_the_real_optimizers_tensors():
         weights = sum(p.numel() * p.element_size() for p in params)
         grads = sum(p.main_grad.numel() * p.main_grad.element_size() for p in params)
         main = sum(b.main.numel() * b.main.element_size() for b in opt.buckets)
-    plan = plan_model("policy", LLAMA, ONE, t)
+    plan = plan_model("policy", cfg, ONE, t)
     assert (plan.weights, plan.grads, plan.main_weights, plan.optimizer) == (weights, grads, main, moments)
 
 
