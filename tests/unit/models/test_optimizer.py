@@ -252,3 +252,19 @@ def test_lora_on_a_bf16_base_trains_fp32_adapters_as_fp32_does():
     for k in b_grads:
         assert float((g16[k] - g32[k]).norm()) < 0.05 * float(g32[k].norm()), k
     assert l16[-1] < l16[0] and l16 == pytest.approx(l32, abs=0.02)
+
+
+def test_fp16_loss_scale_and_skipped_steps_reach_a_trainers_metrics(tmp_path: Path):
+    """The SFT trainer's step metrics (models/worker.py) carry the scaler's state: the first
+    step at a scale of 2^40 overflows and is skipped."""
+    from slurm_align import REPO_ROOT
+    from slurm_align.algorithms.trainer import Trainer
+    synth = REPO_ROOT / "examples" / "synthetic"
+    run = load_run_config(REPO_ROOT / "examples" / "sft_tiny.yaml", [
+        f"data.train_path={synth / 'sft_train.jsonl'}", "data.val_path=null", "actor.data_parallel=1",
+        "training.precision=fp16", f"training.initial_loss_scale={2.0 ** 40}", "training.loss_scale_hysteresis=1"])
+    with single_rank_world() as (_, pctx):
+        trainer = Trainer(run, pctx, tmp_path)
+        first, second = trainer.train_step(0), trainer.train_step(1)
+    assert (first["loss_scale"], first["skipped_steps"]) == (2.0 ** 39, 1.0)
+    assert (second["loss_scale"], second["skipped_steps"]) == (2.0 ** 38, 2.0)
