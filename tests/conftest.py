@@ -371,3 +371,13 @@ def ppo_reference(tmp_path_factory: pytest.TempPathFactory, sft_checkpoint: Path
         assert "dir" in result, "the reference PPO run did not end within 1200 s"
         return result["dir"]
     return PpoReference(overrides, wait)
+
+
+# --- model-parallel layout runs (tests/support/layout_runs.py) -----------------------
+@pytest.fixture(scope="session")
+def layout_runs(tmp_path_factory: pytest.TempPathFactory):
+    """TP=2 / PP=2 checks, checkpoint saves and TP=1 loads in four mpirun launches, read by
+    test_models_parallel and test_checkpoint (their users share one worker: one build). Read-only."""
+    from tests.support.layout_runs import run_layouts
+
+    return run_layouts(tmp_path_factory.mktemp("layouts"))
