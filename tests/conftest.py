@@ -162,13 +162,18 @@ def _xdist_groups(items: list[pytest.Item], loadgroup: bool = False) -> None:
 
 
 def _long_tests_first(items: list[pytest.Item]) -> None:
-    """xdist hands out the groups first (largest first), then single tests in collection order:
-    put the long single tests (marked slow) at the head of those, so that none starts last and
-    runs alone while the other workers idle (measured: 20-30% of the CPU idle in a run's last
-    minute). A stable sort: every other test keeps its place."""
-    def single_and_slow(item: pytest.Item) -> bool:
-        return bool(item.get_closest_marker("slow")) and not item.get_closest_marker("xdist_group")
-    items.sort(key=lambda item: not single_and_slow(item))
+    """xdist hands out the groups first (those of most tests first), then the groups of one test
+    and the single tests in collection order: put the long single tests (marked slow) and the
+    Slurm files' tests at the head of those, so that none starts last and runs alone while the
+    other workers idle (measured: 20-30% of the CPU idle in a run's last minute), and the Slurm
+    jobs' waits (time limits, requeues) overlap the other workers' computing. A stable sort:
+    every other test keeps its place, and the tests of a group their order."""
+    def early(item: pytest.Item) -> bool:
+        group = item.get_closest_marker("xdist_group")
+        if group is None:
+            return bool(item.get_closest_marker("slow"))
+        return str(group.args[0]).startswith(f"{SLURM_GROUP}-")
+    items.sort(key=lambda item: not early(item))
 
 
 def _suffix_group(item: pytest.Item, name: str) -> None:
