@@ -106,7 +106,7 @@ def sampled_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 @dataclass
 class EvalSet:
-    rows: list[dict[str, Any]]       # held-out prompt rows (prompt + the fields the scorer reads)
+    rows: Sequence[dict[str, Any]]     # held-out prompt rows (prompt + the fields the scorer reads)
     prompts: Sequence[np.ndarray]    # their token ids, encoded as the rollout prompts are (on first use)
     scorer: RuleReward
     samples: int = 1                 # answers per prompt (eval.samples)
@@ -126,7 +126,8 @@ class EvalSet:
         scorer = ev.scorer or run.reward.rule
         # RunConfig: eval.interval needs eval.val_path and a scorer
         assert ev.val_path is not None and scorer is not None, "checked by RunConfig"
-        dataset = PromptDataset(ev.val_path, tokenizer, run.model.max_seq_len, run.data.columns)
+        dataset = PromptDataset(ev.val_path, tokenizer, run.model.max_seq_len, run.data.columns,
+                                reserve=run.generation.max_new_tokens)
         rows, prompts = dataset.fields(), dataset.token_arrays()
         if ev.num_prompts:
             rows, prompts = rows[: ev.num_prompts], prompts[: ev.num_prompts]

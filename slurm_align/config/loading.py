@@ -242,9 +242,10 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
 
 
 CHECKED_PROMPTS = 2000
-"""Prompts tokenized at submit: all of a data set this small, a seeded sample of a larger one (the
-login node reads and validates every row but tokenizes only these; each rank tokenizes its own
-prompts when it uses them, data/datasets.py)."""
+"""Prompts read and tokenized at submit: all of a data set this small, a seeded sample of a
+larger one (data/sources.py sample_positions); each rank reads and tokenizes its own prompts
+when it uses them (data/datasets.py), and names a bad row or a too-long prompt outside the
+sample then."""
 
 
 def check_prompt_lengths(run: RunConfig, train_path: Path, columns: dict[str, str] | None = None) -> None:
@@ -253,24 +254,20 @@ def check_prompt_lengths(run: RunConfig, train_path: Path, columns: dict[str, st
     max_seq_len (the engine would refuse it in the middle of the job)."""
     # deferred: circular import (these import slurm_align.config, whose __init__ imports this
     # module), and the CLI stays fast: they load torch and tokenizers, which only this check needs.
-    import numpy as np
-
     from slurm_align.data.datasets import encode_chat_prompt, encode_prompt
-    from slurm_align.data.jsonl import read_rows
+    from slurm_align.data.jsonl import LazyRows
+    from slurm_align.data.sources import open_source, sample_positions
     from slurm_align.models.tokenizer import build_tokenizer
 
     tok = build_tokenizer(run.model)   # raises ConfigError when it does not fit model.vocab_size
     longest, line = 0, None
-    rows = read_rows(train_path, "prompt", run.data.columns if columns is None else columns)
-    if len(rows) > CHECKED_PROMPTS:
-        picked = np.random.default_rng(run.seed).choice(len(rows), CHECKED_PROMPTS, replace=False)
-        rows = [rows[i] for i in sorted(picked)]
-    for row in rows:
-        data = row.data
+    rows = LazyRows(open_source(train_path, "prompt", run.data.columns if columns is None else columns), "prompt")
+    for i in sample_positions(len(rows), CHECKED_PROMPTS, run.seed):
+        data = rows[i].data
         ids = encode_chat_prompt(tok, data["messages"], 1 << 30) if "messages" in data \
             else encode_prompt(tok, data["prompt"], 1 << 30)
         if len(ids) > longest:
-            longest, line = len(ids), row.where
+            longest, line = len(ids), rows[i].where
     new = run.generation.max_new_tokens
     limit = min(run.model.max_seq_len, run.critic_model_config.max_seq_len)
     if longest + new > limit:
