@@ -161,6 +161,12 @@ class Encoded(CollectionSequence):
     def encoded(self) -> int:
         return len(self._items)
 
+    def fetch(self, indices) -> None:
+        """Encode the items of `indices` not yet encoded, in file order (a parquet row group is
+        then read once for all of a batch's rows in it)."""
+        for i in sorted(set(int(i) for i in indices) - self._items.keys()):
+            self[i]
+
     def __len__(self) -> int:
         return len(self.rows)
 
@@ -236,9 +242,11 @@ class SFTDataset:
 
     def item_tokens(self, indices: list[int]) -> np.ndarray:
         """Tokens of each item (what a micro-batch's token budget counts)."""
+        self.items.fetch(indices)
         return np.asarray([len(self.items[i].ids) for i in indices], dtype=np.int64)
 
     def batch(self, indices: list[int]) -> dict:
+        self.items.fetch(indices)
         seqs = [self.items[i] for i in indices]
         tokens, lengths = pad([s.ids for s in seqs], self.pad_id)
         return {"tokens": tokens, "lengths": lengths, "mask": response_mask(seqs, tokens.shape[1])}
@@ -273,10 +281,12 @@ class PreferenceDataset:
 
     def item_tokens(self, indices: list[int]) -> np.ndarray:
         """Tokens of each pair (chosen + rejected: they share a micro-batch)."""
+        self.items.fetch(indices)
         return np.asarray([len(self.chosen[i].ids) + len(self.rejected[i].ids) for i in indices], dtype=np.int64)
 
     def batch(self, indices: list[int]) -> dict:
         """tokens [2n, s]: the n chosen sequences, then the n rejected ones, in the same order."""
+        self.items.fetch(indices)
         seqs = [self.chosen[i] for i in indices] + [self.rejected[i] for i in indices]
         tokens, lengths = pad([s.ids for s in seqs], self.pad_id)
         # "rewards" [2n]: the rows' optional chosen_reward / rejected_reward (NaN where absent;

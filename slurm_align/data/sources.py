@@ -292,8 +292,14 @@ class TableSource(RowSource):
         return row
 
 
+GROUPS_KEPT = 4
+"""Parquet row groups a source keeps decoded (the most recently used)."""
+
+
 class ParquetSource(TableSource):
-    """Parquet read by row groups: row i reads only its row group (the last one is kept)."""
+    """Parquet read by row groups: row i reads only its row group (the GROUPS_KEPT last used
+    are kept). A group is the unit of reading: write large files with row groups of a few
+    thousand rows (pyarrow's default is 1Mi rows, the whole file of most prompt sets)."""
 
     def __init__(self, path: Path, kind: str, columns: Mapping[str, str]):
         import numpy as np
@@ -308,16 +314,20 @@ class ParquetSource(TableSource):
         sizes = [meta.row_group(g).num_rows for g in range(meta.num_row_groups)]
         self._first = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self._setup(self._pf.schema_arrow, int(self._first[-1]))
-        self._group: tuple[int, Any] = (-1, None)
+        self._groups: dict[int, Any] = {}   # insertion order = least recently used first
         self.groups_read = 0
 
     def _piece(self, i: int):
         import numpy as np
         g = int(np.searchsorted(self._first, i, side="right") - 1)
-        if self._group[0] != g:
-            self._group = (g, self._pf.read_row_group(g))
+        table = self._groups.pop(g, None)
+        if table is None:
+            table = self._pf.read_row_group(g)
             self.groups_read += 1
-        return self._group[1], i - int(self._first[g])
+            if len(self._groups) >= GROUPS_KEPT:
+                del self._groups[next(iter(self._groups))]
+        self._groups[g] = table
+        return table, i - int(self._first[g])
 
 
 class ArrowSource(TableSource):
