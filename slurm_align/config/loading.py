@@ -235,6 +235,10 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
                         f"multiple of actor.data_parallel={dp}")
     if problems:
         raise ConfigError(problems, source)
+    if run.spec.trainer is not None and not run.data.truncate and run.algorithm != "kd":
+        for path in [p for p in (run.data.train_path, run.data.val_path) if p is not None and p.exists()] \
+                + [s.path for s in run.data.mixture if s.path.exists()]:
+            check_row_lengths(run, path, next((s.columns for s in run.data.mixture if s.path == path), None))
     if run.spec.rollout:
         for path, columns in ([(run.data.train_path, run.data.columns)] if run.data.train_path is not None else []) \
                 + [(s.path, s.columns or run.data.columns) for s in run.data.mixture]:
@@ -246,6 +250,19 @@ CHECKED_PROMPTS = 2000
 larger one (data/sources.py sample_positions); each rank reads and tokenizes its own prompts
 when it uses them (data/datasets.py), and names a bad row or a too-long prompt outside the
 sample then."""
+
+
+def check_row_lengths(run: RunConfig, path: Path, columns: dict[str, str] | None = None) -> None:
+    """The trainer's rows (SFT, preference, KTO, attribute rows) of a sample of CHECKED_PROMPTS
+    rows of `path` must fit model.max_seq_len unless data.truncate: a row too long is refused
+    here, naming the file, the row and its columns (the ranks name one outside the sample)."""
+    from slurm_align.data.sources import sample_positions
+    from slurm_align.models.tokenizer import build_tokenizer
+
+    spec, options = run.trainer_loss()
+    loss = spec.build(options, run.model)
+    ds = loss.dataset(path, build_tokenizer(run.model), run.model.max_seq_len, columns or run.data.columns)
+    ds.item_tokens(sample_positions(len(ds), CHECKED_PROMPTS, run.seed))
 
 
 def check_prompt_lengths(run: RunConfig, train_path: Path, columns: dict[str, str] | None = None) -> None:

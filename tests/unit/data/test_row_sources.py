@@ -153,3 +153,19 @@ def test_mixtures_of_every_kind_draw_their_weights_and_resume_the_exact_sequence
                    torch.allclose(w[k], r[k], equal_nan=True) for k in w)
     drawn = {bytes(t[1:6].tolist()) for b in whole for t in b["tokens"]}
     assert any(d.startswith(b"a") for d in drawn) and any(d.startswith(b"b") for d in drawn), "both sources"
+
+
+def test_submit_refuses_an_sft_row_too_long_in_its_sample(tmp_path: Path):
+    """check_runnable (every launch's last check) reads a sample of a trainer's rows: one longer
+    than model.max_seq_len=32 is refused naming the file, the line and the column; data.truncate
+    lets it through."""
+    from slurm_align.config import load_profile, load_run_config
+    from slurm_align.config.loading import check_runnable
+
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"q": "1=", "a": "1"}) + "\n" + json.dumps({"q": "2=", "a": "5" * 40}) + "\n")
+    over = [f"data.train_path={path}", "data.columns={input: q, output: a}"]
+    example = Path(__file__).resolve().parents[3] / "examples" / "sft_tiny.yaml"
+    with pytest.raises(ConfigError, match=r"sft\.jsonl.*line 2: longer than model.max_seq_len=32.*column 'a'"):
+        check_runnable(load_run_config(example, over), load_profile("local"))
+    check_runnable(load_run_config(example, [*over, "data.truncate=true"]), load_profile("local"))
