@@ -18,7 +18,7 @@ Measured on this project's 2-core machine under load ~96 (10^7-step loop 0.57 s)
 peak MiB per rank, old / new / login node's check: 1M prompts, parquet 83.6 s / 0.24 s / 0.52 s,
 1116 / 324 / 326 MiB; JSONL 82.4 s / 1.17 s / 0.88 s, 1072 / 355 / 354 MiB; 100k parquet
 17.5 s / 0.87 s; 1k parquet 2.66 s / 0.49 s (the first parquet read's own start-up). The new
-path's memory is the imports' (~275 MiB for torch and the tokenizer) plus the 8-byte-per-line
+path's memory is the imports' (~275 MiB for torch and the tokenizer) plus the 24-byte-per-line
 index (JSONL) or the row groups read. startup_1m_over_1k=0.5 rank_rss_1m_mib=324.
 """
 
