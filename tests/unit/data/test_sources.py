@@ -51,7 +51,7 @@ def test_sort_prompts_with_other_column_names_give_the_jsonl_prompts_and_fields(
     got = PromptDataset(path, tok, 64, columns={"prompt": "question", "answer": "gold"})
     assert len(got) == len(want) == 40
     assert all(np.array_equal(a, b) for a, b in zip(got.token_arrays()[:], want.token_arrays()[:]))
-    assert [{k: f[k] for k in ("prompt", "answer")} for f in got.fields()] == want.fields()
+    assert [{k: f[k] for k in ("prompt", "answer")} for f in got.fields()] == list(want.fields())
     assert [f["id"] for f in got.fields()] == list(range(40)), "other columns ride along for the reward"
     # What submit reads (config.loading.check_prompt_lengths): the same rows under our keys. With
     # the two readers equal, a job reads every format as it reads the JSONL file
