@@ -14,11 +14,14 @@ from pydantic import Field, field_validator, model_validator
 
 from slurm_align.config.algorithms import REGISTRY, AlgorithmSpec, algorithm_spec
 from slurm_align.config.base import StrictModel
+from slurm_align.config.components import component_kind, component_names, declared_components
 from slurm_align.environments.config import EnvironmentConfig, check_against_run
 
-Component = Literal["actor", "critic", "generator"]
-COMPONENTS: tuple[Component, ...] = ("actor", "critic", "generator")
-"""Every component a run may declare, in het-group order (RunConfig.components picks its own)."""
+Component = str
+"""A registered component kind's name (slurm_align/config/components.py)."""
+COMPONENTS: tuple[Component, ...] = component_names()
+"""The built-in components, in het-group order (RunConfig.components picks its own; plugins may
+register more: config.components.component_names())."""
 
 
 class TokenizerConfig(StrictModel):
@@ -1028,15 +1031,10 @@ class RunConfig(StrictModel):
 
     @property
     def components(self) -> tuple[Component, ...]:
-        """Job components this run needs: actor and critic for PPO; for the other rollout
-        algorithms the actor, plus a reward-only critic when a reward model scores; one for
-        the trainers."""
-        if not self.spec.rollout or self.eval.standalone:
-            return ("actor",)
-        critic = self.spec.value_model or self.reward.use_model
-        generator = self.rollout.mode == "disaggregated"
-        comps: tuple[Component, ...] = ("actor",)
-        return comps + (("critic",) if critic else ()) + (("generator",) if generator else ())
+        """Job components this run needs, in het-group order: each registered component kind
+        (config/components.py) says whether a run declares it (actor always; critic for PPO or a
+        reward model; generator when rollouts are disaggregated; ...)."""
+        return declared_components(self)
 
     @property
     def multi_turn(self) -> bool:
@@ -1086,7 +1084,10 @@ class RunConfig(StrictModel):
         return self.parallel(self.engine_component)
 
     def parallel(self, component: str) -> ParallelConfig:
-        return {"actor": self.actor, "critic": self.critic, "generator": self.generator}[component]
+        """The component's layout: its kind's parallel_field; one data-parallel rank per process
+        for a kind that lays out its own ranks."""
+        field = component_kind(component).parallel_field
+        return getattr(self, field) if field else ParallelConfig()
 
     @property
     def critic_model_config(self) -> ModelConfig:
