@@ -187,3 +187,8 @@ GENERATOR = register_component(ComponentKind(
     "generator", "slurm_align.launchers.generator",
     declared_by=lambda run: rollout_job(run) and run.rollout.mode == "disaggregated",
     parallel_field="generator", serves=True, preemption="follows", lost_peer=r"StreamClosed: the peer closed"))
+TEACHER = register_component(ComponentKind(
+    "teacher", "slurm_align.launchers.teacher",
+    declared_by=lambda run: rollout_job(run) and run.teacher_model is not None,
+    parallel_field="teacher", serves=True, preemption="survives",
+    lost_peer=r"CriticError: teacher at \S+, endpoint \w+: |CriticUnavailableError"))

@@ -500,6 +500,9 @@ class RewardConfig(StrictModel):
     """Weight of the reward model's score in the combined reward."""
     rule_weight: float = 1.0
     """Weight of the rule reward in the combined reward."""
+    teacher_weight: float = Field(1.0, ge=0)
+    """Weight of the teacher's term (minus the reverse KL to the teacher) in the combined reward
+    (teacher_model set: on-policy distillation)."""
     attribute_weights: list[float] | None = None
     """A regression reward model's (critic_model.num_labels > 1) attribute weights: the reward
     model's score is sum_i w_i * attribute_i at the last token, in the order of its attributes.
@@ -779,6 +782,13 @@ class RunConfig(StrictModel):
     """Parallel layout of the actor (or the single component for sft/rm/dpo)."""
     critic: ParallelConfig = ParallelConfig()
     """Parallel layout of the critic (ppo only)."""
+    teacher_model: ModelConfig | None = None
+    """On-policy distillation: the teacher (its shape, and its weights in init_checkpoint, which is
+    required), served by the `teacher` component. It scores the student's own samples per token:
+    each sample's reward gains reward.teacher_weight x sum over its response tokens of
+    (log p_teacher - log p_student), minus a one-sample estimate of the reverse KL (docs/algorithms/distillation.md)."""
+    teacher: ParallelConfig = ParallelConfig()
+    """Parallel layout of the teacher component (teacher_model set)."""
     generator: ParallelConfig = ParallelConfig()
     """Parallel layout of the generator component (rollout.mode 'disaggregated'), whatever the
     actor's: data_parallel replicas of tensor_parallel consecutive ranks each (TP > 1 only with
@@ -955,7 +965,14 @@ class RunConfig(StrictModel):
         if self.reward.use_model and labels > 1 and (weights is None or len(weights) != labels):
             raise ValueError(f"field 'reward.attribute_weights': got {weights!r}; the reward model has "
                              f"critic_model.num_labels={labels} attributes: give one weight per attribute")
-        if not self.reward.use_model and self.reward.rule is None and not self.multi_turn:
+        if self.teacher_model is not None:
+            if self.teacher_model.init_checkpoint is None:
+                raise ValueError("teacher_model.init_checkpoint: the teacher's weights are required")
+            if self.teacher_model.vocab_size != self.model.vocab_size:
+                raise ValueError(f"teacher_model.vocab_size={self.teacher_model.vocab_size}: the teacher scores the "
+                                 f"student's tokens, so it must equal model.vocab_size={self.model.vocab_size}")
+        if not self.reward.use_model and self.reward.rule is None and not self.multi_turn \
+                and self.teacher_model is None:
             raise ValueError("reward: neither a reward model (reward.model) nor a rule (reward.rule) gives rewards")
         if self.rl.dynamic_sampling_max_rounds:
             why = ("rl.filter_equal_reward_groups is off" if not self.rl.filter_equal_reward_groups else
