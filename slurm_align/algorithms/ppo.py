@@ -56,6 +56,7 @@ from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
 from slurm_align.algorithms.rollout_collector import RolloutCollector, Scores
 from slurm_align.config import RunConfig, load_run_config
 from slurm_align.critic.client import CriticClient
+from slurm_align.critic.teacher import ColocatedTeacher
 from slurm_align.data.mixture import run_prompts
 from slurm_align.generation import Engine, engine_from_config
 from slurm_align.generation.memory import TrainingStateOffload, generation_phase
@@ -100,7 +101,8 @@ class PPOActor:
                  prompts: Sequence[np.ndarray], policy: list, optimizer: ModelOptimizer, reference,
                  offload: TrainingStateOffload | None, engine: Engine, critic: CriticClient | None, tracer: Tracer,
                  store: RolloutStore | None, metrics: MetricsLogger, start_step: int, rewards: Rewards,
-                 evalset: EvalSet | None, remote: RemoteRollouts | None = None, teacher: CriticClient | None = None):
+                 evalset: EvalSet | None, remote: RemoteRollouts | None = None,
+                 teacher: CriticClient | ColocatedTeacher | None = None):
         self.run, self.rd, self.env, self.pctx = run, rd, env, pctx
         self.rank = env.rank
         self.tokenizer, self.prompts = tokenizer, prompts
@@ -433,8 +435,10 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     if "critic" in run.components:   # PPO, or a reward model scores (reward-only critic)
         critic = CriticClient.from_run_config(run)
         critic.connect()   # waits (with backoff) while the critic starts; not part of the first step
-    teacher = None
-    if "teacher" in run.components:   # on-policy distillation: the teacher scores every sample
+    teacher: CriticClient | ColocatedTeacher | None = None
+    if run.teacher_model is not None and run.switches.colocated_teacher:   # the ablation: no component
+        teacher = ColocatedTeacher(run, pctx)
+    elif "teacher" in run.components:   # on-policy distillation: the teacher scores every sample
         cs = run.critic_server
         assert run.run_dir is not None, "a job's run config knows its run directory"
         teacher = CriticClient.for_run_dir(run.run_dir, component="teacher", connect_timeout_s=cs.connect_timeout_s,

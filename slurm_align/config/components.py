@@ -189,6 +189,6 @@ GENERATOR = register_component(ComponentKind(
     parallel_field="generator", serves=True, preemption="follows", lost_peer=r"StreamClosed: the peer closed"))
 TEACHER = register_component(ComponentKind(
     "teacher", "slurm_align.launchers.teacher",
-    declared_by=lambda run: rollout_job(run) and run.teacher_model is not None,
+    declared_by=lambda run: rollout_job(run) and run.teacher_model is not None and not run.switches.colocated_teacher,
     parallel_field="teacher", serves=True, preemption="survives",
     lost_peer=r"CriticError: teacher at \S+, endpoint \w+: |CriticUnavailableError"))

@@ -325,6 +325,10 @@ class Switches(StrictModel):
     """Move optimizer state and grads to host during generation."""
     keep_critic_models_resident: bool = False
     """Critic keeps both value and reward model on device (off: swap through host memory)."""
+    colocated_teacher: bool = False
+    """On-policy distillation (teacher_model set): run the teacher's forward on the actor's own
+    ranks, after each micro-batch, instead of on a teacher component (actor.tensor_parallel and
+    pipeline_parallel 1 only). The ablation of benchmarks/bench_teacher.py."""
     sequence_packing: bool = True
     """Concatenate each micro-batch's sequences into packed rows, attention kept per sequence
     (off: right-pad them to the longest)."""
@@ -968,6 +972,9 @@ class RunConfig(StrictModel):
         if self.teacher_model is not None:
             if self.teacher_model.init_checkpoint is None:
                 raise ValueError("teacher_model.init_checkpoint: the teacher's weights are required")
+            if self.switches.colocated_teacher and (self.actor.tensor_parallel, self.actor.pipeline_parallel) != (1, 1):
+                raise ValueError("switches.colocated_teacher: the teacher's forward runs on each actor rank alone, "
+                                 "so actor.tensor_parallel and pipeline_parallel must be 1")
             if self.teacher_model.vocab_size != self.model.vocab_size:
                 raise ValueError(f"teacher_model.vocab_size={self.teacher_model.vocab_size}: the teacher scores the "
                                  f"student's tokens, so it must equal model.vocab_size={self.model.vocab_size}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,38 @@ class TeacherWorker:
 
     def _shutdown(self) -> None:
         return None
+
+
+class ColocatedTeacher:
+    """The teacher on the actor's own rank (switches.colocated_teacher): the component's answer,
+    computed where the micro-batch is, when it is sent (nothing overlaps it). Has the client
+    methods the actor calls."""
+
+    def __init__(self, run: RunConfig, pctx: Any):
+        mcfg = run.teacher_model
+        assert mcfg is not None and mcfg.init_checkpoint is not None, "teacher_model is set"
+        self.pctx, self.vocab_size = pctx, mcfg.vocab_size
+        self.chunks = build_gpt(mcfg, pctx, seed=run.seed)
+        load_reward_weights(Path(mcfg.init_checkpoint), self.chunks, pctx)
+        for c in self.chunks:
+            c.eval()
+
+    @torch.no_grad()
+    def infer_async(self, tokens: np.ndarray, lengths: np.ndarray, step: int | None = None) -> Future:
+        lp = forward_logprobs(self.chunks, self.pctx, torch.from_numpy(tokens), self.vocab_size,
+                              lengths=torch.from_numpy(lengths))
+        assert lp is not None, "one stage: this rank holds the log-probs"
+        values = np.zeros(tokens.shape, np.float32)
+        values[:, :lp.shape[1]] = lp.float().numpy()
+        done: Future = Future()
+        done.set_result((values, np.zeros(tokens.shape[0], np.float32)))
+        return done
+
+    def shutdown_critic(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def run_teacher(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) -> int:
