@@ -986,6 +986,7 @@ class RunConfig(StrictModel):
                    "it needs a rule reward (reward.rule)" if self.reward.rule is None and not self.multi_turn else
                    "a critic scores the samples (a value model or reward.model)" if self.spec.value_model
                    or self.reward.use_model else
+                   "a teacher scores the samples (teacher_model)" if self.teacher_model is not None else
                    "rollout.mode 'disaggregated' streams samples before the step is chosen"
                    if self.rollout.mode == "disaggregated" else None)
             if why:

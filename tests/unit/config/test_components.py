@@ -69,3 +69,24 @@ def test_registration_refuses_a_taken_name_a_second_leader_and_a_bad_name():
         register_component(ComponentKind("boss", "x.y", declared_by=lambda run: False, preemption="leads"))
     with pytest.raises(ValueError, match="lower-case letters"):
         register_component(ComponentKind("Bad-Name", "x.y", declared_by=lambda run: False))
+
+
+def kd_run(*overrides: str, teacher: dict | None = None):
+    from slurm_align.config.loading import apply_overrides, read_yaml, validate
+    from slurm_align.config.run import RunConfig
+    data = apply_overrides(read_yaml(GRPO), ["reward.rule=null", "reward.model=false", "eval.interval=0",
+                                             *overrides], str(GRPO))
+    data["teacher_model"] = {**data["model"], "init_checkpoint": "/ckpt/teacher", **(teacher or {})}
+    return validate(RunConfig, data, "kd")
+
+
+def test_a_teacher_model_declares_the_teacher_component_unless_colocated():
+    assert kd_run().components == ("actor", "teacher")
+    assert component_kind("teacher").serves and component_kind("teacher").preemption == "survives"
+    assert kd_run("switches.colocated_teacher=true", "actor.data_parallel=2").components == ("actor",)
+    with pytest.raises(ConfigError, match=r"teacher_model.init_checkpoint: the teacher's weights are required"):
+        kd_run(teacher={"init_checkpoint": None})
+    with pytest.raises(ConfigError, match=r"teacher_model.vocab_size=300.*must equal model.vocab_size=260"):
+        kd_run(teacher={"vocab_size": 300})
+    with pytest.raises(ConfigError, match=r"colocated_teacher.*tensor_parallel and pipeline_parallel must be 1"):
+        kd_run("switches.colocated_teacher=true", "actor.tensor_parallel=2", "actor.data_parallel=1")
