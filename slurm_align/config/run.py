@@ -788,7 +788,7 @@ class RunConfig(StrictModel):
     """Parallel layout of the critic (ppo only)."""
     teacher_model: ModelConfig | None = None
     """On-policy distillation: the teacher (its shape, and its weights in init_checkpoint, which is
-    required), served by the `teacher` component. It scores the student's own samples per token:
+    required), served by the teacher component. It scores the student's own samples per token:
     each sample's reward gains reward.teacher_weight x sum over its response tokens of
     (log p_teacher - log p_student), minus a one-sample estimate of the reverse KL (docs/algorithms/distillation.md)."""
     teacher: ParallelConfig = ParallelConfig()
