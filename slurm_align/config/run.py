@@ -14,11 +14,14 @@ from pydantic import Field, field_validator, model_validator
 
 from slurm_align.config.algorithms import REGISTRY, AlgorithmSpec, algorithm_spec
 from slurm_align.config.base import StrictModel
+from slurm_align.config.components import component_kind, component_names, declared_components
 from slurm_align.environments.config import EnvironmentConfig, check_against_run
 
-Component = Literal["actor", "critic", "generator"]
-COMPONENTS: tuple[Component, ...] = ("actor", "critic", "generator")
-"""Every component a run may declare, in het-group order (RunConfig.components picks its own)."""
+Component = str
+"""A registered component kind's name (slurm_align/config/components.py)."""
+COMPONENTS: tuple[Component, ...] = component_names()
+"""The built-in components, in het-group order (RunConfig.components picks its own; plugins may
+register more: config.components.component_names())."""
 
 
 class TokenizerConfig(StrictModel):
@@ -327,6 +330,10 @@ class Switches(StrictModel):
     """Move optimizer state and grads to host during generation."""
     keep_critic_models_resident: bool = False
     """Critic keeps both value and reward model on device (off: swap through host memory)."""
+    colocated_teacher: bool = False
+    """On-policy distillation (teacher_model set): run the teacher's forward on the actor's own
+    ranks, after each micro-batch, instead of on a teacher component (actor.tensor_parallel and
+    pipeline_parallel 1 only). The ablation of benchmarks/bench_teacher.py."""
     sequence_packing: bool = True
     """Concatenate each micro-batch's sequences into packed rows, attention kept per sequence
     (off: right-pad them to the longest)."""
@@ -502,6 +509,9 @@ class RewardConfig(StrictModel):
     """Weight of the reward model's score in the combined reward."""
     rule_weight: float = 1.0
     """Weight of the rule reward in the combined reward."""
+    teacher_weight: float = Field(1.0, ge=0)
+    """Weight of the teacher's term (minus the reverse KL to the teacher) in the combined reward
+    (teacher_model set: on-policy distillation)."""
     attribute_weights: list[float] | None = None
     """A regression reward model's (critic_model.num_labels > 1) attribute weights: the reward
     model's score is sum_i w_i * attribute_i at the last token, in the order of its attributes.
@@ -800,6 +810,13 @@ class RunConfig(StrictModel):
     """Parallel layout of the actor (or the single component for sft/rm/dpo)."""
     critic: ParallelConfig = ParallelConfig()
     """Parallel layout of the critic (ppo only)."""
+    teacher_model: ModelConfig | None = None
+    """On-policy distillation: the teacher (its shape, and its weights in init_checkpoint, which is
+    required), served by the teacher component. It scores the student's own samples per token:
+    each sample's reward gains reward.teacher_weight x sum over its response tokens of
+    (log p_teacher - log p_student), minus a one-sample estimate of the reverse KL (docs/algorithms/distillation.md)."""
+    teacher: ParallelConfig = ParallelConfig()
+    """Parallel layout of the teacher component (teacher_model set)."""
     generator: ParallelConfig = ParallelConfig()
     """Parallel layout of the generator component (rollout.mode 'disaggregated'), whatever the
     actor's: data_parallel replicas of tensor_parallel consecutive ranks each (TP > 1 only with
@@ -968,13 +985,24 @@ class RunConfig(StrictModel):
         if self.reward.use_model and labels > 1 and (weights is None or len(weights) != labels):
             raise ValueError(f"field 'reward.attribute_weights': got {weights!r}; the reward model has "
                              f"critic_model.num_labels={labels} attributes: give one weight per attribute")
-        if not self.reward.use_model and self.reward.rule is None and not self.multi_turn:
+        if self.teacher_model is not None:
+            if self.teacher_model.init_checkpoint is None:
+                raise ValueError("teacher_model.init_checkpoint: the teacher's weights are required")
+            if self.switches.colocated_teacher and (self.actor.tensor_parallel, self.actor.pipeline_parallel) != (1, 1):
+                raise ValueError("switches.colocated_teacher: the teacher's forward runs on each actor rank alone, "
+                                 "so actor.tensor_parallel and pipeline_parallel must be 1")
+            if self.teacher_model.vocab_size != self.model.vocab_size:
+                raise ValueError(f"teacher_model.vocab_size={self.teacher_model.vocab_size}: the teacher scores the "
+                                 f"student's tokens, so it must equal model.vocab_size={self.model.vocab_size}")
+        if not self.reward.use_model and self.reward.rule is None and not self.multi_turn \
+                and self.teacher_model is None:
             raise ValueError("reward: neither a reward model (reward.model) nor a rule (reward.rule) gives rewards")
         if self.rl.dynamic_sampling_max_rounds:
             why = ("rl.filter_equal_reward_groups is off" if not self.rl.filter_equal_reward_groups else
                    "it needs a rule reward (reward.rule)" if self.reward.rule is None and not self.multi_turn else
                    "a critic scores the samples (a value model or reward.model)" if self.spec.value_model
                    or self.reward.use_model else
+                   "a teacher scores the samples (teacher_model)" if self.teacher_model is not None else
                    "rollout.mode 'disaggregated' streams samples before the step is chosen"
                    if self.rollout.mode == "disaggregated" else None)
             if why:
@@ -1044,15 +1072,10 @@ class RunConfig(StrictModel):
 
     @property
     def components(self) -> tuple[Component, ...]:
-        """Job components this run needs: actor and critic for PPO; for the other rollout
-        algorithms the actor, plus a reward-only critic when a reward model scores; one for
-        the trainers."""
-        if not self.spec.rollout or self.eval.standalone:
-            return ("actor",)
-        critic = self.spec.value_model or self.reward.use_model
-        generator = self.rollout.mode == "disaggregated"
-        comps: tuple[Component, ...] = ("actor",)
-        return comps + (("critic",) if critic else ()) + (("generator",) if generator else ())
+        """Job components this run needs, in het-group order: each registered component kind
+        (config/components.py) says whether a run declares it (actor always; critic for PPO or a
+        reward model; generator when rollouts are disaggregated; ...)."""
+        return declared_components(self)
 
     @property
     def multi_turn(self) -> bool:
@@ -1102,7 +1125,10 @@ class RunConfig(StrictModel):
         return self.parallel(self.engine_component)
 
     def parallel(self, component: str) -> ParallelConfig:
-        return {"actor": self.actor, "critic": self.critic, "generator": self.generator}[component]
+        """The component's layout: its kind's parallel_field; one data-parallel rank per process
+        for a kind that lays out its own ranks."""
+        field = component_kind(component).parallel_field
+        return getattr(self, field) if field else ParallelConfig()
 
     @property
     def critic_model_config(self) -> ModelConfig:
