@@ -187,11 +187,12 @@ class CriticServer:
     component = "critic"
 
     def __init__(self, host: str, port: int, limits: ServerLimits, *, secret: str, checkpoint_dir: Path,
-                 run_dir: RunDir | None = None):
+                 run_dir: RunDir | None = None, component: str = "critic"):
         if host in ("0.0.0.0", "", "::"):
             raise ValueError(f"critic server bind address {host!r} would listen on every interface; "
                              "give this host's own address (critic_server.bind_host)")
         self.host, self.port, self.limits = host, port, limits
+        self.component = component   # the serving component whose address it publishes
         self._secret = secret.encode()
         self.checkpoint_dir = Path(checkpoint_dir)
         self.run_dir = run_dir
@@ -207,10 +208,12 @@ class CriticServer:
         self._trains_lock = threading.Lock()
 
     @classmethod
-    def for_run(cls, rd: RunDir, host: str, port: int, limits: ServerLimits) -> CriticServer:
-        """The run's critic: its secret, its checkpoint folder; publishes its address at start."""
-        return cls(host, port, limits, secret=read_run_secret(rd), checkpoint_dir=rd.checkpoints("critic"),
-                   run_dir=rd)
+    def for_run(cls, rd: RunDir, host: str, port: int, limits: ServerLimits,
+                component: str = "critic") -> CriticServer:
+        """The run's critic (or another serving component on the same secured server, e.g. the
+        teacher): its secret, its checkpoint folder; publishes its address at start."""
+        return cls(host, port, limits, secret=read_run_secret(rd), checkpoint_dir=rd.checkpoints(component),
+                   run_dir=rd, component=component)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
