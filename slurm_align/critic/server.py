@@ -184,8 +184,6 @@ class CriticServer:
     Another served component (the judge: judge/server.py) subclasses it with its own `component`
     name (its published address) and `_bind` (its endpoints): the secured channel is this one."""
 
-    component = "critic"
-
     def __init__(self, host: str, port: int, limits: ServerLimits, *, secret: str, checkpoint_dir: Path,
                  run_dir: RunDir | None = None, component: str = "critic"):
         if host in ("0.0.0.0", "", "::"):

@@ -33,8 +33,6 @@ def _texts(endpoint: str, arr, what: str) -> list[str]:
 
 
 class JudgeServer(CriticServer):
-    component = "judge"
-
     def __init__(self, *args, encode, **kw):
         """`encode`: (encode(prompts) -> (tokens, lengths), the judge's tokenizer), from JudgeModel:
         requests are tokenized here, the answers' token ids checked."""
@@ -44,7 +42,7 @@ class JudgeServer(CriticServer):
     @classmethod
     def for_judge(cls, rd: RunDir, host: str, port: int, limits: ServerLimits, model) -> JudgeServer:
         return cls(host, port, limits, secret=read_run_secret(rd), checkpoint_dir=rd.checkpoints("judge"),
-                   run_dir=rd, encode=(model.encode, model.tokenizer))
+                   run_dir=rd, component="judge", encode=(model.encode, model.tokenizer))
 
     def _bind(self, triton) -> None:
         from pytriton.model_config import ModelConfig, Tensor
