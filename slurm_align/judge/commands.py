@@ -10,17 +10,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from slurm_align.config import load_run_config
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.run import RunConfig
-from slurm_align.judge import label as L
-from slurm_align.judge.client import ComponentJudge, Judge, LocalJudge
-from slurm_align.judge.prompts import JudgeTemplate
+
+# The judge's modules (torch, tritonclient) are imported by the commands that run, not by the CLI.
 
 
 @contextlib.contextmanager
-def open_judge(run: RunConfig, config_path: Path, judge_run: Path | None) -> Iterator[Judge]:
+def open_judge(run: RunConfig, config_path: Path, judge_run: Path | None) -> Iterator[Any]:
+    from slurm_align.judge.client import ComponentJudge, LocalJudge
+
     if run.judge.remote is not None:
         from slurm_align.judge.remote import RemoteJudge
 
@@ -49,6 +51,9 @@ def open_judge(run: RunConfig, config_path: Path, judge_run: Path | None) -> Ite
 
 
 def _run(args) -> int:
+    from slurm_align.judge import label as L
+    from slurm_align.judge.prompts import JudgeTemplate
+
     run = load_run_config(args.config, args.overrides)
     samples = L.read_samples(args.samples)
     template = JudgeTemplate.get(run.judge.template)
