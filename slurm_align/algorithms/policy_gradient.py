@@ -47,6 +47,10 @@ class Rewards:
     def __init__(self, run: RunConfig, tokenizer, rows: Sequence[dict[str, Any]]):
         self.rule = RuleReward.load(run.reward.rule) if run.reward.rule else None
         self.tokenizer, self.rows = tokenizer, rows
+        self.judge = None   # RLAIF (reward.judge_weight): the judge component or the remote service
+        if run.reward.judge_weight > 0:
+            from slurm_align.judge.reward import JudgeReward
+            self.judge = JudgeReward.for_run(run)
 
     def score(self, responses: list[torch.Tensor], row_ids: list[int]) -> np.ndarray | None:
         """Rule rewards [B] float32 for responses (token ids, EOS dropped by decode) to the
@@ -55,6 +59,14 @@ class Rewards:
             return None
         texts = [self.tokenizer.decode(r.tolist()) for r in responses]
         return np.asarray(self.rule.many(texts, [self.rows[i] for i in row_ids]), dtype=np.float32)
+
+    def judge_score(self, responses: list[torch.Tensor], row_ids: list[int]) -> np.ndarray | None:
+        """The judge's pointwise scores [B] float64 in [0, 1] of the responses to the prompts of
+        data rows `row_ids` (their 'prompt' texts, as the rule reads them); None without a judge."""
+        if self.judge is None:
+            return None
+        texts = [self.tokenizer.decode(r.tolist()) for r in responses]
+        return self.judge.scores([self.rows[i]["prompt"] for i in row_ids], texts)
 
 
 def teacher_score(mb, teacher_logprobs: torch.Tensor) -> torch.Tensor:
@@ -68,11 +80,15 @@ def teacher_score(mb, teacher_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def combine_rewards(run: RunConfig, model_score: torch.Tensor | None, rule_score: torch.Tensor | None,
-                    teacher: torch.Tensor | None = None) -> torch.Tensor:
+                    teacher: torch.Tensor | None = None, judge: torch.Tensor | None = None) -> torch.Tensor:
     """model_weight x reward model score + rule_weight x rule reward + teacher_weight x the
-    teacher's term (teacher_score; on-policy distillation), each when in use."""
+    teacher's term (teacher_score; on-policy distillation) + judge_weight x the judge's pointwise
+    score (Rewards.judge_score; RLAIF), each when in use."""
     cfg = run.reward
     parts: list[torch.Tensor] = []
+    if cfg.judge_weight > 0:
+        assert judge is not None, "reward.judge_weight: the judge scores every sample"
+        parts.append(cfg.judge_weight * judge.double())
     if run.teacher_model is not None:
         assert teacher is not None, "teacher_model: the teacher scores every sample"
         parts.append(cfg.teacher_weight * teacher.double())

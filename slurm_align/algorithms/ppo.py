@@ -195,7 +195,7 @@ class PPOActor:
                     teacher_score(mb, mb.from_positions(torch.from_numpy(teacher_lp)))
                 mb.set_samples("reward", combine_rewards(self.run, None if model_score is None else
                                                          torch.from_numpy(model_score), mb.samples.get("rule_reward"),
-                                                         teacher))
+                                                         teacher, mb.samples.get("judge_score")))
         return RolloutBatch.cat([mb for mb, _ in pending], self.pad_id)
 
     def gather_step(self, shard: RolloutBatch) -> RolloutBatch | None:
@@ -383,6 +383,8 @@ class PPOActor:
                 if self.rank == 0:
                     server.shutdown_critic()
                 server.close()
+        if self.rewards.judge is not None and self.rank == 0:
+            self.rewards.judge.shutdown()   # the judge component, if the run has one
         self.pctx.destroy()
 
 

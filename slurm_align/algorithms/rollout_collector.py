@@ -11,8 +11,8 @@ The small interface, for anything that builds rollouts of its own (multi-turn to
     collector.generate_samples(prompts, index=..., group=..., rows=...)  -> RolloutBatch
 
 a batch of prompt token arrays in, finished samples out: tokens, the engine's per-token
-log-probs ('rollout_logprobs'), the rule reward ('rule_reward', when a rule is set) and the
-weight version that generated each sample ('version').
+log-probs ('rollout_logprobs'), the rule reward ('rule_reward', when a rule is set), the judge's
+score ('judge_score', reward.judge_weight) and the weight version that generated each sample ('version').
 
 Multi-turn runs (run.multi_turn) take `generate_conversations` instead, the same interface: each
 prompt a conversation with the run's environment (algorithms/conversations.py), the batch with
@@ -155,6 +155,9 @@ class RolloutCollector:
                 rule = rule + overlong_penalty(lengths, self.run.generation.max_new_tokens,
                                                self.run.rl.overlong_buffer, self.run.rl.overlong_penalty)
             mb.set_samples("rule_reward", rule)
+        judge = self.rewards.judge_score(out.responses(), list(rows)) if rows is not None else None
+        if judge is not None:
+            mb.set_samples("judge_score", judge)
         return mb
 
     def generate_conversations(self, prompts: Sequence[np.ndarray], *, index: Sequence[int], group: Sequence[int],

@@ -14,7 +14,7 @@ Adding a component is one module that runs its ranks plus one registration:
     register_component(ComponentKind(
         name="judge",                                   # also its profile key and log folder
         launcher="slurm_align.launchers.judge",         # `python -u -m <launcher> --run-dir RUN_DIR` on every rank
-        declared_by=lambda run: rollout_job(run) and run.reward.judge is not None,
+        declared_by=lambda run: rollout_job(run) and run.reward.judge_weight > 0,
         serves=True,                                    # publishes RUN_DIR/judge_address.json
         preemption="survives",                          # serves on after a TERM until the leader saved
     ))
@@ -192,3 +192,11 @@ TEACHER = register_component(ComponentKind(
     declared_by=lambda run: rollout_job(run) and run.teacher_model is not None and not run.switches.colocated_teacher,
     parallel_field="teacher", serves=True, preemption="survives",
     lost_peer=r"CriticError: teacher at \S+, endpoint \w+: |CriticUnavailableError"))
+JUDGE = register_component(ComponentKind(
+    "judge", "slurm_align.launchers.judge",
+    # RLAIF: the judge component scores every sample (reward.judge_weight); a remote judge
+    # (judge.remote) is served elsewhere and takes no part of the job
+    declared_by=lambda run: rollout_job(run) and run.reward.judge_weight > 0 and run.judge.model is not None
+    and run.judge.remote is None,
+    serves=True, preemption="survives",
+    lost_peer=r"JudgeError: judge at \S+, endpoint \w+: |JudgeError: judge of \S+: not ready"))

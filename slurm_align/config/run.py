@@ -512,6 +512,10 @@ class RewardConfig(StrictModel):
     teacher_weight: float = Field(1.0, ge=0)
     """Weight of the teacher's term (minus the reverse KL to the teacher) in the combined reward
     (teacher_model set: on-policy distillation)."""
+    judge_weight: float = Field(0.0, ge=0)
+    """RLAIF: above 0, each sample's reward gains judge_weight x the judge's pointwise score in
+    [0, 1] of (its prompt, its response) under judge.principles (judge.template a pointwise one),
+    from the judge component (judge.model) or the remote service (judge.remote); docs/judge.md."""
     attribute_weights: list[float] | None = None
     """A regression reward model's (critic_model.num_labels > 1) attribute weights: the reward
     model's score is sum_i w_i * attribute_i at the last token, in the order of its attributes.
@@ -1036,8 +1040,10 @@ class RunConfig(StrictModel):
             if self.teacher_model.vocab_size != self.model.vocab_size:
                 raise ValueError(f"teacher_model.vocab_size={self.teacher_model.vocab_size}: the teacher scores the "
                                  f"student's tokens, so it must equal model.vocab_size={self.model.vocab_size}")
+        if self.reward.judge_weight > 0:
+            self._check_judge_reward()
         if not self.reward.use_model and self.reward.rule is None and not self.multi_turn \
-                and self.teacher_model is None:
+                and self.teacher_model is None and self.reward.judge_weight == 0:
             raise ValueError("reward: neither a reward model (reward.model) nor a rule (reward.rule) gives rewards")
         if self.rl.dynamic_sampling_max_rounds:
             why = ("rl.filter_equal_reward_groups is off" if not self.rl.filter_equal_reward_groups else
@@ -1045,6 +1051,7 @@ class RunConfig(StrictModel):
                    "a critic scores the samples (a value model or reward.model)" if self.spec.value_model
                    or self.reward.use_model else
                    "a teacher scores the samples (teacher_model)" if self.teacher_model is not None else
+                   "a judge scores the samples (reward.judge_weight)" if self.reward.judge_weight > 0 else
                    "rollout.mode 'disaggregated' streams samples before the step is chosen"
                    if self.rollout.mode == "disaggregated" else None)
             if why:
@@ -1111,6 +1118,25 @@ class RunConfig(StrictModel):
         if self.eval.interval and (self.eval.scorer or self.reward.rule) is None:
             raise ValueError("eval.interval needs a scorer: eval.scorer or reward.rule ('module:function')")
         return self
+
+    def _check_judge_reward(self) -> None:
+        from slurm_align.judge.prompts import JUDGE_TEMPLATES, JudgeTemplate
+
+        w = self.reward.judge_weight
+        if self.judge.model is None and self.judge.remote is None:
+            raise ValueError(f"field 'reward.judge_weight': {w:g} needs a judge: set judge.model (the judge "
+                             "component's model) or judge.remote (an OpenAI-compatible service)")
+        if self.judge.model is not None and self.judge.remote is not None:
+            raise ValueError("field 'judge.remote': the judge's reward comes from one judge; set judge.model "
+                             "(the judge component) or judge.remote, not both")
+        if self.multi_turn:
+            raise ValueError(f"field 'reward.judge_weight': {w:g}; multi-turn runs are rewarded by their "
+                             "environment (the judge scores single-turn responses)")
+        tpl = JudgeTemplate.get(self.judge.template)   # an unknown name: the error names the choices
+        if tpl.name in JUDGE_TEMPLATES and not tpl.name.startswith("pointwise"):
+            raise ValueError(f"field 'judge.template': {tpl.name!r}; the judge's reward (reward.judge_weight="
+                             f"{w:g}) is a pointwise score: use pointwise, pointwise_compact or an inline "
+                             "template of principle, prompt and response")
 
     @property
     def components(self) -> tuple[Component, ...]:

@@ -26,6 +26,7 @@ from slurm_align.parallel.bootstrap import init_distributed
 from slurm_align.parallel.layout import initialize_model_parallel
 from slurm_align.rundir import RunDir
 from slurm_align.slurm.hetenv import service_host
+from slurm_align.slurm.preemption import enter_role
 
 
 class JudgeWorker:
@@ -42,7 +43,7 @@ class JudgeWorker:
         raise ValueError(f"judge: unexpected command {cmd.kind!r}")
 
 
-def run_judge(run: RunConfig, rd: RunDir, env) -> int:
+def run_judge(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) -> int:
     jcfg = run.judge
     if jcfg.model is None:
         raise ValueError(f"{rd.config}: judge.model is not set; the judge component needs its model "
@@ -55,6 +56,8 @@ def run_judge(run: RunConfig, rd: RunDir, env) -> int:
                                        ServerLimits(max_seq_len=jcfg.model.max_seq_len,
                                                     vocab_size=jcfg.model.vocab_size), worker.model)
         server.start()
+        if on_exit is not None:   # a surviving rank's exit after a TERM stops the server first
+            on_exit.append(server.stop)
         print(f"judge: serving on {server.host}:{server.port} ({env.world_size} ranks)", flush=True)
         try:
             while True:
@@ -87,8 +90,9 @@ def main(run_dir: str | Path) -> int:
     rd = RunDir(Path(run_dir))
     run = load_run_config(rd.config)
     env = init_distributed()
+    on_exit = enter_role("judge", rd)   # 'survives': serves on after a TERM until the actor stopped
     try:
-        return run_judge(run, rd, env)
+        return run_judge(run, rd, env, on_exit)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()

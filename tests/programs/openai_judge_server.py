@@ -1,7 +1,8 @@
 """A tiny OpenAI-compatible completions server, the stand-in for a remote judge (`vllm serve`):
 POST /v1/completions answers with top log-probs over "A"/"B" for a pairwise prompt of the form
 the `pairwise_compact` template renders ("<digits>=<a>|<b>?"): p(A) = 0.9 when `a` is the sorted
-digits, else 0.1. With --text-only it answers text without log-probs (the parsed-text path).
+digits, else 0.1; for a `pointwise_compact` prompt ("<digits>=<response>?") log-probs over the
+scores '9' and '0' (`pointwise`). With --text-only it answers text without log-probs (the parsed-text path).
 
 Requests without `Authorization: Bearer $JUDGE_TEST_KEY` get 401. Each request's JSON body is
 appended to --log (what the server received, headers excluded), to check that no key leaks
@@ -26,6 +27,19 @@ def verdict(prompt: str) -> float:
         return 0.5
     digits, a = m.group(1), m.group(2)
     return 0.9 if a == "".join(sorted(digits)) else 0.1
+
+
+def pointwise(prompt: str) -> float | None:
+    """p('9') of a `pointwise_compact` prompt ("<digits>=<response>?"), the rest on '0': 0.9 for
+    the sorted digits, else 0.1 plus 0.1 per leading character in place; None: not one."""
+    m = re.match(r"^(\d+)=([^|]*)\?$", prompt)
+    if not m:
+        return None
+    want, got = "".join(sorted(m.group(1))), m.group(2)
+    if got == want:
+        return 0.9
+    lead = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+    return 0.1 + 0.1 * min(lead, 7)
 
 
 def main() -> None:
@@ -55,6 +69,14 @@ def main() -> None:
                 return self._send(401, {"error": {"message": "invalid api key"}})
             if self.path != "/v1/completions":
                 return self._send(404, {"error": {"message": f"no route {self.path}"}})
+            q = pointwise(body["prompt"])
+            if q is not None:   # a score: '9' or '0' (the expected score is q)
+                choice = {"index": 0, "text": "9" if q > 0.5 else "0", "finish_reason": "length"}
+                if not args.text_only:
+                    choice["logprobs"] = {"tokens": [choice["text"]], "top_logprobs": [
+                        {"9": math.log(q), "0": math.log(1 - q), "A": math.log(1e-4)}]}
+                return self._send(200, {"id": "cmpl-test", "object": "text_completion", "model": body["model"],
+                                        "choices": [choice]})
             p = verdict(body["prompt"])
             choice: dict = {"index": 0, "text": "A" if p > 0.5 else "B", "finish_reason": "length"}
             if not args.text_only:
