@@ -679,12 +679,20 @@ class CheckpointingConfig(StrictModel):
 
 
 class FaultToleranceConfig(StrictModel):
-    """What ends (and, later, restarts) a job that stopped making progress (profiling/watchdog.py)."""
+    """What ends a job that stopped making progress (profiling/watchdog.py), and what restarts a
+    failed one (slurm/restart.py)."""
 
     hang_timeout_s: float = Field(0.0, ge=0)
     """End the job when a rank closed no traced span (a phase: generate, train, ...; a trainer:
     no step) for this long, after dumping every thread's stack into the rank's log; 0: off.
     Choose it above the longest phase (the first step's included)."""
+    max_restarts: int = Field(0, ge=0)
+    """Slurm profiles: resubmit a job that failed for a reason worth retrying (a rank killed by a
+    signal, a hung rank's watchdog exit, a lost node, a node's failed pre-flight) as a new job
+    that resumes from the newest checkpoint and excludes the nodes it failed on, at most this many
+    times per submission (slurm/restart.py; RUN_DIR/restarts.jsonl). A rank's Python exception,
+    or a second failure at the step the previous one failed at, is not retried. Separate from
+    the profile's max_requeues (stops for preemption). 0: never."""
 
 
 class ProfilingConfig(StrictModel):

@@ -439,4 +439,5 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
         emulate_env=_emulated_env(run, profile),
         container_setup=container_setup_text(profile) is not None,
         single=single,
+        max_restarts=run.fault_tolerance.max_restarts,
     )
