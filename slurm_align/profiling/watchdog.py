@@ -153,7 +153,7 @@ def suspect(logs: Path) -> dict | None:
     stopped = [b for b in beats if now - b.get("alive", now) > 3 * b.get("poll_s", HEARTBEAT_EVERY_S) + 1.0]
     chosen = min(stopped or beats, key=lambda b: (b["time"], b["rank"]))
     return {"rank": chosen["rank"], "phase": chosen.get("phase"), "step": chosen.get("step"),
-            "stopped": bool(stopped), "host": chosen.get("host")}
+            "stopped": bool(stopped)}
 
 
 def read_hang_reports(logs: Path) -> list[dict]:

@@ -14,7 +14,7 @@ the whole run) or by Slurm's requeue (which keeps the job id and cannot add `--e
 
 A retried job is resubmitted from the run directory's own script (job.sbatch) with
 `#SBATCH --exclude=` of every node a restart of this submission failed on (srun names the
-node of a killed task, a hung rank's heartbeat its host); the new job resumes from the newest
+node of a killed task, a hung rank's last heartbeat its host); the new job resumes from the newest
 complete checkpoint as a requeued one does. Each decision, retried or not, is one line of
 RUN_DIR/restarts.jsonl (count, job ids, component, rank, reason, failed step, nodes), which
 `slurm-align status` shows; job.json then names the new job, so `status`, `cancel` and
@@ -39,7 +39,7 @@ from pathlib import Path
 
 import yaml
 
-from slurm_align.profiling.watchdog import HUNG_EXIT_CODE, read_hang_reports
+from slurm_align.profiling.watchdog import HUNG_EXIT_CODE, heartbeat_path, read_hang_reports
 from slurm_align.rundir import RunDir, write_atomic
 from slurm_align.slurm.launch import JobRecord
 from slurm_align.slurm.status import RESTARTS, FailedRank, first_failure, read_restarts
@@ -100,7 +100,11 @@ def classify(rd: RunDir, failed: FailedRank) -> tuple[bool, str, list[str], int]
     hangs = read_hang_reports(comp_logs)
     if hangs:
         sus = hangs[0].get("suspect") or hangs[0]
-        nodes = [sus["host"]] if sus.get("host") else []
+        try:   # the stuck rank's host: its last heartbeat says it
+            host = json.loads(heartbeat_path(comp_logs, int(sus["rank"])).read_text()).get("host")
+        except (OSError, ValueError):
+            host = None
+        nodes = [host] if host else []
         return True, f"hung rank (watchdog exit {HUNG_EXIT_CODE})", nodes, int(sus.get("step") or
                                                                               _last_logged_step(rd) + 1)
     step = _last_logged_step(rd) + 1

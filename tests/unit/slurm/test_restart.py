@@ -59,3 +59,15 @@ def test_every_hetjob_component_gets_the_exclusion():
     out = with_exclude(script, ["n1", "n3"]).splitlines()
     assert out.count("#SBATCH --exclude=n1,n3") == 2
     assert out.index("#SBATCH --exclude=n1,n3", 3) == out.index("#SBATCH hetjob") + 1
+
+
+def test_a_hung_rank_is_retried_excluding_its_host(tmp_path):
+    rd = failed_run(tmp_path, "srun: error: n1: task 0: Exited with exit code 86\n")
+    logs = rd.logs / "actor"
+    (logs / "hang_rank0.json").write_text(json.dumps(
+        {"rank": 0, "phase": "step", "step": 5, "idle_s": 16.0, "timeout_s": 15.0,
+         "suspect": {"rank": 1, "phase": "step", "step": 5, "stopped": True}}))
+    (logs / "heartbeat_rank1.json").write_text(json.dumps({"rank": 1, "host": "n4", "step": 5}))
+    entry = decide(rd, "7", ["actor"], max_restarts=1)
+    assert entry.retry and (entry.rank, entry.nodes, entry.failed_step) == (1, ["n4"], 5), entry
+    assert "hung rank" in entry.reason
