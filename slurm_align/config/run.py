@@ -666,6 +666,11 @@ class CheckpointingConfig(StrictModel):
     """A metric of metrics.jsonl recorded at the checkpoint's step, e.g. val/score (ppo) or val_loss."""
     best_mode: Literal["max", "min"] = "max"
     """Whether a larger (max) or smaller (min) best_metric is better."""
+    async_save: bool = False
+    """Save in the background (models/checkpoint.AsyncCheckpointWriter): the step waits only for
+    the save's planning and a host copy of its shards (the `save` phase); a writer thread writes
+    and commits (manifest last), and the next save, a stop for preemption and the end of the run
+    wait for it. Costs a host copy of the rank's weights and optimizer state while it writes."""
 
     @model_validator(mode="after")
     def _best_needs_a_metric(self) -> CheckpointingConfig:
