@@ -10,8 +10,8 @@ run cannot finish first. Without RUN_DIR/test_hold it is the stock actor.
                          step then goes on, its critic requests after the TERM (Slurm's
                          preemption must arrive mid-step, however fast the machine)
     RUN_DIR/test_slow_write (checkpointing.async_save): each background checkpoint write waits
-                         until the job script wrote RUN_DIR/stop_requested, so a stop arrives
-                         while the write is under way
+                         until the job script wrote RUN_DIR/stop_requested, and SLOW_WRITE_S
+                         more, so a stop arrives while the write is under way
 Each hold has a ceiling (HOLD_CEILING_S), after which the actor fails, saying so.
 """
 
@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 HOLD_CEILING_S = 600
+SLOW_WRITE_S = 10
 
 
 def after_step_with_hold(self, step, *, last, saved, save):
@@ -46,6 +47,7 @@ def write_after_the_stop_request(self, request, args, finalize_args, tmp, final,
         deadline = time.monotonic() + HOLD_CEILING_S
         while not (run_dir / "stop_requested").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
+        time.sleep(SLOW_WRITE_S)   # longer than a rank takes to exit: a stop that did not wait loses the write
         print(f"test: background write of step {step} goes on after the stop request", flush=True)
     return _write(self, request, args, finalize_args, tmp, final, step, on_commit)
 
