@@ -151,7 +151,8 @@ def model_config_of(shape: GptShape | ModelConfig) -> ModelConfig:
         return shape
     arch = {f: getattr(shape, f) for f in ("position_embedding", "rotary_base", "rope_scaling", "normalization",
                                           "activation", "num_query_groups", "kv_channels", "add_bias_linear",
-                                          "add_qkv_bias", "tie_embeddings") if hasattr(shape, f)}
+                                          "add_qkv_bias", "tie_embeddings", "qk_layernorm", "num_experts",
+                                          "moe_router_topk", "moe_norm_topk_prob") if hasattr(shape, f)}
     return ModelConfig(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
                        num_attention_heads=shape.num_attention_heads, ffn_hidden_size=shape.ffn_hidden_size,
                        vocab_size=shape.vocab_size, max_seq_len=shape.max_seq_len,
