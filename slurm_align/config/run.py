@@ -14,6 +14,7 @@ from pydantic import Field, field_validator, model_validator
 
 from slurm_align.config.algorithms import REGISTRY, AlgorithmSpec, algorithm_spec
 from slurm_align.config.base import StrictModel
+from slurm_align.config.engines import TrtllmOptions, VllmOptions
 from slurm_align.environments.config import EnvironmentConfig, check_against_run
 
 Component = Literal["actor", "critic", "generator"]
@@ -305,6 +306,10 @@ class GenerationConfig(StrictModel):
     """Nucleus sampling mass."""
     prompt_batch_size: int = Field(4, ge=1)
     """Prompts a generation worker takes from the prompt server per request."""
+    vllm: VllmOptions = VllmOptions()
+    """vLLM's settings (used with engine 'vllm'; slurm_align/config/engines.py)."""
+    trtllm: TrtllmOptions = TrtllmOptions()
+    """TensorRT-LLM's settings (used with engine 'trtllm'; slurm_align/config/engines.py)."""
 
 
 class Switches(StrictModel):

@@ -17,7 +17,7 @@ import torch
 
 from slurm_align.config.run import ModelConfig
 from slurm_align.generation import GenerationError, GptShape, SamplingParams, make_engine
-from slurm_align.generation.vllm_engine import CPU_HEAD_DIMS, VllmOptions
+from slurm_align.generation.vllm_engine import CPU_HEAD_DIMS
 from slurm_align.models.forward import forward_logprobs
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.weights import full_state_dict
@@ -162,9 +162,16 @@ def test_settings_the_cpu_engine_cannot_honour_are_refused():
     with pytest.raises(GenerationError, match="head dim 16"):
         make_engine("vllm", GptShape.from_model_config(MODEL.model_copy(update={"num_attention_heads": 4})))
     with pytest.raises(GenerationError, match="gpu_memory_utilization"):
-        VllmOptions(gpu_memory_utilization=1.5)
+        make_engine("vllm", SHAPE, gpu_memory_utilization=1.5)
     with pytest.raises(GenerationError, match="allowed"):
         make_engine("vllm", SHAPE, kv_fraction=0.5)
+
+
+def test_the_engine_options_reach_vllm(engine):
+    """generation.vllm's values (engine_from_config passes them; test_engine_options) are the LLM's."""
+    config = engine._llm.llm_engine.vllm_config
+    assert config.scheduler_config.max_num_seqs == 64   # the module's engine: max_num_seqs=64
+    assert config.model_config.enforce_eager and str(config.model_config.dtype) == "torch.float32"
 
 
 def test_the_output_fields_collect_outputs_reads_are_vllms():
