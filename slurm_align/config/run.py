@@ -999,6 +999,14 @@ class RunConfig(StrictModel):
                 raise ValueError(f"generator.pipeline_parallel={g.pipeline_parallel}: generation runs no pipeline "
                                  "(the trainer's stages are gathered before they are streamed); give the ranks as "
                                  "generator.data_parallel")
+            if g.tensor_parallel != 1 and engine == "vllm":
+                # TP > 1 would be vLLM's external_launcher executor, one worker per rank over the
+                # replica's process group: not built (docs/generation.md)
+                raise ValueError(f"generator.tensor_parallel={g.tensor_parallel} with generation.engine='vllm': "
+                                 "vLLM runs inside each rank's process at TP 1 here (its multi-rank executor inside "
+                                 "a Slurm step, external_launcher, is not built), so a replica's ranks would repeat "
+                                 "each other's work; give them as generator.data_parallel (TP > 1 is "
+                                 "generation.engine 'trtllm')")
             if g.tensor_parallel != 1 and engine != "trtllm":
                 raise ValueError(f"generator.tensor_parallel={g.tensor_parallel} with generation.engine={engine!r}: "
                                  "the torch engines compute at TP 1, so a replica's ranks would repeat each other's "

@@ -139,6 +139,29 @@ def test_eos_and_one_token_stops_end_a_sample_inside_the_engine(engine):
             assert not bool(out.is_end[i]) and torch.equal(r, free.responses()[i]), i
 
 
+def test_the_multiturn_loops_one_token_stops_end_a_turn_inside_the_engine(engine):
+    """run_turns' stop ids (conversations.stop_token_ids, byte tokenizer): a one-character stop
+    sequence ends the turn inside vLLM (stop_token_ids), the stop kept, nothing generated past it."""
+    from slurm_align.algorithms.conversations import stop_token_ids
+    from slurm_align.models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    prm = prompts(8, seed=6)
+    free = engine.generate(prm, SamplingParams(max_new_tokens=12, temperature=1.0), seeds=range(8))
+    # a character sample 0 writes at its 3rd to 11th step, as the environment's stop text
+    stop = next(chr(t) for t in free.response_tokens[0, 2:11].tolist() if t < 128 and tok.encode(chr(t)) == [t])
+    ids = stop_token_ids(tok, [stop, "</tool_call>"])
+    assert ids[0] == (ord(stop),) and len(ids[1]) > 1
+    out = engine.generate(prm, SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_sequences=ids),
+                          seeds=range(8))
+    for i, r in enumerate(out.responses()):
+        hits = (free.responses()[i] == ord(stop)).nonzero()
+        k = int(hits[0]) + 1 if len(hits) else len(free.responses()[i])
+        assert torch.equal(r, free.responses()[i][:k]), i          # the same draws, up to the stop
+        assert bool(out.is_end[i]) == bool(len(hits)), i
+    assert int(out.response_lengths[0]) < 12
+
+
 def test_top_k_sampling_returns_no_logprobs_and_length_limits_are_clear_errors(engine):
     prm = prompts(4, seed=4)
     out = engine.generate(prm, SamplingParams(max_new_tokens=6, temperature=1.0, top_k=5), seeds=range(4))
