@@ -13,12 +13,10 @@ from rich.console import Console
 from rich.table import Table
 
 from slurm_align.analysis.breakdown import Breakdown, compute_breakdown
-from slurm_align.analysis.plots import plot_breakdown, plot_scaling, plot_timeline
-from slurm_align.analysis.runs import load_run
-from slurm_align.analysis.scaling import compute_scaling
 from slurm_align.analysis.trace_export import write_chrome_trace
 from slurm_align.config import load_run_config
 from slurm_align.config.errors import ConfigError
+from slurm_align.config.loading import with_profile_defaults
 from slurm_align.planning.commands import add_prediction_arguments
 from slurm_align.profiling.phases import phase_order
 from slurm_align.rundir import new_run_dir
@@ -106,7 +104,12 @@ def _csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
+# matplotlib (plots) and zarr (runs -> store.traces) are imported in the commands that use them:
+# every `slurm-align` call (each job's steps, each test's CLI run) would pay ~0.4 s of imports.
 def cmd_breakdown(args) -> int:
+    from slurm_align.analysis.plots import plot_breakdown, plot_timeline
+    from slurm_align.analysis.runs import load_run
+
     dirs = [Path(args.run_dir), *[Path(p) for p in (args.compare or [])]]
     runs = [load_run(d, allow_incomplete=args.allow_incomplete, console=console) for d in dirs]
     names = [r.name for r in runs]
@@ -149,6 +152,8 @@ def cmd_breakdown(args) -> int:
 
 
 def cmd_trace(args) -> int:
+    from slurm_align.analysis.runs import load_run
+
     run = load_run(args.run_dir, allow_incomplete=args.allow_incomplete, console=console)
     spans = run.spans if args.allow_incomplete else run.table.spans
     n = write_chrome_trace(spans, Path(args.output), run.name)
@@ -179,6 +184,9 @@ def _scaling_table(report) -> Table:
 
 
 def cmd_scaling(args) -> int:
+    from slurm_align.analysis.plots import plot_scaling
+    from slurm_align.analysis.scaling import compute_scaling
+
     report = compute_scaling(args.sweep_dir, allow_incomplete=args.allow_incomplete,
                              skip_steps=args.skip_steps, console=console)
     if args.calibration:   # predicted beside measured
@@ -205,6 +213,7 @@ def cmd_sweep(args) -> int:
                              "(--set ppo.actor_lr=1e-6,5e-6, repeatable) or both")
     run = load_run_config(args.config, args.overrides)
     profile = choose_profile(args.profile)   # --profile, else the hostname_pattern match (or refused)
+    run = with_profile_defaults(run, profile)
     nodes = parse_nodes(args.nodes) if args.nodes is not None else None
     sets = [parse_set(s) for s in args.set]
     if args.predict or args.calibration:   # the predicted table first, so a bad plan can be stopped

@@ -13,6 +13,7 @@ import pydantic
 import yaml
 
 from slurm_align import resources
+from slurm_align.config.components import component_kind, component_kinds
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import Component, RunConfig
@@ -119,17 +120,33 @@ def load_profile(name_or_path: str | None = None, overrides: list[str] | None = 
     return validate(ClusterProfile, data, path)
 
 
+def with_profile_defaults(run: RunConfig, profile: ClusterProfile) -> RunConfig:
+    """The run with the profile's defaults for what its config leaves unset: `training.precision`
+    from `profile.precision`. A value the config (or an override) sets is kept."""
+    if profile.precision is None or "precision" in run.training.model_fields_set:
+        return run
+    return run.model_copy(update={"training": run.training.model_copy(update={"precision": profile.precision})})
+
+
 def check_against_profile(run: RunConfig, profile: ClusterProfile, source: str | Path | None = None) -> None:
-    """TP x PP x DP of each component must equal the ranks the profile gives it."""
+    """TP x PP x DP of each component must equal the ranks the profile gives it; every component
+    the profile sizes must be a registered kind (a typo there would be silently unused)."""
     problems = []
+    known = {k.resource_key for k in component_kinds()}
+    for key in profile.components:
+        if key not in known:
+            problems.append(f"profile '{profile.name}' field 'components.{key}': no component kind '{key}'; "
+                            f"allowed: {', '.join(sorted(known))} (a module under the run's plugins: may "
+                            "register more)")
     for comp in run.components:
-        if comp not in profile.components:
-            problems.append(f"profile '{profile.name}' has no resources for component '{comp}' "
+        key = component_kind(comp).resource_key
+        if key not in profile.components:
+            problems.append(f"profile '{profile.name}' has no resources for component '{key}' "
                             f"(components: {', '.join(profile.components) or 'none'})")
             continue
-        res = profile.components[comp]
+        res = profile.resources(comp)
         par = run.parallel(comp)
-        if par.world_size != res.ranks:
+        if component_kind(comp).parallel_field and par.world_size != res.ranks:
             problems.append(
                 f"field '{comp}': tensor_parallel x pipeline_parallel x data_parallel = "
                 f"{par.tensor_parallel}x{par.pipeline_parallel}x{par.data_parallel} = {par.world_size}, "
@@ -137,7 +154,7 @@ def check_against_profile(run: RunConfig, profile: ClusterProfile, source: str |
                 f"task(s) = {res.ranks} ranks; they must be equal")
         if res.gpus_per_node and res.gpus_per_node != res.tasks_per_node:
             problems.append(
-                f"profile '{profile.name}' field 'components.{comp}': gpus_per_node={res.gpus_per_node} "
+                f"profile '{profile.name}' field 'components.{key}': gpus_per_node={res.gpus_per_node} "
                 f"but tasks_per_node={res.tasks_per_node}; one rank per GPU is required")
     if problems:
         raise ConfigError(problems, source)
@@ -235,6 +252,10 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
                         f"multiple of actor.data_parallel={dp}")
     if problems:
         raise ConfigError(problems, source)
+    if run.spec.trainer is not None and not run.data.truncate and run.algorithm != "kd":
+        for path in [p for p in (run.data.train_path, run.data.val_path) if p is not None and p.exists()] \
+                + [s.path for s in run.data.mixture if s.path.exists()]:
+            check_row_lengths(run, path, next((s.columns for s in run.data.mixture if s.path == path), None))
     if run.spec.rollout:
         for path, columns in ([(run.data.train_path, run.data.columns)] if run.data.train_path is not None else []) \
                 + [(s.path, s.columns or run.data.columns) for s in run.data.mixture]:
@@ -242,9 +263,23 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
 
 
 CHECKED_PROMPTS = 2000
-"""Prompts tokenized at submit: all of a data set this small, a seeded sample of a larger one (the
-login node reads and validates every row but tokenizes only these; each rank tokenizes its own
-prompts when it uses them, data/datasets.py)."""
+"""Prompts read and tokenized at submit: all of a data set this small, a seeded sample of a
+larger one (data/sources.py sample_positions); each rank reads and tokenizes its own prompts
+when it uses them (data/datasets.py), and names a bad row or a too-long prompt outside the
+sample then."""
+
+
+def check_row_lengths(run: RunConfig, path: Path, columns: dict[str, str] | None = None) -> None:
+    """The trainer's rows (SFT, preference, KTO, attribute rows) of a sample of CHECKED_PROMPTS
+    rows of `path` must fit model.max_seq_len unless data.truncate: a row too long is refused
+    here, naming the file, the row and its columns (the ranks name one outside the sample)."""
+    from slurm_align.data.sources import sample_positions
+    from slurm_align.models.tokenizer import build_tokenizer
+
+    spec, options = run.trainer_loss()
+    loss = spec.build(options, run.model)
+    ds = loss.dataset(path, build_tokenizer(run.model), run.model.max_seq_len, columns or run.data.columns)
+    ds.item_tokens(sample_positions(len(ds), CHECKED_PROMPTS, run.seed))
 
 
 def check_prompt_lengths(run: RunConfig, train_path: Path, columns: dict[str, str] | None = None) -> None:
@@ -253,24 +288,20 @@ def check_prompt_lengths(run: RunConfig, train_path: Path, columns: dict[str, st
     max_seq_len (the engine would refuse it in the middle of the job)."""
     # deferred: circular import (these import slurm_align.config, whose __init__ imports this
     # module), and the CLI stays fast: they load torch and tokenizers, which only this check needs.
-    import numpy as np
-
     from slurm_align.data.datasets import encode_chat_prompt, encode_prompt
-    from slurm_align.data.jsonl import read_rows
+    from slurm_align.data.jsonl import LazyRows
+    from slurm_align.data.sources import open_source, sample_positions
     from slurm_align.models.tokenizer import build_tokenizer
 
     tok = build_tokenizer(run.model)   # raises ConfigError when it does not fit model.vocab_size
     longest, line = 0, None
-    rows = read_rows(train_path, "prompt", run.data.columns if columns is None else columns)
-    if len(rows) > CHECKED_PROMPTS:
-        picked = np.random.default_rng(run.seed).choice(len(rows), CHECKED_PROMPTS, replace=False)
-        rows = [rows[i] for i in sorted(picked)]
-    for row in rows:
-        data = row.data
+    rows = LazyRows(open_source(train_path, "prompt", run.data.columns if columns is None else columns), "prompt")
+    for i in sample_positions(len(rows), CHECKED_PROMPTS, run.seed):
+        data = rows[i].data
         ids = encode_chat_prompt(tok, data["messages"], 1 << 30) if "messages" in data \
             else encode_prompt(tok, data["prompt"], 1 << 30)
         if len(ids) > longest:
-            longest, line = len(ids), row.where
+            longest, line = len(ids), rows[i].where
     new = run.generation.max_new_tokens
     limit = min(run.model.max_seq_len, run.critic_model_config.max_seq_len)
     if longest + new > limit:

@@ -57,7 +57,8 @@ class CriticWorker:
         # A reward-only critic (no value model: GRPO family) trains nothing.
         self.optimizer = build_optimizer([p for c in swap.models[VALUE] for p in c.parameters()], pctx,
                                          training or TrainingConfig(),
-                                         lr=lr, grad_clip=grad_clip, total_steps=total_steps) \
+                                         lr=lr, grad_clip=grad_clip, total_steps=total_steps,
+                                         models=swap.models[VALUE]) \
             if VALUE in swap.models else None
         self.holds_result = pctx.is_last_stage and pctx.tp_rank == 0
 
