@@ -31,8 +31,9 @@ class VllmOptions(StrictModel):
     cpu_kv_cache_mib: int | None = Field(None, ge=1)
     """CPU: the KV cache's host memory in MiB. Default: enough for max_num_seqs sequences of the
     model's max_seq_len."""
-    bucket_mib: int = Field(512, ge=1)
-    """Refit: HF-converted weights per load call, in MiB (whole layers; at least one). Default 512."""
+    bucket_mib: int = Field(512, ge=0)
+    """Refit: HF-converted weights per load call, in MiB (whole layers; at least one: 0 sends one
+    layer per call). Default 512."""
     workdir: str | None = None
     """Where config.json of the generation model goes. Default: a fresh temp folder."""
 
@@ -47,8 +48,9 @@ class TrtllmOptions(StrictModel):
     kv_cache_fraction: float = Field(0.5, gt=0.0, lt=1.0)
     """Share of the GPU memory free when the LLM is created (training state offloaded, weights
     loaded) that the KV cache takes. Default 0.5."""
-    bucket_mib: int = Field(512, ge=1)
-    """Refit: staged weights per update_weights call, in MiB (whole layers; at least one). Default 512."""
+    bucket_mib: int = Field(512, ge=0)
+    """Refit: staged weights per update_weights call, in MiB (whole layers; at least one: 0 sends
+    one layer per call). Default 512."""
     max_input_len: int | None = Field(None, ge=1)
     """Longest prompt TensorRT-LLM accepts. Default: the run's model.max_seq_len -
     generation.max_new_tokens (engine_from_config), else the model's max_seq_len."""
