@@ -32,10 +32,11 @@ def reachable(model: type[BaseModel]) -> set[type[BaseModel]]:
 
 
 def _all_models() -> list[type[BaseModel]]:
+    import slurm_align.config.engines as engines
     import slurm_align.config.profile as profile
     import slurm_align.config.run as run
     import slurm_align.environments.config as env
-    return [v for mod in (run, profile, env) for v in vars(mod).values()
+    return [v for mod in (run, profile, env, engines) for v in vars(mod).values()
             if isinstance(v, type) and issubclass(v, BaseModel) and v.__module__ == mod.__name__]
 
 
