@@ -90,3 +90,29 @@ def test_a_teacher_model_declares_the_teacher_component_unless_colocated():
         kd_run(teacher={"vocab_size": 300})
     with pytest.raises(ConfigError, match=r"colocated_teacher.*tensor_parallel and pipeline_parallel must be 1"):
         kd_run("switches.colocated_teacher=true", "actor.tensor_parallel=2", "actor.data_parallel=1")
+
+
+def test_a_judge_reward_declares_the_judge_component_unless_the_judge_is_remote(tmp_path):
+    import re
+
+    from slurm_align.config.loading import apply_overrides, read_yaml, validate
+    from slurm_align.config.run import RunConfig
+
+    base = REPO_ROOT / "examples" / "grpo_tiny.yaml"
+
+    def run(judge: dict, weight: float = 1.0) -> RunConfig:
+        data = apply_overrides(read_yaml(base), [f"reward.judge_weight={weight}"], str(base))
+        data["judge"] = {"template": "pointwise_compact", **judge}
+        return validate(RunConfig, data, "judge_run")
+
+    tiny = {"num_layers": 1, "hidden_size": 16, "num_attention_heads": 2, "vocab_size": 260, "max_seq_len": 32}
+    assert run({"model": tiny}).components == ("actor", "judge")
+    assert run({"model": tiny}, weight=0).components == ("actor",)   # a labeller's judge is not the job's
+    assert run({"remote": {"url": "http://judge:8000/v1", "model": "j"}}).components == ("actor",)
+    kind = component_kind("judge")
+    assert kind.serves and kind.preemption == "survives" and kind.lost_peer is not None
+    check_against_profile(run({"model": tiny}), load_profile("local"), "local")   # the profile sizes it
+    # status reads a client's judge errors (judge/client.py's messages) as the judge's loss
+    assert re.search(kind.lost_peer, "slurm_align.judge.client.JudgeError: judge at 10.0.0.7:8000, "
+                     "endpoint judge_answers: [Errno 111] Connection refused")
+    assert re.search(kind.lost_peer, "JudgeError: judge of /runs/x: not ready after 120 s; last error: gone")
