@@ -10,6 +10,7 @@ from rich.text import Text
 
 from slurm_align.algorithms import commands as algorithm_commands
 from slurm_align.analysis import commands as analysis_commands
+from slurm_align.cli_help import add_examples
 from slurm_align.config import commands as config_commands
 from slurm_align.config.errors import ConfigError
 from slurm_align.models.hf import commands as hf_commands
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     for area in (slurm_commands, algorithm_commands, analysis_commands, hf_commands, config_commands,
                  planning_commands):
         area.register(sub)   # each area owns its subcommands
+    add_examples(parser)   # one example per command (cli_help.py), at the end of its --help
     return parser
 
 

@@ -3,7 +3,9 @@ Slurm cluster and the end-to-end runs several test files share.
 
 The suite runs on three pytest-xdist workers (`-n 3 --dist loadgroup`, setup.cfg). A session or
 module fixture is built once PER WORKER, so:
-- tests that use the `slurm_cluster` fixture all go to one worker (xdist group `slurm`);
+- the tests of one file that use the `slurm_cluster` fixture go to one worker (xdist group
+  `slurm-<file>`); each worker that runs such a group starts its own cluster (session fixture),
+  so the workers run Slurm test files in parallel, each on its own cluster (own ports, own state);
 - tests that share a module- or session-scoped fixture of a test file go to one worker too (their
   group is made here from the fixture's name, see `_xdist_groups`), unless the fixture is listed
   in SHARED_ACROSS_WORKERS: those are built once for the whole session (`build_once`), whichever
@@ -28,7 +30,9 @@ import pytest
 from tests.cluster import ClusterError, LocalSlurmCluster, slurm_installed
 
 SLURM_GROUP = "slurm"
-"""xdist group of every test that uses the real Slurm cluster (one cluster, one worker)."""
+"""Prefix of the xdist groups of the tests that use the real Slurm cluster: one group per test file
+(`slurm-test_preempt`), so the files' mostly waiting jobs run side by side on the workers, each
+worker on its own cluster (tests/cluster picks a free port block per cluster under PORT_LOCK)."""
 SHARED_ACROSS_WORKERS = {"slurm_cluster", "sft_checkpoint", "rm_checkpoint", "ppo_reference", "grpo_learning_run"}
 """Session fixtures that never pull their users into one group: `slurm_cluster` has its own
 group, the others are built once per session for all workers (`build_once`)."""
@@ -132,7 +136,7 @@ def _xdist_groups(items: list[pytest.Item], loadgroup: bool = False) -> None:
         keys = [f"group:{m.args[0] if m.args else m.kwargs.get('name', 'default')}"
                 for m in item.iter_markers("xdist_group")]
         if "slurm_cluster" in getattr(item, "fixturenames", ()):
-            keys.append(f"group:{SLURM_GROUP}")
+            keys.append(f"group:{SLURM_GROUP}-{item.path.stem}")
         keys += sorted(_shared_fixtures(item))
         for k in keys:
             find(k)
@@ -158,13 +162,18 @@ def _xdist_groups(items: list[pytest.Item], loadgroup: bool = False) -> None:
 
 
 def _long_tests_first(items: list[pytest.Item]) -> None:
-    """xdist hands out the groups first (largest first), then single tests in collection order:
-    put the long single tests (marked slow) at the head of those, so that none starts last and
-    runs alone while the other workers idle (measured: 20-30% of the CPU idle in a run's last
-    minute). A stable sort: every other test keeps its place."""
-    def single_and_slow(item: pytest.Item) -> bool:
-        return bool(item.get_closest_marker("slow")) and not item.get_closest_marker("xdist_group")
-    items.sort(key=lambda item: not single_and_slow(item))
+    """xdist hands out the groups first (those of most tests first), then the groups of one test
+    and the single tests in collection order: put the long single tests (marked slow) and the
+    Slurm files' tests at the head of those, so that none starts last and runs alone while the
+    other workers idle (measured: 20-30% of the CPU idle in a run's last minute), and the Slurm
+    jobs' waits (time limits, requeues) overlap the other workers' computing. A stable sort:
+    every other test keeps its place, and the tests of a group their order."""
+    def early(item: pytest.Item) -> bool:
+        group = item.get_closest_marker("xdist_group")
+        if group is None:
+            return bool(item.get_closest_marker("slow"))
+        return str(group.args[0]).startswith(f"{SLURM_GROUP}-")
+    items.sort(key=lambda item: not early(item))
 
 
 def _suffix_group(item: pytest.Item, name: str) -> None:
@@ -367,3 +376,13 @@ def ppo_reference(tmp_path_factory: pytest.TempPathFactory, sft_checkpoint: Path
         assert "dir" in result, "the reference PPO run did not end within 1200 s"
         return result["dir"]
     return PpoReference(overrides, wait)
+
+
+# --- model-parallel layout runs (tests/support/layout_runs.py) -----------------------
+@pytest.fixture(scope="session")
+def layout_runs(tmp_path_factory: pytest.TempPathFactory):
+    """TP=2 / PP=2 checks, checkpoint saves and TP=1 loads in four mpirun launches, read by
+    test_models_parallel and test_checkpoint (their users share one worker: one build). Read-only."""
+    from tests.support.layout_runs import run_layouts
+
+    return run_layouts(tmp_path_factory.mktemp("layouts"))

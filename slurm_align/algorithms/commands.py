@@ -5,7 +5,7 @@ writes the resolved config into the run directory and launches it (local mpirun 
 plain Slurm job); every rank runs launchers/train.py.
 
 `slurm-align eval MODEL --data FILE [--config CONFIG] [--samples N] [--temperature T]
-[--engine E] [--profile NAME] [--run-dir DIR] [--follow] [a.b=c ...]`
+[--engine E] [--profile NAME] [--out DIR] [--follow] [a.b=c ...]` (--run-dir DIR: the same as --out)
 
 Evaluates a checkpoint (an iter_* folder or a run's checkpoints folder) or a Hugging Face
 folder on a data set as a job of its own (the actor component only; launchers/evaluate.py runs
@@ -171,6 +171,10 @@ def register(sub) -> None:
                           data="prompts with the scorer's fields (any data format)",
                           samples="answers per prompt (pass@k up to this)", temperature=None)
     add_run_arguments(e, with_config=False)
+    # --out is the eval command's name for its output folder; --run-dir (the other commands') also works
+    e.add_argument("--out", dest="run_dir", type=Path, default=None, metavar="DIR",
+                   help="where the results go: DIR/eval/step_<N>.jsonl (every sample with its score, per prompt) "
+                        "and DIR/eval/metrics_step_<N>.json; same as --run-dir")
     e.add_argument("--follow", action="store_true", help="wait for the job, then print its metrics")
     e.set_defaults(func=cmd_eval)
 

@@ -30,8 +30,11 @@ per-prompt row then also holds every sample ("samples": [{"response", "score", "
 "n" and "num_correct"; its "response"/"score"/"correct" are those of the majority answer, so
 the rows pair for the sign tests as greedy ones do.
 
-Runs in the generation layout after a refit: each generation replica takes a strided share of
-the prompts (all its ranks in lock-step, as for rollouts), its requester scores them, and one
+Runs in the generation layout after a refit: the generation replicas take batches of prompts
+from the work-stealing prompt server as rollouts do (balance/prompts.py; switches.dynamic_prompts
+off: a strided static share each), all of a replica's ranks in lock-step, its requester scores
+them (an answer's seed is a function of its prompt and sample, so who draws it does not matter),
+and one
 all-reduce over the component gives every rank the means; the per-prompt rows are gathered on
 the component's rank 0, which writes them.
 """
@@ -42,7 +45,7 @@ import dataclasses
 import json
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +54,7 @@ import numpy as np
 import torch
 
 from slurm_align.algorithms.rollout_collector import sample_seed
+from slurm_align.balance.replica import open_prompt_source, replica_batches
 from slurm_align.config.run import RunConfig
 from slurm_align.data.datasets import PromptDataset
 from slurm_align.rewards.rule import RuleReward
@@ -106,7 +110,7 @@ def sampled_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
 
 @dataclass
 class EvalSet:
-    rows: list[dict[str, Any]]       # held-out prompt rows (prompt + the fields the scorer reads)
+    rows: Sequence[dict[str, Any]]     # held-out prompt rows (prompt + the fields the scorer reads)
     prompts: Sequence[np.ndarray]    # their token ids, encoded as the rollout prompts are (on first use)
     scorer: RuleReward
     samples: int = 1                 # answers per prompt (eval.samples)
@@ -126,7 +130,8 @@ class EvalSet:
         scorer = ev.scorer or run.reward.rule
         # RunConfig: eval.interval needs eval.val_path and a scorer
         assert ev.val_path is not None and scorer is not None, "checked by RunConfig"
-        dataset = PromptDataset(ev.val_path, tokenizer, run.model.max_seq_len, run.data.columns)
+        dataset = PromptDataset(ev.val_path, tokenizer, run.model.max_seq_len, run.data.columns,
+                                reserve=run.generation.max_new_tokens)
         rows, prompts = dataset.fields(), dataset.token_arrays()
         if ev.num_prompts:
             rows, prompts = rows[: ev.num_prompts], prompts[: ev.num_prompts]
@@ -150,17 +155,25 @@ class EvalResult:
     rows: list[dict[str, Any]] | None         # per-prompt rows in index order; on comm rank 0 only
 
 
+def prompt_batches(collector, layout, comm, n: int, batch_size: int) -> Iterator[list[int]]:
+    """Collective over `comm`: batches of the n prompt indices for this rank's generation replica
+    (every rank of a replica gets the same), from the work-stealing prompt server as the
+    rollouts' (switches.dynamic_prompts off: a strided static share)."""
+    source = open_prompt_source(comm, layout, n, dynamic=collector.run.switches.dynamic_prompts, strided=True)
+    for batch in replica_batches(layout, source, batch_size):
+        yield [int(i) for i in batch]
+    source.close()   # collective: after every replica drained the server
+
+
 @torch.no_grad()
 def evaluate(collector, layout, comm, evalset: EvalSet, max_new_tokens: int, batch_size: int) -> EvalResult:
     """Collective over `comm` (the component's world), inside `generation_layout`, the
     collector's engine refitted (algorithms/rollout_collector.py: its greedy engine call)."""
     if evalset.sampled:
         return evaluate_sampled(collector, layout, comm, evalset, max_new_tokens, batch_size)
-    mine = list(range(layout.dp_rank, len(evalset.rows), layout.dp_size))
     total = np.zeros(4)          # score sum, response tokens, responses, tool calls
     scored: list[tuple[int, str, float]] = []    # (index, response, score) of the prompts this rank scored
-    for a in range(0, len(mine), batch_size):
-        idx = mine[a:a + batch_size]
+    for idx in prompt_batches(collector, layout, comm, len(evalset.rows), batch_size):
         if collector.env is not None:   # multi-turn: the same loop as the rollouts, greedy
             convs = collector.greedy_conversations([evalset.prompts[i] for i in idx], [evalset.rows[i] for i in idx])
             texts = [c.messages[-1]["content"] for c in convs]     # the answer: the model's last turn
@@ -204,11 +217,8 @@ def evaluate_sampled(collector, layout, comm, evalset: EvalSet, max_new_tokens: 
     n = evalset.samples
     params = dataclasses.replace(collector.params, temperature=evalset.temperature, max_new_tokens=max_new_tokens,
                                  return_logprobs=False)
-    mine = list(range(layout.dp_rank, len(evalset.rows), layout.dp_size))
-    per_call = max(1, batch_size // n)
     scored: list[tuple[int, list[str], list[float]]] = []
-    for a in range(0, len(mine), per_call):
-        idx = mine[a:a + per_call]
+    for idx in prompt_batches(collector, layout, comm, len(evalset.rows), max(1, batch_size // n)):
         flat = [i for i in idx for _ in range(n)]
         seeds = [sample_seed(evalset.seed, EVAL_DRAWS, i * n + j) for i in idx for j in range(n)]
         out = collector.engine.generate([torch.from_numpy(evalset.prompts[i]) for i in flat], params, seeds=seeds)

@@ -17,6 +17,7 @@ and the loss normalisers are all-reduced over the DP ranks.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -40,7 +41,7 @@ class Rewards:
     """The rule reward (RunConfig.reward.rule) of freshly generated samples, on the rank that
     generated them. `rows` are the prompt data rows (the rule gets their other fields)."""
 
-    def __init__(self, run: RunConfig, tokenizer, rows: list[dict[str, Any]]):
+    def __init__(self, run: RunConfig, tokenizer, rows: Sequence[dict[str, Any]]):
         self.rule = RuleReward.load(run.reward.rule) if run.reward.rule else None
         self.tokenizer, self.rows = tokenizer, rows
 

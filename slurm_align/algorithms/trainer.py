@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.run import RunConfig
 from slurm_align.data.datasets import DataOrder
+from slurm_align.data.mixture import training_data
 from slurm_align.models.lora import lora_base
 from slurm_align.models.packing import run_batching
 from slurm_align.models.retention import apply_retention
@@ -46,15 +47,16 @@ class Trainer:
         if tc.global_batch_size % pctx.dp_size:
             raise ConfigError.at("trainer.global_batch_size", tc.global_batch_size,
                                  f"must be a multiple of data_parallel={pctx.dp_size}")
-        if run.data.train_path is None:
-            raise ConfigError.at("data.train_path", None, f"{self.name} needs a JSONL training file")
+        if run.data.train_path is None and not run.data.mixture:
+            raise ConfigError.at("data.train_path", None, f"{self.name} needs a training file (or data.mixture)")
         if self.loss.value_head and run.model.num_labels != self.loss.value_outputs:
             raise ConfigError.at("model.num_labels", run.model.num_labels,
                                  f"loss {spec.name!r} reads {self.loss.value_outputs} output(s) of the value head")
         tok = build_tokenizer(run.model)
         cols = run.data.columns
-        self.train_ds = self.loss.dataset(run.data.train_path, tok, run.model.max_seq_len, cols)
-        self.val_ds = (self.loss.dataset(run.data.val_path, tok, run.model.max_seq_len, cols)
+        cut = run.data.truncate
+        self.train_ds = self.loss.dataset(training_data(run), tok, run.model.max_seq_len, cols, cut)
+        self.val_ds = (self.loss.dataset(run.data.val_path, tok, run.model.max_seq_len, cols, cut)
                        if run.data.val_path else None)
         # Items are samples (sft) or pairs (rm, dpo: two sequences each).
         batching = run_batching(run, "actor", tc.micro_batch_size, sequences_per_item=2 if self.loss.pairs else 1)

@@ -13,9 +13,6 @@ from rich.console import Console
 from rich.table import Table
 
 from slurm_align.analysis.breakdown import Breakdown, compute_breakdown
-from slurm_align.analysis.plots import plot_breakdown, plot_scaling, plot_timeline
-from slurm_align.analysis.runs import load_run
-from slurm_align.analysis.scaling import compute_scaling
 from slurm_align.analysis.trace_export import write_chrome_trace
 from slurm_align.config import load_run_config
 from slurm_align.config.errors import ConfigError
@@ -106,7 +103,12 @@ def _csv(rows: list[dict]) -> str:
     return buf.getvalue()
 
 
+# matplotlib (plots) and zarr (runs -> store.traces) are imported in the commands that use them:
+# every `slurm-align` call (each job's steps, each test's CLI run) would pay ~0.4 s of imports.
 def cmd_breakdown(args) -> int:
+    from slurm_align.analysis.plots import plot_breakdown, plot_timeline
+    from slurm_align.analysis.runs import load_run
+
     dirs = [Path(args.run_dir), *[Path(p) for p in (args.compare or [])]]
     runs = [load_run(d, allow_incomplete=args.allow_incomplete, console=console) for d in dirs]
     names = [r.name for r in runs]
@@ -149,6 +151,8 @@ def cmd_breakdown(args) -> int:
 
 
 def cmd_trace(args) -> int:
+    from slurm_align.analysis.runs import load_run
+
     run = load_run(args.run_dir, allow_incomplete=args.allow_incomplete, console=console)
     spans = run.spans if args.allow_incomplete else run.table.spans
     n = write_chrome_trace(spans, Path(args.output), run.name)
@@ -179,6 +183,9 @@ def _scaling_table(report) -> Table:
 
 
 def cmd_scaling(args) -> int:
+    from slurm_align.analysis.plots import plot_scaling
+    from slurm_align.analysis.scaling import compute_scaling
+
     report = compute_scaling(args.sweep_dir, allow_incomplete=args.allow_incomplete,
                              skip_steps=args.skip_steps, console=console)
     if args.calibration:   # predicted beside measured

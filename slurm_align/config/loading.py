@@ -235,6 +235,10 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
                         f"multiple of actor.data_parallel={dp}")
     if problems:
         raise ConfigError(problems, source)
+    if run.spec.trainer is not None and not run.data.truncate and run.algorithm != "kd":
+        for path in [p for p in (run.data.train_path, run.data.val_path) if p is not None and p.exists()] \
+                + [s.path for s in run.data.mixture if s.path.exists()]:
+            check_row_lengths(run, path, next((s.columns for s in run.data.mixture if s.path == path), None))
     if run.spec.rollout:
         for path, columns in ([(run.data.train_path, run.data.columns)] if run.data.train_path is not None else []) \
                 + [(s.path, s.columns or run.data.columns) for s in run.data.mixture]:
@@ -242,9 +246,23 @@ def check_runnable(run: RunConfig, profile: ClusterProfile, source: str | Path |
 
 
 CHECKED_PROMPTS = 2000
-"""Prompts tokenized at submit: all of a data set this small, a seeded sample of a larger one (the
-login node reads and validates every row but tokenizes only these; each rank tokenizes its own
-prompts when it uses them, data/datasets.py)."""
+"""Prompts read and tokenized at submit: all of a data set this small, a seeded sample of a
+larger one (data/sources.py sample_positions); each rank reads and tokenizes its own prompts
+when it uses them (data/datasets.py), and names a bad row or a too-long prompt outside the
+sample then."""
+
+
+def check_row_lengths(run: RunConfig, path: Path, columns: dict[str, str] | None = None) -> None:
+    """The trainer's rows (SFT, preference, KTO, attribute rows) of a sample of CHECKED_PROMPTS
+    rows of `path` must fit model.max_seq_len unless data.truncate: a row too long is refused
+    here, naming the file, the row and its columns (the ranks name one outside the sample)."""
+    from slurm_align.data.sources import sample_positions
+    from slurm_align.models.tokenizer import build_tokenizer
+
+    spec, options = run.trainer_loss()
+    loss = spec.build(options, run.model)
+    ds = loss.dataset(path, build_tokenizer(run.model), run.model.max_seq_len, columns or run.data.columns)
+    ds.item_tokens(sample_positions(len(ds), CHECKED_PROMPTS, run.seed))
 
 
 def check_prompt_lengths(run: RunConfig, train_path: Path, columns: dict[str, str] | None = None) -> None:
@@ -253,24 +271,20 @@ def check_prompt_lengths(run: RunConfig, train_path: Path, columns: dict[str, st
     max_seq_len (the engine would refuse it in the middle of the job)."""
     # deferred: circular import (these import slurm_align.config, whose __init__ imports this
     # module), and the CLI stays fast: they load torch and tokenizers, which only this check needs.
-    import numpy as np
-
     from slurm_align.data.datasets import encode_chat_prompt, encode_prompt
-    from slurm_align.data.jsonl import read_rows
+    from slurm_align.data.jsonl import LazyRows
+    from slurm_align.data.sources import open_source, sample_positions
     from slurm_align.models.tokenizer import build_tokenizer
 
     tok = build_tokenizer(run.model)   # raises ConfigError when it does not fit model.vocab_size
     longest, line = 0, None
-    rows = read_rows(train_path, "prompt", run.data.columns if columns is None else columns)
-    if len(rows) > CHECKED_PROMPTS:
-        picked = np.random.default_rng(run.seed).choice(len(rows), CHECKED_PROMPTS, replace=False)
-        rows = [rows[i] for i in sorted(picked)]
-    for row in rows:
-        data = row.data
+    rows = LazyRows(open_source(train_path, "prompt", run.data.columns if columns is None else columns), "prompt")
+    for i in sample_positions(len(rows), CHECKED_PROMPTS, run.seed):
+        data = rows[i].data
         ids = encode_chat_prompt(tok, data["messages"], 1 << 30) if "messages" in data \
             else encode_prompt(tok, data["prompt"], 1 << 30)
         if len(ids) > longest:
-            longest, line = len(ids), row.where
+            longest, line = len(ids), rows[i].where
     new = run.generation.max_new_tokens
     limit = min(run.model.max_seq_len, run.critic_model_config.max_seq_len)
     if longest + new > limit:

@@ -261,7 +261,7 @@ class DataSource(StrictModel):
     """One source of a mixture (data.mixture)."""
 
     path: Path
-    """A prompt data file or save_to_disk folder (any format of data.train_path)."""
+    """A data file or save_to_disk folder of the run's data kind (any format of data.train_path)."""
     weight: float = Field(1.0, gt=0)
     """Relative weight: each mixed position draws this source with weight / sum of weights."""
     columns: dict[str, str] = Field(default_factory=dict)
@@ -279,10 +279,15 @@ class DataConfig(StrictModel):
     """Column map for every data file of the run (train, validation, eval.val_path): the
     project's key -> the file's column, e.g. {prompt: question, answer: gold}."""
     mixture: list[DataSource] = Field(default_factory=list)
-    """Prompt sets mixed with weights, instead of train_path (RL algorithms): a seeded draw of
-    source and row per position (data/mixture.py), so a resume continues the same sequence."""
+    """Data sets mixed with weights, instead of train_path (any data kind: prompts, SFT,
+    preference, KTO, attribute rows): a seeded draw of source and row per position
+    (data/mixture.py), so a resume continues the same sequence."""
     mixture_size: int | None = Field(None, ge=1)
     """Positions of the mixed data set (default: the sources' rows together)."""
+    truncate: bool = False
+    """SFT, preference, KTO and attribute rows longer than model.max_seq_len: false stops with an
+    error naming the file, the row and its columns; true cuts them to max_seq_len (the end of
+    the response is lost). Prompts are never cut (they must leave generation.max_new_tokens)."""
 
     @model_validator(mode="after")
     def _one_training_source(self):
@@ -940,9 +945,8 @@ class RunConfig(StrictModel):
     def _rollout_options_fit(self):
         spec = self.spec
         if not spec.rollout:
-            if self.data.mixture:
-                raise ValueError(f"data.mixture: mixes prompt sets of the RL algorithms; {self.algorithm} "
-                                 "reads data.train_path")
+            if self.data.mixture and self.algorithm == "kd":
+                raise ValueError("data.mixture: kd reads one generate job's output (data.train_path), not a mixture")
             return self
         n = self.rl.n_samples_per_prompt
         if n < spec.min_group_size:

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch.distributed as dist
 
 from slurm_align.critic import protocol as P
 from slurm_align.rundir import RunDir, critic_address_problem, read_run_secret
@@ -364,6 +363,8 @@ def share_from_source(value: Any, *, torch_group=None, mpi_comm=None, src: int =
         raise ValueError("share_from_source needs exactly one of torch_group or mpi_comm")
     if mpi_comm is not None:
         return mpi_comm.bcast(value, root=src)
+    import torch.distributed as dist  # here: the client itself needs no torch (~1 CPU-s to import)
+
     box = [value]
     dist.broadcast_object_list(box, src=dist.get_global_rank(torch_group, src), group=torch_group)
     return box[0]

@@ -4,9 +4,10 @@ Plain rows become [BOS] prompt response [EOS] (no BOS when the tokenizer has non
 become the tokenizer's chat template: the prompt is the prompt turns rendered with the
 generation prompt (what the policy is given at generation), the response is the rest of the
 rendered conversation up to and including its last EOS token (EOS appended when the template
-does not end the turn with it, so that generation learns to stop). Both are truncated to
-max_seq_len. A "response mask" marks the positions whose NEXT token is a response token (where
-an LM loss/log-prob counts).
+does not end the turn with it, so that generation learns to stop). A row longer than
+max_seq_len is an error naming the file, the row and its columns (data.truncate: SFT and
+preference rows are cut to max_seq_len instead; prompts never are). A "response mask" marks
+the positions whose NEXT token is a response token (where an LM loss/log-prob counts).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from slurm_align.config.errors import ConfigError
-from slurm_align.data.jsonl import ASSISTANT, Row, read_rows
+from slurm_align.data.jsonl import ASSISTANT, Row, column_names, lazy_rows
 from slurm_align.data.positions import position_mask
 
 
@@ -125,22 +126,46 @@ def encode_chat_sft(tok, messages: list[dict], max_len: int) -> Sequence:
     return Sequence(ids, plen, tuple(trained[:len(ids) - plen]))
 
 
-class Encoded(CollectionSequence):
-    """Rows encoded on first use and kept: a rank encodes (tokenizes) only the items it touches,
-    so a large data set costs each rank its own share, not the whole set. `encoded` counts the
-    rows encoded so far. A template failure names the file and the row. The first chat row is
-    encoded at once: a tokenizer without a chat template fails when the data set opens."""
+class TooLong(ValueError):
+    """An item longer than it may be; the message says by how much and what to change."""
 
-    def __init__(self, path: Path, rows: list[Row], encode: Callable[[Row], Any]):
+
+def fitted(seq: Sequence, row: Row, max_len: int, keys: tuple[str, ...]) -> Sequence:
+    """`seq` (encoded with room for max_len + 1 tokens) when it fits max_len, else TooLong."""
+    if len(seq.ids) > max_len:
+        raise TooLong(f"{row.where}: longer than model.max_seq_len={max_len} tokens "
+                      f"({', '.join(map(repr, ('messages',) if row.is_chat else keys))}); shorten it, raise "
+                      "model.max_seq_len, or set data.truncate=true to cut such rows to max_seq_len")
+    return seq
+
+
+PROBE_ROWS = 8
+"""Rows every rank reads when a data set opens, to find a chat row to try the template on."""
+
+
+class Encoded(CollectionSequence):
+    """Rows encoded on first use and kept: a rank reads (LazyRows) and encodes (tokenizes) only
+    the items it touches, so a large data set costs each rank its own share, not the whole set.
+    `encoded` counts the rows encoded so far. A template failure or a row too long names the
+    file and the row. The first chat row among the first PROBE_ROWS is encoded at once: a
+    tokenizer without a chat template fails when the data set opens."""
+
+    def __init__(self, path: Path, rows: CollectionSequence[Row], encode: Callable[[Row], Any]):
         self.path, self.rows, self._encode = path, rows, encode
         self._items: dict[int, Any] = {}
-        first_chat = next((i for i, r in enumerate(rows) if r.is_chat), None)
+        first_chat = next((i for i in range(min(len(rows), PROBE_ROWS)) if rows[i].is_chat), None)
         if first_chat is not None:
             self[first_chat]
 
     @property
     def encoded(self) -> int:
         return len(self._items)
+
+    def fetch(self, indices) -> None:
+        """Encode the items of `indices` not yet encoded, in file order (a parquet row group is
+        then read once for all of a batch's rows in it)."""
+        for i in sorted(set(int(i) for i in indices) - self._items.keys()):
+            self[i]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -163,18 +188,21 @@ class Encoded(CollectionSequence):
         return item
 
     def _encode_one(self, row: Row) -> Any:
+        path = row.path or self.path
         try:
             return self._encode(row)
         except ConfigError as e:   # the tokenizer has no chat template
-            raise ConfigError([f"{row.where}: a chat row, but {e}"], self.path) from None
+            raise ConfigError([f"{row.where}: a chat row, but {e}"], path) from None
         except (jinja2.TemplateError, TemplatePrefixError) as e:
-            raise ConfigError([f"{row.where}: chat template: {e}"], self.path) from None
+            raise ConfigError([f"{row.where}: chat template: {e}"], path) from None
+        except TooLong as e:
+            raise ConfigError([column_names(str(e), row.columns or {})], path) from None
 
 
 class _Mapped(CollectionSequence):
-    """`fn` of each item of an Encoded sequence, computed on access (not cached twice)."""
+    """`fn` of each item of a sequence, computed on access (not cached twice)."""
 
-    def __init__(self, items: Encoded, fn: Callable[[Any], Any]):
+    def __init__(self, items: CollectionSequence, fn: Callable[[Any], Any]):
         self._items, self._fn = items, fn
 
     def __len__(self) -> int:
@@ -186,16 +214,27 @@ class _Mapped(CollectionSequence):
         return self._fn(self._items[i])
 
 
+def _where(path: Any) -> Path:
+    """The path errors name: the file, or a mixture's description."""
+    return Path(getattr(path, "path", path))
+
+
 class SFTDataset:
-    def __init__(self, path: str | Path, tok, max_len: int, columns: Mapping[str, str] | None = None):
+    """`path`: a data file, or a data/mixture.py MixtureSpec (its rows drawn from several files).
+    truncate: cut rows longer than max_len (data.truncate) instead of refusing them."""
+
+    def __init__(self, path: Any, tok, max_len: int, columns: Mapping[str, str] | None = None,
+                 truncate: bool = False):
+        cap = max_len if truncate else max_len + 1
+
         def encode(row: Row) -> Sequence:
             d = row.data
             if row.is_chat:
-                return encode_chat_sft(tok, d["messages"], max_len)
-            return encode_pair(tok, d["input"], d["output"], max_len)
+                return fitted(encode_chat_sft(tok, d["messages"], cap), row, max_len, ())
+            return fitted(encode_pair(tok, d["input"], d["output"], cap), row, max_len, ("input", "output"))
 
-        self.rows = read_rows(path, "SFT", columns)
-        self.items = Encoded(Path(path), self.rows, encode)
+        self.rows = lazy_rows(path, "SFT", columns)
+        self.items = Encoded(_where(path), self.rows, encode)
         self.pad_id = tok.pad_id
 
     def __len__(self) -> int:
@@ -203,42 +242,51 @@ class SFTDataset:
 
     def item_tokens(self, indices: list[int]) -> np.ndarray:
         """Tokens of each item (what a micro-batch's token budget counts)."""
+        self.items.fetch(indices)
         return np.asarray([len(self.items[i].ids) for i in indices], dtype=np.int64)
 
     def batch(self, indices: list[int]) -> dict:
+        self.items.fetch(indices)
         seqs = [self.items[i] for i in indices]
         tokens, lengths = pad([s.ids for s in seqs], self.pad_id)
         return {"tokens": tokens, "lengths": lengths, "mask": response_mask(seqs, tokens.shape[1])}
 
 
 class PreferenceDataset:
-    """Each item is a (chosen, rejected) pair sharing a prompt."""
+    """Each item is a (chosen, rejected) pair sharing a prompt (`path`, `truncate`: as SFTDataset)."""
 
-    def __init__(self, path: str | Path, tok, max_len: int, columns: Mapping[str, str] | None = None):
+    def __init__(self, path: Any, tok, max_len: int, columns: Mapping[str, str] | None = None,
+                 truncate: bool = False):
+        cap = max_len if truncate else max_len + 1
+        keys = ("prompt", "chosen", "rejected")
+
         def encode(row: Row) -> tuple[Sequence, Sequence]:
             d = row.data
             if row.is_chat:
-                return (encode_chat_pair(tok, d["messages"], d["chosen"], max_len),
-                        encode_chat_pair(tok, d["messages"], d["rejected"], max_len))
-            return (encode_pair(tok, d["prompt"], d["chosen"], max_len),
-                    encode_pair(tok, d["prompt"], d["rejected"], max_len))
+                return (fitted(encode_chat_pair(tok, d["messages"], d["chosen"], cap), row, max_len, keys),
+                        fitted(encode_chat_pair(tok, d["messages"], d["rejected"], cap), row, max_len, keys))
+            return (fitted(encode_pair(tok, d["prompt"], d["chosen"], cap), row, max_len, keys),
+                    fitted(encode_pair(tok, d["prompt"], d["rejected"], cap), row, max_len, keys))
 
-        self.rows = read_rows(path, "preference", columns)
-        self.items = Encoded(Path(path), self.rows, encode)
+        self.path = _where(path)
+        self.rows = lazy_rows(path, "preference", columns)
+        self.items = Encoded(self.path, self.rows, encode)
         self.chosen = _Mapped(self.items, lambda pair: pair[0])
         self.rejected = _Mapped(self.items, lambda pair: pair[1])
         self.pad_id = tok.pad_id
-        self.rewards = [_pair_rewards(row, path) for row in self.rows]
+        self.rewards = _Mapped(self.rows, lambda row: _pair_rewards(row, row.path or self.path))
 
     def __len__(self) -> int:
         return len(self.rows)
 
     def item_tokens(self, indices: list[int]) -> np.ndarray:
         """Tokens of each pair (chosen + rejected: they share a micro-batch)."""
+        self.items.fetch(indices)
         return np.asarray([len(self.chosen[i].ids) + len(self.rejected[i].ids) for i in indices], dtype=np.int64)
 
     def batch(self, indices: list[int]) -> dict:
         """tokens [2n, s]: the n chosen sequences, then the n rejected ones, in the same order."""
+        self.items.fetch(indices)
         seqs = [self.chosen[i] for i in indices] + [self.rejected[i] for i in indices]
         tokens, lengths = pad([s.ids for s in seqs], self.pad_id)
         # "rewards" [2n]: the rows' optional chosen_reward / rejected_reward (NaN where absent;
@@ -255,23 +303,45 @@ def _pair_rewards(row: Row, path: str | Path) -> tuple[float, float]:
     for key in ("chosen_reward", "rejected_reward"):
         v = row.extra.get(key, row.data.get(key))
         if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
-            raise ConfigError([f"line {row.line}: {key!r} must be a number, got {v!r}"], path)
+            raise ConfigError([f"{row.where}: {key!r} must be a number, got {v!r}"], path)
         out.append(float("nan") if v is None else float(v))
     return out[0], out[1]
 
 
+def row_fields(row: Row) -> dict:
+    """A prompt row as a rule reward or scorer reads it: "prompt" (a chat row's last user turn)
+    and the row's other fields (e.g. a reference answer)."""
+    if row.is_chat:
+        users = [m["content"] for m in row.data["messages"] if m.get("role") == "user"]
+        prompt = {"prompt": users[-1] if users else "", "messages": row.data["messages"]}
+    else:
+        prompt = dict(row.data)
+    return {**row.extra, **prompt}
+
+
 class PromptDataset:
     """Prompt token ids (PPO's prompts): plain rows as [BOS] prompt, chat rows rendered; each
-    prompt is encoded when first used (Encoded)."""
+    prompt is read and encoded when first used (LazyRows, Encoded). `path`: a data file or a
+    data/mixture.py MixtureSpec. A prompt must leave `reserve` tokens (generation.max_new_tokens)
+    of max_len: a longer one is an error naming the file, the row and the column, never cut."""
 
-    def __init__(self, path: str | Path, tok, max_len: int, columns: Mapping[str, str] | None = None):
+    def __init__(self, path: Any, tok, max_len: int, columns: Mapping[str, str] | None = None,
+                 reserve: int = 0):
+        limit = max_len - reserve
+
         def encode(row: Row) -> list[int]:
             if row.is_chat:
-                return encode_chat_prompt(tok, row.data["messages"], max_len)
-            return encode_prompt(tok, row.data["prompt"], max_len)
+                ids = encode_chat_prompt(tok, row.data["messages"], limit + 1)
+            else:
+                ids = encode_prompt(tok, row.data["prompt"], limit + 1)
+            if len(ids) > limit:
+                raise TooLong(f"{row.where}: the prompt ({'messages' if row.is_chat else repr('prompt')}) has more "
+                              f"than {limit} tokens, the most that leaves generation.max_new_tokens={reserve} of "
+                              f"model.max_seq_len={max_len}; shorten or drop it, or raise model.max_seq_len")
+            return ids
 
-        self.rows = read_rows(path, "prompt", columns)
-        self.items = Encoded(Path(path), self.rows, encode)
+        self.rows = lazy_rows(path, "prompt", columns)
+        self.items = Encoded(_where(path), self.rows, encode)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -280,18 +350,9 @@ class PromptDataset:
         """The prompts as int64 arrays (what the generation engines take), encoded on access."""
         return _Mapped(self.items, lambda ids: np.asarray(ids, dtype=np.int64))
 
-    def fields(self) -> list[dict]:
-        """Each row as a rule reward or scorer reads it: "prompt" (a chat row's last user turn)
-        and the row's other fields (e.g. a reference answer)."""
-        out = []
-        for row in self.rows:
-            if row.is_chat:
-                users = [m["content"] for m in row.data["messages"] if m.get("role") == "user"]
-                prompt = {"prompt": users[-1] if users else "", "messages": row.data["messages"]}
-            else:
-                prompt = dict(row.data)
-            out.append({**row.extra, **prompt})
-        return out
+    def fields(self) -> _Mapped:
+        """Each row as a rule reward or scorer reads it (row_fields), read on access."""
+        return _Mapped(self.rows, row_fields)
 
 
 def pad(seqs: list[list[int]], pad_id: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,12 +29,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from collections.abc import Sequence as CollectionSequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from slurm_align.config.errors import ConfigError
-from slurm_align.data.sources import _NotJson, records
+from slurm_align.data.sources import RowSource, _NotJson, open_source, records
 
 SFT_KEYS = ("input", "output")
 PREFERENCE_KEYS = ("prompt", "chosen", "rejected")
@@ -57,6 +58,10 @@ class Row:
     """The line's other fields (e.g. a rule reward's reference answer), as they are."""
     unit: str = "line"
     """"line" (JSONL, numbered from 1) or "row" (tables, numbered from 0): how errors name it."""
+    path: Path | None = None
+    """The file the row came from (a mixture's rows come from several)."""
+    columns: Mapping[str, str] | None = None
+    """The file's column map (data.columns), to name the file's columns in errors."""
 
     @property
     def where(self) -> str:
@@ -167,27 +172,91 @@ def _chat_row(obj: dict, kind: str) -> tuple[dict | None, str | None]:
     return row, None
 
 
+def make_row(n: int, obj: Any, kind: str, unit: str, path: Path | None = None,
+             columns: Mapping[str, str] | None = None) -> tuple[Row | None, str | None]:
+    """Record `obj` (row number `n`) as a validated Row of `kind`, or what is wrong with it."""
+    keys = PLAIN_KEYS[kind]
+    if isinstance(obj, _NotJson) or not isinstance(obj, dict):
+        return None, f"{unit} {n}: {_not_object(obj, f'{list(keys)} or messages')}"
+    if "messages" in obj:
+        data, problem = _chat_row(obj, kind)
+    else:
+        problem = _plain_problem(obj, keys, kind)
+        data = None if problem else {k: obj[k] for k in keys}
+        if problem:
+            problem += " (or a chat row with 'messages')"
+    if problem:
+        return None, f"{unit} {n}: {problem}"
+    assert data is not None, "a row without a problem has its data"
+    return Row(n, data, {k: v for k, v in obj.items() if k not in data}, unit, path, columns or None), None
+
+
 def read_rows(path: str | Path, kind: str, columns: Mapping[str, str] | None = None) -> list[Row]:
     """Plain and chat rows of a `kind` ('prompt', 'SFT' or 'preference') data file, in any
-    format of data/sources.py; `columns` maps our keys to the file's columns."""
+    format of data/sources.py, all read and validated now; `columns` maps our keys to the file's
+    columns. (The datasets read lazily: LazyRows.)"""
     path = Path(path)
-    keys = PLAIN_KEYS[kind]
     rows, problems = [], []
     unit, found = records(path, kind, columns)
     for n, obj in found:
-        if isinstance(obj, _NotJson) or not isinstance(obj, dict):
-            problems.append(f"{unit} {n}: {_not_object(obj, f'{list(keys)} or messages')}")
-            continue
-        if "messages" in obj:
-            data, problem = _chat_row(obj, kind)
-        else:
-            problem = _plain_problem(obj, keys, kind)
-            data = None if problem else {k: obj[k] for k in keys}
-            if problem:
-                problem += " (or a chat row with 'messages')"
+        row, problem = make_row(n, obj, kind, unit)
         if problem:
-            problems.append(f"{unit} {n}: {problem}")
-        else:
-            assert data is not None, "a row without a problem has its data"
-            rows.append(Row(n, data, {k: v for k, v in obj.items() if k not in data}, unit))
-    return _finish(rows, problems, path, kind, f"keys {list(keys)} or 'messages'")
+            problems.append(problem)
+        elif row is not None:
+            rows.append(row)
+    return _finish(rows, problems, path, kind, f"keys {list(PLAIN_KEYS[kind])} or 'messages'")
+
+
+def column_names(problem: str, columns: Mapping[str, str]) -> str:
+    """`problem` with the file's column named beside each mapped key it mentions."""
+    named = [f"key {ours!r} is column {theirs!r}" for ours, theirs in columns.items() if repr(ours) in problem]
+    return f"{problem} ({'; '.join(named)}, data.columns)" if named else problem
+
+
+class LazyRows(CollectionSequence):
+    """The validated Rows of a data file, each read (data/sources.py: by its line offset, its
+    parquet row group, or from the memory-mapped Arrow table) and validated when first asked
+    for, then kept: a rank that uses 1/8 of a data set reads 1/8 of its rows. A bad row is an
+    error naming the file, the row and the column when it is read."""
+
+    def __init__(self, source: RowSource, kind: str):
+        self.source, self.kind, self.path = source, kind, source.path
+        self._rows: dict[int, Row] = {}
+        if not len(source):
+            keys = list(PLAIN_KEYS[kind])
+            raise ConfigError([f"{kind} data file is empty (expected rows with keys {keys} or 'messages')"],
+                              source.path)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @property
+    def read(self) -> int:
+        """Rows read so far."""
+        return len(self._rows)
+
+    def __getitem__(self, i):  # type: ignore[override]  # int -> Row, slice -> list
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        i = int(i)
+        if i < 0:
+            i += len(self)
+        row = self._rows.get(i)
+        if row is None:
+            if not 0 <= i < len(self):
+                raise IndexError(i)
+            src = self.source
+            row, problem = make_row(src.number(i), src.record(i), self.kind, src.unit, src.path, src.columns)
+            if problem:
+                raise ConfigError([column_names(problem, src.columns)], src.path)
+            assert row is not None, "a row without a problem"
+            self._rows[i] = row
+        return row
+
+
+def lazy_rows(path: Any, kind: str, columns: Mapping[str, str] | None = None) -> CollectionSequence[Row]:
+    """Rows of `path` (a data file, or a data/mixture.py MixtureSpec) read on use."""
+    spec = getattr(path, "mixed_rows", None)
+    if spec is not None:
+        return spec(kind, columns)
+    return LazyRows(open_source(path, kind, columns), kind)

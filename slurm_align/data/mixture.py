@@ -1,5 +1,6 @@
-"""Several prompt sets mixed with weights (data.mixture): one data set whose position j is row
-r of source s, drawn once from the run's seed.
+"""Several data sets mixed with weights (data.mixture), for every data kind (prompts, SFT,
+preferences, KTO, attribute rows): one data set whose position j is row r of source s, drawn
+once from the run's seed.
 
     mix = Mixture(sizes=[1000, 50], weights=[0.75, 0.25], seed=7)
     mix.source[j], mix.row[j]        # position j of the mixed set
@@ -7,18 +8,27 @@ r of source s, drawn once from the run's seed.
 Each position draws its source with probability weight / sum(weights); the k-th position of
 source s takes row perm_s[k mod size_s] (a seeded permutation of the source: a small source
 repeats only after all its rows were used). The mapping is a pure function of (sizes, weights,
-seed), and a step's prompts are a pure function of the step (rollout_collector.prompt_order), so
-a resumed run continues with exactly the samples an uninterrupted one would draw.
+seed), and a step's prompts (rollout_collector.prompt_order) or batch (datasets.DataOrder) are a
+pure function of the step, so a resumed run continues with exactly the samples an uninterrupted
+one would draw.
+
+    spec = MixtureSpec([(path_a, 0.75, None), (path_b, 0.25, {"input": "q"})], seed=7)
+    SFTDataset(spec, tok, max_len)      # any data set takes a spec where it takes a path
+
+Each source's rows are read when first used (LazyRows), so a rank reads only its share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from slurm_align.data.datasets import PromptDataset
+from slurm_align.data.jsonl import LazyRows, Row
+from slurm_align.data.sources import open_source
 
 MIX_KEY = 0x6D6978
 """Seeds the mixture's generator apart from the run's other uses of its seed."""
@@ -45,44 +55,63 @@ class Mixture:
         return len(self.source)
 
 
-class _MixedItems(Sequence):
-    def __init__(self, mix: Mixture, parts: list[Sequence[Any]]):
-        self._mix, self._parts = mix, parts
+class MixedRows(Sequence):
+    """Rows of several LazyRows at a Mixture's positions: position j is row mix.row[j] of source
+    mix.source[j], read when first used."""
 
-    def __len__(self) -> int:
-        return len(self._mix)
-
-    def __getitem__(self, j):  # type: ignore[override]  # int -> item, slice -> list
-        if isinstance(j, slice):
-            return [self[i] for i in range(*j.indices(len(self)))]
-        return self._parts[int(self._mix.source[j])][int(self._mix.row[j])]
-
-
-class MixedPrompts:
-    """PromptDatasets (data/datasets.py) mixed as one: token_arrays() and fields() over the
-    mixture's positions, each prompt encoded when first used in its own source."""
-
-    def __init__(self, datasets: list[PromptDataset], weights: Sequence[float], seed: int, length: int | None = None):
-        self.datasets = datasets
-        self.mixture = Mixture([len(d) for d in datasets], weights, seed, length)
+    def __init__(self, mix: Mixture, parts: list[LazyRows]):
+        self.mixture, self.parts = mix, parts
 
     def __len__(self) -> int:
         return len(self.mixture)
 
-    def token_arrays(self) -> Sequence[np.ndarray]:
-        return _MixedItems(self.mixture, [d.token_arrays() for d in self.datasets])
+    @property
+    def read(self) -> int:
+        """Rows read so far, over all sources."""
+        return sum(p.read for p in self.parts)
 
-    def fields(self) -> list[dict]:
-        per_source = [d.fields() for d in self.datasets]
-        return [per_source[s][r] for s, r in zip(self.mixture.source.tolist(), self.mixture.row.tolist())]
+    def __getitem__(self, j):  # type: ignore[override]  # int -> Row, slice -> list
+        if isinstance(j, slice):
+            return [self[i] for i in range(*j.indices(len(self)))]
+        row: Row = self.parts[int(self.mixture.source[j])][int(self.mixture.row[j])]
+        return row
 
 
-def run_prompts(run, tokenizer) -> PromptDataset | MixedPrompts:
-    """The run's training prompts: data.train_path (a PromptDataset) or data.mixture (MixedPrompts),
-    with the column maps applied; either has token_arrays() and fields()."""
-    max_len = run.model.max_seq_len
+@dataclass(frozen=True)
+class MixtureSpec:
+    """data.mixture as the data sets take it in place of a path: (path, weight, column map or
+    None for the run's data.columns) per source, the run's seed, the positions (None: the
+    sources' rows together)."""
+
+    sources: list[tuple[Path, float, Mapping[str, str] | None]]
+    seed: int
+    length: int | None = None
+
+    @property
+    def path(self) -> str:
+        return "data.mixture (" + ", ".join(str(p) for p, _, _ in self.sources) + ")"
+
+    def mixed_rows(self, kind: str, columns: Mapping[str, str] | None) -> MixedRows:
+        parts = [LazyRows(open_source(p, kind, cols if cols else columns), kind) for p, _, cols in self.sources]
+        mix = Mixture([len(p) for p in parts], [w for _, w, _ in self.sources], self.seed, self.length)
+        return MixedRows(mix, parts)
+
+
+def mixture_spec(run) -> MixtureSpec:
+    """The run's data.mixture as a MixtureSpec."""
+    return MixtureSpec([(s.path, s.weight, s.columns) for s in run.data.mixture], run.seed, run.data.mixture_size)
+
+
+def training_data(run) -> Path | MixtureSpec:
+    """What the run trains on: data.train_path, or data.mixture as a MixtureSpec."""
     if run.data.mixture:
-        parts = [PromptDataset(s.path, tokenizer, max_len, s.columns or run.data.columns) for s in run.data.mixture]
-        return MixedPrompts(parts, [s.weight for s in run.data.mixture], run.seed, run.data.mixture_size)
-    assert run.data.train_path is not None, "checked at submit (slurm.launch)"
-    return PromptDataset(run.data.train_path, tokenizer, max_len, run.data.columns)
+        return mixture_spec(run)
+    assert run.data.train_path is not None, "checked at submit (slurm.launch) and by the trainer"
+    return run.data.train_path
+
+
+def run_prompts(run, tokenizer) -> PromptDataset:
+    """The run's training prompts (data.train_path or data.mixture), the column maps applied;
+    a prompt must leave generation.max_new_tokens of model.max_seq_len."""
+    return PromptDataset(training_data(run), tokenizer, run.model.max_seq_len, run.data.columns,
+                         reserve=run.generation.max_new_tokens)

@@ -43,11 +43,12 @@ class Loss:
         self.options = options
         self.vocab_size = model.vocab_size
 
-    def dataset(self, path, tok, max_len: int, columns: Mapping[str, str] | None = None):
-        """The data set this loss trains on (JSONL, parquet, Arrow, a saved HF dataset; `columns`:
-        data.columns, our keys -> the file's)."""
-        return (PreferenceDataset(path, tok, max_len, columns) if self.pairs
-                else SFTDataset(path, tok, max_len, columns))
+    def dataset(self, path, tok, max_len: int, columns: Mapping[str, str] | None = None, truncate: bool = False):
+        """The data set this loss trains on (JSONL, parquet, Arrow, a saved HF dataset, or a
+        data/mixture.py MixtureSpec; `columns`: data.columns, our keys -> the file's; `truncate`:
+        data.truncate, cut rows longer than max_len instead of refusing them)."""
+        return (PreferenceDataset(path, tok, max_len, columns, truncate) if self.pairs
+                else SFTDataset(path, tok, max_len, columns, truncate))
 
     def count(self, mb: dict) -> float:
         """This micro-batch's part of the global normaliser (pairs or real sequences by default)."""

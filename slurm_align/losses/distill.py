@@ -122,7 +122,8 @@ class KD(Loss):
 
     options: KDOptions
 
-    def dataset(self, path, tok, max_len: int, columns: Mapping[str, str] | None = None):
+    def dataset(self, path, tok, max_len: int, columns: Mapping[str, str] | None = None, truncate: bool = False):
+        # generate's shards: responses are cut to what fits max_len with their prompt, as written
         return DistillDataset(path, tok, max_len, columns)
 
     def count(self, mb: dict) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -26,20 +27,22 @@ class KTODataset:
     """Labelled SFT rows; batch() gives the items' own sequences then their mismatched twins,
     plus "desirable" [n] (1.0 / 0.0)."""
 
-    def __init__(self, path: str | Path, tok, max_len: int, columns: Mapping[str, str] | None = None):
-        self.sft = SFTDataset(path, tok, max_len, columns)
+    def __init__(self, path: Any, tok, max_len: int, columns: Mapping[str, str] | None = None,
+                 truncate: bool = False):
+        self.sft = SFTDataset(path, tok, max_len, columns, truncate)
         self.pad_id, self.tok, self.max_len = self.sft.pad_id, tok, max_len
-        labels, problems = [], []
-        for row in self.sft.rows:
-            v = {**row.extra, **row.data}.get("label")
-            if not isinstance(v, bool):
-                problems.append(f"line {row.line}: 'label' must be true (desirable) or false (undesirable), got {v!r}")
-            labels.append(float(v is True))
-        if problems:
-            raise ConfigError(problems[:20], path)
+        self.path = Path(getattr(path, "path", path))
         if len(self.sft) < 2:
-            raise ConfigError(["KTO needs at least 2 rows (z0 pairs a prompt with another row's response)"], path)
-        self.desirable = torch.tensor(labels)
+            raise ConfigError(["KTO needs at least 2 rows (z0 pairs a prompt with another row's response)"], self.path)
+
+    def label(self, i: int) -> float:
+        """Row i's label (1.0 desirable, 0.0 not), read with the row."""
+        row = self.sft.rows[i]
+        v = {**row.extra, **row.data}.get("label")
+        if not isinstance(v, bool):
+            raise ConfigError([f"{row.where}: 'label' must be true (desirable) or false (undesirable), got {v!r}"],
+                              row.path or self.path)
+        return float(v)
 
     def __len__(self) -> int:
         return len(self.sft)
@@ -58,7 +61,7 @@ class KTODataset:
         seqs = [self.sft.items[i] for i in indices] + [self._mismatched(i) for i in indices]
         tokens, lengths = pad([s.ids for s in seqs], self.pad_id)
         return {"tokens": tokens, "lengths": lengths, "mask": response_mask(seqs, tokens.shape[1]),
-                "desirable": self.desirable[indices]}
+                "desirable": torch.tensor([self.label(i) for i in indices])}
 
 
 def kto_terms(logratio: torch.Tensor, mismatched: torch.Tensor, desirable: torch.Tensor, real: torch.Tensor,
@@ -79,8 +82,8 @@ class KTO(Loss):
 
     options: KTOOptions
 
-    def dataset(self, path, tok, max_len: int, columns: Mapping[str, str] | None = None):
-        return KTODataset(path, tok, max_len, columns)
+    def dataset(self, path, tok, max_len: int, columns: Mapping[str, str] | None = None, truncate: bool = False):
+        return KTODataset(path, tok, max_len, columns, truncate)
 
     def __call__(self, output, mb):
         lp = self.token_logprobs(output, mb)

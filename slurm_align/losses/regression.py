@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,30 +21,46 @@ from slurm_align.losses.base import Loss
 from slurm_align.losses.registry import RegressionOptions
 from slurm_align.models.forward import last_token_values, per_sequence
 
+LABEL_CHECK = 2000
+"""Rows whose labels the data set checks when it opens (at least one must be labelled)."""
+
 
 class AttributeDataset:
     """SFT rows with their attribute labels: batch() adds "labels" [n, attributes] (NaN where a
     row has no label)."""
 
-    def __init__(self, path: str | Path, tok, max_len: int, attributes: list[str], *, require_labels: bool = True,
-                 columns: Mapping[str, str] | None = None):
-        self.sft = SFTDataset(path, tok, max_len, columns)
-        self.pad_id = self.sft.pad_id
-        labels, problems = [], []
-        for row in self.sft.rows:
+    def __init__(self, path: Any, tok, max_len: int, attributes: list[str], *, require_labels: bool = True,
+                 columns: Mapping[str, str] | None = None, truncate: bool = False):
+        self.sft = SFTDataset(path, tok, max_len, columns, truncate)
+        self.pad_id, self.attributes = self.sft.pad_id, list(attributes)
+        self.path = Path(getattr(path, "path", path))
+        # Labels are read with their rows; whether any row is labelled is checked on the first
+        # LABEL_CHECK rows (the rest are read by the ranks that use them).
+        first = self.labels_of(range(min(len(self.sft), LABEL_CHECK)))
+        if require_labels and not torch.isfinite(first).any():   # (labelling rows needs none)
+            raise ConfigError([f"no row of the first {len(first)} labels any of the attributes {attributes} "
+                               "(loss 'regression')"], self.path)
+
+    def labels_of(self, indices) -> torch.Tensor:
+        """[n, attributes] float32: the rows' labels, NaN where a row has none."""
+        out = []
+        for i in indices:
+            row = self.sft.rows[i]
             values = {**row.extra, **row.data}
-            out = []
-            for a in attributes:
+            labels = []
+            for a in self.attributes:
                 v = values.get(a)
                 if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
-                    problems.append(f"line {row.line}: attribute {a!r} must be a number or null, got {v!r}")
-                out.append(float("nan") if v is None or not isinstance(v, int | float) else float(v))
-            labels.append(out)
-        if problems:
-            raise ConfigError(problems[:20], path)
-        self.labels = torch.tensor(labels, dtype=torch.float32).reshape(len(labels), len(attributes))
-        if require_labels and not torch.isfinite(self.labels).any():   # (labelling rows needs none)
-            raise ConfigError([f"no row labels any of the attributes {attributes} (loss 'regression')"], path)
+                    raise ConfigError([f"{row.where}: attribute {a!r} must be a number or null, got {v!r}"],
+                                      row.path or self.path)
+                labels.append(float("nan") if v is None else float(v))
+            out.append(labels)
+        return torch.tensor(out, dtype=torch.float32).reshape(len(out), len(self.attributes))
+
+    @property
+    def labels(self) -> torch.Tensor:
+        """Every row's labels (reads the whole data set: labelling, not training, uses it)."""
+        return self.labels_of(range(len(self.sft)))
 
     def __len__(self) -> int:
         return len(self.sft)
@@ -52,7 +69,7 @@ class AttributeDataset:
         return self.sft.item_tokens(indices)
 
     def batch(self, indices: list[int]) -> dict:
-        return {**self.sft.batch(indices), "labels": self.labels[indices]}
+        return {**self.sft.batch(indices), "labels": self.labels_of(indices)}
 
 
 class Regression(Loss):
@@ -66,8 +83,8 @@ class Regression(Loss):
         super().__init__(options, model)
         self.value_outputs = len(options.attributes)
 
-    def dataset(self, path, tok, max_len: int, columns: Mapping[str, str] | None = None):
-        return AttributeDataset(path, tok, max_len, self.options.attributes, columns=columns)
+    def dataset(self, path, tok, max_len: int, columns: Mapping[str, str] | None = None, truncate: bool = False):
+        return AttributeDataset(path, tok, max_len, self.options.attributes, columns=columns, truncate=truncate)
 
     def count(self, mb):
         """Labelled (row, attribute) entries: the MSE is their mean."""

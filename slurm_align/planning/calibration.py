@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 
 from slurm_align.analysis.breakdown import Breakdown, compute_breakdown
-from slurm_align.analysis.runs import load_run
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.loading import read_yaml, validate
 from slurm_align.config.profile import ClusterProfile
@@ -41,7 +40,6 @@ from slurm_align.planning.steptime import (
     predict,
 )
 from slurm_align.rundir import RunDir
-from slurm_align.store.rollouts import RolloutStore
 
 CRITIC_PHASES = ("critic_infer", "critic_train")
 """Phases read from the critic component's ranks (the others from the actor's, or any rank)."""
@@ -106,6 +104,8 @@ def rebalance_share(spans: np.ndarray, steps: list[int]) -> float | None:
 
 def measured_workload(run_dir: Path, steps: list[int], samples: int) -> Workload:
     """Prompt and response lengths of `steps` from the run's rollout store."""
+    from slurm_align.store.rollouts import RolloutStore  # zarr: see calibrate
+
     store = RolloutStore.open(RunDir(run_dir).rollouts, read_only=True)
     prompts: list[int] = []
     responses: list[int] = []
@@ -123,6 +123,9 @@ def calibrate(run_dir: str | Path, *, profile: ClusterProfile | None = None, ski
     """Fit a finished run (RUN_DIR with config.yaml, traces.zarr and rollouts.zarr). `profile`:
     the one it ran on (default RUN_DIR/profile.yaml, written at submit); `skip_steps`: warm-up
     steps left out; `work`: the step's lengths (default: read from its rollouts)."""
+    # zarr is imported here, not with the module: every `slurm-align` call loads this module (plan)
+    from slurm_align.analysis.runs import load_run
+
     rd = RunDir(Path(run_dir))
     traces = load_run(rd.root)
     run = traces.config

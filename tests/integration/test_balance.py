@@ -114,3 +114,15 @@ def test_groups_that_cannot_split_evenly_are_a_clear_error() -> None:
     with pytest.raises(RebalanceError, match="group of 2 samples fits on no DP rank"):
         plan_groups([5] * 6, [0, 0, 1, 1, 2, 2], 2)   # 3 groups of 2 over 2 ranks
     assert plan_groups([5] * 6, [0, 0, 1, 1, 2, 2], 2, equal_counts=False)
+
+
+@pytest.mark.mpi
+def test_evaluation_takes_its_prompts_from_the_work_stealing_server() -> None:
+    """evaluate()'s batches (evaluation.prompt_batches) on 2 real ranks, rank 1 slow: the server
+    gives the fast rank more of the 60 prompts; switches.dynamic_prompts off gives 30 each."""
+    proc = mpirun(2, "tests.programs.eval_balance_prog")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = {x["dynamic"]: x["per_rank"] for x in map(json.loads, (x for x in proc.stdout.splitlines()
+                                                                  if x.startswith("{")))}
+    assert got[False] == [30, 30]
+    assert got[True][0] > got[True][1], f"the fast rank took {got[True]}"

@@ -10,29 +10,30 @@ from pathlib import Path
 import pytest
 
 from slurm_align.models.checkpoint import MANIFEST, CheckpointError, find_latest, verify_checkpoint
-from tests.integration.test_models_parallel import mpirun
+from tests.support.layout_runs import LayoutRuns
 
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
-def test_checkpoint_saved_with_tp_or_pp_loads_with_tp1(tmp_path: Path, tp: int, pp: int):
-    mpirun(2, "ckpt_save", str(tp), str(pp), str(tmp_path))
-    ckpt = find_latest(tmp_path / "ckpt")
+def test_checkpoint_saved_with_tp_or_pp_loads_with_tp1(layout_runs: LayoutRuns, tp: int, pp: int):
+    """Saved by 2 ranks in the layout, loaded by 1 rank with TP=1 (the session's layout runs,
+    tests/support/layout_runs.py); the TP=2 save with a shard cut in half is refused."""
+    folder = layout_runs.folder(tp, pp)
+    ckpt = find_latest(folder / "ckpt")
     assert ckpt is not None and ckpt.name == "iter_0000003"
-    assert not list((tmp_path / "ckpt").glob("*.tmp")), "temporary folder left behind"
-    mpirun(1, "ckpt_load", "1", "1", str(tmp_path))
-    text = (tmp_path / "load0.txt").read_text()
+    assert not list((folder / "ckpt").glob("*.tmp")), "temporary folder left behind"
+    text = (folder / "load0.txt").read_text()
     assert "weight_err=0.0 " in text and "optim_err=0.0 " in text, text
     assert "step=3 consumed=48 opt_steps=[4.0]" in text, text
 
-    if tp == 2:  # damage the checkpoint: the load must refuse it, naming the file
-        shard = sorted(ckpt.glob("*.distcp"))[0]
-        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
-        name = re.escape(shard.name)
+    if tp == 2:  # the damaged copy: the load must refuse it, naming the file
+        damaged = find_latest(layout_runs.damaged / "ckpt")
+        assert damaged is not None
+        name = re.escape(layout_runs.damaged_shard)
         with pytest.raises(CheckpointError, match=name + ".*truncated|truncated.*" + name):
-            verify_checkpoint(ckpt)
-        with pytest.raises(RuntimeError, match=r"CheckpointError: checkpoint .* is truncated"):
-            mpirun(1, "ckpt_load", "1", "1", str(tmp_path))
+            verify_checkpoint(damaged)
+        refused = (layout_runs.damaged / "load0.txt").read_text()
+        assert re.search(r"CheckpointError: checkpoint .* is truncated", refused), refused
 
 
 def test_unfinished_checkpoint_is_ignored_and_refused(tmp_path: Path):

@@ -34,7 +34,7 @@ def test_eval_job_greedy_equals_in_run_eval_and_sampled_pass_at_k_matches_its_sa
     assert metrics["val/pass@1"] == pytest.approx(np.mean([r["correct"] for r in got]), abs=1e-12)
 
     # Sampled, 8 answers per prompt, data-parallel over 2 ranks, on the first 200 prompts.
-    assert main([*common, "--samples", "8", "--temperature", "1.0", "--run-dir", str(tmp_path / "sampled"),
+    assert main([*common, "--samples", "8", "--temperature", "1.0", "--out", str(tmp_path / "sampled"),
                  "actor.data_parallel=2", "eval.num_prompts=200"]) == 0
     rows = _rows(tmp_path / "sampled" / "eval" / f"step_{step}.jsonl")
     metrics = json.loads((tmp_path / "sampled" / "eval" / f"metrics_step_{step}.json").read_text())

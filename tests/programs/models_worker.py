@@ -1,10 +1,11 @@
 """Rank program for the model tests (run under mpirun by tests/integration/test_models_*.py and others;
 not a test).
 
-    python tests/programs/models_worker.py ACTION TP PP OUT_DIR
+    python tests/programs/models_worker.py ACTION[+ACTION...] TP PP OUT_DIR [OUT_DIR...]
 
 Each rank joins a gloo world and sets up megatron's parallel state through slurm_align.parallel
-(the runtime's own bootstrap: rank 0 binds a free port and shares it over MPI), and runs ACTION.
+(the runtime's own bootstrap: rank 0 binds a free port and shares it over MPI), and runs each
+ACTION in each OUT_DIR, in order (one launch for several checks: start-up is most of its cost).
 """
 
 from __future__ import annotations
@@ -99,12 +100,16 @@ def ckpt_save(pctx, out: Path, value_head: bool):
 
 
 def ckpt_load(pctx, out: Path, value_head: bool):
-    from slurm_align.models.checkpoint import find_latest, load_checkpoint
+    from slurm_align.models.checkpoint import CheckpointError, find_latest, load_checkpoint
     from slurm_align.models.gpt import build_gpt
     from slurm_align.models.weights import full_state_dict
     chunks = build_gpt(MODEL, pctx, value_head=value_head, seed=77)
     opt = torch.optim.AdamW([p for c in chunks for p in c.parameters()], lr=1e-3)
-    common = load_checkpoint(find_latest(out / "ckpt"), chunks, opt)
+    try:
+        common = load_checkpoint(find_latest(out / "ckpt"), chunks, opt)
+    except CheckpointError as exc:   # a damaged checkpoint: the test reads why the load refused it
+        (out / f"load{dist.get_rank()}.txt").write_text(f"refused: CheckpointError: {exc}\n")
+        return
     full = full_state_dict(chunks, pctx)
     saved = torch.load(out / "saved_full.pt")
     weight_err = max((full[k] - saved[k]).abs().max().item() for k in saved)
@@ -172,14 +177,16 @@ def rm_accuracy(pctx, out: Path, value_head: bool):
 
 
 def main(argv: list[str]) -> int:
-    action, tp, pp, out = argv[0], int(argv[1]), int(argv[2]), Path(argv[3])
+    actions, tp, pp, outs = argv[0].split("+"), int(argv[1]), int(argv[2]), [Path(p) for p in argv[3:]]
     pctx = init_parallel(tp, pp)
-    if action in ("reference", "check"):  # both model kinds in one launch (start-up is the cost)
-        for value_head in (False, True):
-            {"reference": reference, "check": check}[action](pctx, out, value_head)
-    else:
-        {"ckpt_save": ckpt_save, "ckpt_load": ckpt_load, "greedy_score": greedy_score,
-         "rm_accuracy": rm_accuracy}[action](pctx, out, False)
+    for out in outs:
+        for action in actions:
+            if action in ("reference", "check"):  # both model kinds in one launch (start-up is the cost)
+                for value_head in (False, True):
+                    {"reference": reference, "check": check}[action](pctx, out, value_head)
+            else:
+                {"ckpt_save": ckpt_save, "ckpt_load": ckpt_load, "greedy_score": greedy_score,
+                 "rm_accuracy": rm_accuracy}[action](pctx, out, False)
     dist.barrier()
     pctx.destroy()
     return 0

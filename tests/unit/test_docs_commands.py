@@ -16,13 +16,9 @@ import pytest
 
 from slurm_align import REPO_ROOT
 from slurm_align.cli import build_parser
-from slurm_align.config.profile import ClusterProfile
-from slurm_align.config.reference import explain
-from slurm_align.config.run import RunConfig
-from slurm_align.losses.registry import LOSSES
+from tests.support.doc_commands import PROGRAMS, check_cli, check_paths
 
 PAGES = [*sorted((REPO_ROOT / "docs").rglob("*.md")), REPO_ROOT / "README.md"]
-PROGRAMS = ("slurm-align", ".venv/bin/slurm-align")
 
 
 def shell_lines(text: str, readme: bool) -> list[str]:
@@ -52,39 +48,6 @@ def commands(page: Path) -> list[str]:
 
 
 CASES = [(p, c) for p in PAGES for c in commands(p)]
-
-
-def check_override(model, assignment: str) -> None:
-    key = assignment.split("=", 1)[0]
-    if model is RunConfig and key.startswith("loss.options."):   # the options of a registered loss
-        option = key.removeprefix("loss.options.")
-        assert any(option in spec.options.model_fields for spec in LOSSES.values()), \
-            f"override {assignment!r}: no registered loss has the option {option!r}"
-        return
-    try:
-        explain(model, key)
-    except KeyError as e:
-        raise AssertionError(f"override {assignment!r}: {e.args[0]}") from None
-
-
-def check_cli(argv: list[str]) -> None:
-    parser = build_parser()
-    try:
-        args, extra = parser.parse_known_args(argv)
-    except SystemExit as e:   # argparse's error exit (usage printed to stderr)
-        raise AssertionError(f"slurm-align {shlex.join(argv)}: the CLI refuses it") from e
-    assert all("=" in e and not e.startswith("-") for e in extra), f"unrecognized arguments: {extra}"
-    for assignment in [*getattr(args, "overrides", []), *extra]:
-        check_override(RunConfig, assignment)
-    for assignment in getattr(args, "profile_set", None) or []:
-        check_override(ClusterProfile, assignment)
-
-
-def check_paths(words: list[str]) -> None:
-    for w in words:
-        value = w.split("=", 1)[-1]
-        if re.match(r"^(examples|benchmarks|tests|cluster_profiles|\.ci|analysis)/", value):
-            assert (REPO_ROOT / value).exists(), f"{value} does not exist in the repository"
 
 
 @pytest.mark.parametrize(("page", "command"), CASES, ids=[f"{p.name}:{c[:60]}" for p, c in CASES])
@@ -117,3 +80,91 @@ def test_a_wrong_option_or_field_is_caught():
     with pytest.raises(AssertionError, match="does not exist"):
         check_paths(["examples/grpo_tiy.yaml"])
     assert isinstance(build_parser(), argparse.ArgumentParser)
+
+
+# Every ```bash block of the pages, and every transcript block, carries one mark on the line above:
+#   <!-- docs-check: transcript -->          each `$ slurm-align ...` line runs here; the output the
+#                                            page shows must appear, line by line in order, in what
+#                                            the command prints now (a changed plan is a stale page)
+#   <!-- docs-check: ran-by FILE::TEST -->   a named test runs the same thing: it exists, and its
+#                                            module names every repository file and subcommand the
+#                                            block does
+#   <!-- docs-check: needs gpu|cluster -->   needs a GPU or a real cluster (placeholders such as
+#                                            CONFIG.yaml or NAME): parsed above, not run
+#   <!-- docs-check: long -->                minutes of CPU (the main job, a benchmark): parsed above;
+#                                            the commands they run are each tested on their own
+MARK = re.compile(r"<!-- docs-check: (transcript|ran-by (\S+)::(\w+)|needs (?:gpu|cluster)|long) -->")
+
+
+def marked_blocks(page: Path) -> list[tuple[int, str | None, str]]:
+    """(line, the mark above or None, body) of each ```bash block and each marked ``` block."""
+    lines = page.read_text().splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
+            above = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+            mark = MARK.fullmatch(above.strip())
+            if lines[i] == "```bash" or mark:
+                out.append((i + 1, mark.group(1) if mark else None, "\n".join(lines[i + 1:end])))
+            i = end
+        i += 1
+    return out
+
+
+BLOCKS = [(p, line, mark, body) for p in PAGES for line, mark, body in marked_blocks(p)]
+
+
+@pytest.mark.parametrize(("page", "line", "mark", "body"), BLOCKS,
+                         ids=[f"{p.relative_to(REPO_ROOT)}:{line}" for p, line, _, _ in BLOCKS])
+def test_every_shown_command_block_is_run_or_marked(page: Path, line: int, mark: str | None, body: str):
+    where = f"{page.relative_to(REPO_ROOT)}:{line}"
+    assert mark, f"{where}: a ```bash block without a `<!-- docs-check: ... -->` mark above it"
+    if mark.startswith("ran-by"):
+        path, name = MARK.fullmatch(f"<!-- docs-check: {mark} -->").group(2, 3)
+        module = REPO_ROOT / path
+        assert module.is_file(), f"{where}: {path} does not exist"
+        text = module.read_text()
+        assert re.search(rf"^def {name}\(", text, flags=re.M), f"{where}: {path} has no test {name}"
+        commands = shell_lines(f"```bash\n{body}\n```\n", readme=False)
+        words = [w.split("=", 1)[-1] for cmd in commands for w in shlex.split(cmd)]
+        # the example files the block runs (by name, or their folder's: tests reach them as
+        # EXAMPLES / "x.yaml"), the module it runs, or, for the user's own files, the subcommand
+        needed = [Path(w).name if Path(w).parent.name in ("examples", "benchmarks") else Path(w).parent.name
+                  for w in words if re.match(r"^(examples|benchmarks)/", w)] or \
+            [cmd.split()[2] for cmd in commands if cmd.split()[1:2] == ["-m"]] or \
+            [cmd.split()[2] if cmd.split()[1] in ("train", "analyze", "import", "export") else cmd.split()[1]
+             for cmd in commands if cmd.split()[0] in PROGRAMS]
+        missing = [w for w in needed if w not in text]
+        assert needed and not missing, f"{where}: {path} never names {missing or body}: does it run this block?"
+
+
+TRANSCRIPTS = [(p, line, body) for p, line, mark, body in BLOCKS if mark == "transcript"]
+
+
+@pytest.mark.parametrize(("page", "line", "body"), TRANSCRIPTS,
+                         ids=[f"{p.relative_to(REPO_ROOT)}:{line}" for p, line, _ in TRANSCRIPTS])
+def test_transcript_shows_what_the_command_prints(page, line, body, capsys, monkeypatch):
+    from slurm_align.cli import main
+
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setenv("COLUMNS", "200")
+    runs = re.split(r"^\$ ", body.replace("\\\n", " "), flags=re.M)[1:]
+    assert runs, f"{page}:{line}: a transcript without `$ ` lines"
+    for run in runs:
+        command, *shown = run.splitlines()
+        argv = shlex.split(command)
+        assert argv[0] == "slurm-align", command
+        main(argv[1:])
+        out = capsys.readouterr()
+        printed = [" ".join(x.split()) for x in (out.out + out.err).splitlines()]
+        at = 0
+        for want in (" ".join(s.split()) for s in shown if s.strip()):
+            assert want in printed[at:], (f"{page.relative_to(REPO_ROOT)}:{line}: `{command}` no longer prints\n"
+                                          f"  {want}\nit prints:\n" + "\n".join(printed))
+            at = printed.index(want, at) + 1
+
+
+def test_the_marks_are_found():
+    kinds = {mark.split()[0] for _, _, mark, _ in BLOCKS if mark}
+    assert {"transcript", "ran-by", "needs"} <= kinds, kinds

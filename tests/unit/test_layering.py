@@ -38,3 +38,15 @@ def test_the_check_sees_an_upward_import(tmp_path):
     f = tmp_path / "m.py"
     f.write_text("def f():\n    from slurm_align.algorithms.ppo import main\n")
     assert "slurm_align.algorithms.ppo" in imported_modules(f)
+
+
+def test_the_cli_imports_no_plotting_store_or_torch():
+    """Every `slurm-align` call (each job's steps, the CLI runs of the tests) imports the CLI:
+    matplotlib, zarr and torch are imported by the commands that use them (~0.6 CPU-s a call)."""
+    import subprocess
+    import sys
+
+    heavy = ("matplotlib", "zarr", "torch")
+    prog = f"import sys, slurm_align.cli, slurm_align.critic.client; print([m for m in {heavy!r} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "[]", f"importing slurm_align.cli loads {out}"

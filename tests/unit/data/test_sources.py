@@ -51,8 +51,13 @@ def test_sort_prompts_with_other_column_names_give_the_jsonl_prompts_and_fields(
     got = PromptDataset(path, tok, 64, columns={"prompt": "question", "answer": "gold"})
     assert len(got) == len(want) == 40
     assert all(np.array_equal(a, b) for a, b in zip(got.token_arrays()[:], want.token_arrays()[:]))
-    assert [{k: f[k] for k in ("prompt", "answer")} for f in got.fields()] == want.fields()
+    assert [{k: f[k] for k in ("prompt", "answer")} for f in got.fields()] == list(want.fields())
     assert [f["id"] for f in got.fields()] == list(range(40)), "other columns ride along for the reward"
+    # What submit reads (config.loading.check_prompt_lengths): the same rows under our keys. With
+    # the two readers equal, a job reads every format as it reads the JSONL file
+    # (tests/integration/test_data_formats.py runs GRPO on the parquet file end to end).
+    submitted = read_rows(path, "prompt", {"prompt": "question", "answer": "gold"})
+    assert [{"prompt": r.data["prompt"], "answer": r.extra["answer"]} for r in submitted] == want.fields()
 
 
 def test_sft_and_preference_rows_from_parquet_with_a_column_map(tmp_path: Path):
