@@ -28,10 +28,14 @@ and restarted job writes every prompt exactly once. Samples' seeds are a functio
 prompt index, sample), as sampled evaluation's are (rollout_collector.sample_seed), so a resumed
 or re-laid-out job draws the same responses.
 
-Distribution: generation replicas take the pending shards in turn (replica g: pending[g::G],
-one per round); after each round the round's shards are shared over the component, and the
-training layout's data-parallel replicas split their top-K forwards the same way; one rank of
-each replica writes. (Static shares, not the rollouts' work-stealing prompt server.)
+Distribution: generation replicas take the pending shards one at a time from the rollouts'
+work-stealing prompt server (balance/prompts.py; it hands out shard numbers), so a faster
+replica takes more. Without top-K the replica's requester writes each shard as soon as it is
+generated. With top-K the forward is collective over the training layout's model-parallel
+groups (not the generation replicas when refolded): once every shard is generated, they are
+shared over the component and the training layout's data-parallel replicas split their top-K
+forwards (pending[r::R]); one rank of each writes. (A stop during generation then keeps none of
+that start's shards: they are drawn again, with the same seeds.)
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import numpy as np
 import torch
 
 from slurm_align.algorithms.rollout_collector import sample_seed
+from slurm_align.balance.replica import open_prompt_source, replica_batches
 from slurm_align.generation.params import SamplingParams
 from slurm_align.models.forward import forward_top_k
 from slurm_align.rundir import write_atomic
@@ -133,26 +138,31 @@ def generate_shards(engine, policy: list, pctx, comm, *, prompts: Sequence[np.nd
     params = dataclasses.replace(params, temperature=spec.temperature, max_new_tokens=spec.max_new_tokens,
                                  return_logprobs=True)
     pending = comm.bcast(pending_shards(out_dir, len(prompts), spec.shard_size) if comm.rank == 0 else None, root=0)
+    held: list[tuple[int, list[dict[str, Any]]]] = []   # with top-K: generated, forward still to run
     with pctx.generation_layout(refold) as layout:
-        gen_dp = layout.dp_size
-    rounds = -(-len(pending) // gen_dp)
-    for r in range(rounds):
-        with pctx.generation_layout(refold) as layout:
-            at = r * gen_dp + layout.dp_rank
-            mine: tuple[int, list[dict[str, Any]]] | None = None
-            if at < len(pending):
-                shard = pending[at]
-                idx = list(range(shard * spec.shard_size, min((shard + 1) * spec.shard_size, len(prompts))))
-                got = sample_rows(engine, prompts, rows, idx, spec, params, tokenizer)
-                mine = (shard, got) if layout.is_requester else None
-        done = sorted((p for p in comm.allgather(mine) if p is not None), key=lambda p: p[0])
-        # the training layout's replicas split the round's forwards (its MP group's ranks agree)
-        for shard, got in done[pctx.dp_rank::pctx.dp_size]:
+        # the work-stealing prompt server hands out shard numbers: a faster replica takes more
+        source = open_prompt_source(comm, layout, np.asarray(pending, dtype=np.int64))
+        for batch in replica_batches(layout, source, 1):
+            shard = int(batch[0])
+            idx = list(range(shard * spec.shard_size, min((shard + 1) * spec.shard_size, len(prompts))))
+            got = sample_rows(engine, prompts, rows, idx, spec, params, tokenizer)
+            if not layout.is_requester:
+                continue
             if spec.top_k_logprobs:
-                add_top_k(policy, pctx, got, spec.top_k_logprobs, vocab_size, spec.forward_batch)
+                held.append((shard, got))
+            else:   # done: on disk at once, so a stop keeps it
+                write_atomic(shard_path(out_dir, shard), "".join(json.dumps(row) + "\n" for row in got))
+        source.close()
+    if spec.top_k_logprobs:
+        # the top-K forward is collective over the training layout's model-parallel groups, which
+        # need not be the generation replicas (refold): once every shard is generated, the
+        # training layout's data-parallel replicas split them (its MP group's ranks agree)
+        done = sorted((p for part in comm.allgather(held) for p in part), key=lambda p: p[0])
+        for shard, got in done[pctx.dp_rank::pctx.dp_size]:
+            add_top_k(policy, pctx, got, spec.top_k_logprobs, vocab_size, spec.forward_batch)
             if pctx.tp_rank == 0 and pctx.is_last_stage:
                 write_atomic(shard_path(out_dir, shard), "".join(json.dumps(row) + "\n" for row in got))
-        comm.Barrier()   # the round's files are on disk before anyone counts them
+    comm.Barrier()   # every file is on disk before anyone counts them
     return pending
 
 

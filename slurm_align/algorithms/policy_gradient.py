@@ -54,10 +54,25 @@ class Rewards:
         return np.asarray(self.rule.many(texts, [self.rows[i] for i in row_ids]), dtype=np.float32)
 
 
-def combine_rewards(run: RunConfig, model_score: torch.Tensor | None, rule_score: torch.Tensor | None) -> torch.Tensor:
-    """model_weight x reward model score + rule_weight x rule reward (each when in use)."""
+def teacher_score(mb, teacher_logprobs: torch.Tensor) -> torch.Tensor:
+    """On-policy distillation's reward of each sample of micro-batch `mb`: sum over its response
+    tokens y_t of log p_teacher(y_t) - log p_student(y_t), the student's log-prob being the one it
+    sampled with ('rollout_logprobs'). Minus a one-sample estimate of the reverse KL
+    KL(student || teacher) of the response: maximising it is minimising that KL (NeMo-RL's
+    on-policy distillation). `teacher_logprobs`: [B, T] per response token."""
+    diff = (teacher_logprobs.double() - mb["rollout_logprobs"].double()) * mb.mask.double()
+    return diff.sum(1)
+
+
+def combine_rewards(run: RunConfig, model_score: torch.Tensor | None, rule_score: torch.Tensor | None,
+                    teacher: torch.Tensor | None = None) -> torch.Tensor:
+    """model_weight x reward model score + rule_weight x rule reward + teacher_weight x the
+    teacher's term (teacher_score; on-policy distillation), each when in use."""
     cfg = run.reward
     parts: list[torch.Tensor] = []
+    if run.teacher_model is not None:
+        assert teacher is not None, "teacher_model: the teacher scores every sample"
+        parts.append(cfg.teacher_weight * teacher.double())
     if cfg.use_model:
         assert model_score is not None, "reward.model: the critic scores every sample"
         parts.append(cfg.model_weight * model_score.double())
@@ -171,7 +186,7 @@ class PolicyUpdate:
                         totals[k] += m[k]
         tokens = max(totals["tokens"], 1.0)
         out = {"loss": totals["loss"] / len(norms), "grad_norm": float(np.mean(norms)), "lr": lrs[0],
-               "optimizer_steps": float(len(norms))}
+               "optimizer_steps": float(len(norms)), **self.worker.optimizer.metrics()}   # fp16: loss scale
         if self.loss == "policy":
             out.update(ppo_ratio=totals["ratio"] / tokens, ppo_ratio_clamped=totals["clipped"] / tokens)
             if self.terms.kl_loss_coef > 0:

@@ -50,11 +50,13 @@ from slurm_align.algorithms.policy_gradient import (
     actor_optimizer_steps,
     combine_rewards,
     estimate_advantages,
+    teacher_score,
 )
 from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
-from slurm_align.algorithms.rollout_collector import RolloutCollector
+from slurm_align.algorithms.rollout_collector import RolloutCollector, Scores
 from slurm_align.config import RunConfig, load_run_config
 from slurm_align.critic.client import CriticClient
+from slurm_align.critic.teacher import ColocatedTeacher
 from slurm_align.data.mixture import run_prompts
 from slurm_align.generation import Engine, engine_from_config
 from slurm_align.generation.memory import TrainingStateOffload, generation_phase
@@ -99,7 +101,8 @@ class PPOActor:
                  prompts: Sequence[np.ndarray], worker: ModelWorker,
                  offload: TrainingStateOffload | None, engine: Engine, critic: CriticClient | None, tracer: Tracer,
                  store: RolloutStore | None, metrics: MetricsLogger, start_step: int, rewards: Rewards,
-                 evalset: EvalSet | None, remote: RemoteRollouts | None = None):
+                 evalset: EvalSet | None, remote: RemoteRollouts | None = None,
+                 teacher: CriticClient | ColocatedTeacher | None = None):
         self.run, self.rd, self.env, self.pctx = run, rd, env, pctx
         self.rank = env.rank
         self.tokenizer, self.prompts = tokenizer, prompts
@@ -119,12 +122,13 @@ class PPOActor:
         self.update = PolicyUpdate(run, worker, loss=run.spec.loss)
         self.pad_id = tokenizer.pad_id
         self.collector = RolloutCollector(run, engine, tokenizer, prompts, rewards, rank=env.rank, tracer=tracer,
-                                          critic=critic)
+                                          critic=critic, teacher=teacher)
+        self.teacher = teacher   # on-policy distillation: the teacher component's client
         # MoE: per-expert load and the load-balancing loss of the update's forward passes
         self.router_stats = RouterStats(self.policy, run.model.num_experts) if run.model.num_experts else None
 
     # -- phases ------------------------------------------------------------------------------
-    def generate(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Future | None]]]:
+    def generate(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Scores | None]]]:
         """Refit, then the collector generates this rank's share of the step's prompts (rule
         rewards, critic dispatch: algorithms/rollout_collector.py). Returns this rank's rollouts
         (empty on ranks that do not request prompts) and the critic futures (None without a
@@ -138,7 +142,7 @@ class PPOActor:
         self.collected_metrics = got.metrics   # dynamic sampling's, logged with the step's rollouts
         return got.batch, got.pending
 
-    def receive(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Future | None]]]:
+    def receive(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Scores | None]]]:
         """Disaggregated: the step's samples from the generator (all on rank 0; the rebalance
         spreads them), each micro-batch sent on to the critic as it comes (PPO's values, a
         reward model's score). Waiting for them is the trainer's idle time (no span)."""
@@ -183,19 +187,19 @@ class PPOActor:
             finally:
                 self.reference.swap()
 
-    def critic_results(self, pending: list[tuple[RolloutBatch, Future | None]], step: int) -> RolloutBatch:
+    def critic_results(self, pending: list[tuple[RolloutBatch, Scores | None]], step: int) -> RolloutBatch:
         """This rank's micro-batches with the critic's values (per response token; 0 without a
         critic) and the reward: the reward model's score and the rule reward, weighted."""
         with self.tracer.span(P.CRITIC_WAIT, step):
             for mb, fut in pending:
-                model_score = None
-                if fut is None:
-                    mb.set_tokens("values", torch.zeros_like(mb.mask))
-                else:
-                    values, model_score = fut.result()
-                    mb.set_tokens("values", mb.from_positions(torch.from_numpy(values)))
-                    model_score = torch.from_numpy(model_score)
-                mb.set_samples("reward", combine_rewards(self.run, model_score, mb.samples.get("rule_reward")))
+                values, model_score, teacher_lp = fut.result() if fut is not None else (None, None, None)
+                mb.set_tokens("values", torch.zeros_like(mb.mask) if values is None else
+                              mb.from_positions(torch.from_numpy(values)))
+                teacher = None if teacher_lp is None else \
+                    teacher_score(mb, mb.from_positions(torch.from_numpy(teacher_lp)))
+                mb.set_samples("reward", combine_rewards(self.run, None if model_score is None else
+                                                         torch.from_numpy(model_score), mb.samples.get("rule_reward"),
+                                                         teacher))
         return RolloutBatch.cat([mb for mb, _ in pending], self.pad_id)
 
     def gather_step(self, shard: RolloutBatch) -> RolloutBatch | None:
@@ -378,10 +382,11 @@ class PPOActor:
         self.env.comm.Barrier()
         if self.remote is not None:
             self.remote.close()
-        if self.critic is not None:
-            if self.rank == 0:
-                self.critic.shutdown_critic()
-            self.critic.close()
+        for server in (self.critic, self.teacher):
+            if server is not None:
+                if self.rank == 0:
+                    server.shutdown_critic()
+                server.close()
         self.pctx.destroy()
 
 
@@ -431,6 +436,15 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     if "critic" in run.components:   # PPO, or a reward model scores (reward-only critic)
         critic = CriticClient.from_run_config(run)
         critic.connect()   # waits (with backoff) while the critic starts; not part of the first step
+    teacher: CriticClient | ColocatedTeacher | None = None
+    if run.teacher_model is not None and run.switches.colocated_teacher:   # the ablation: no component
+        teacher = ColocatedTeacher(run, pctx)
+    elif "teacher" in run.components:   # on-policy distillation: the teacher scores every sample
+        cs = run.critic_server
+        assert run.run_dir is not None, "a job's run config knows its run directory"
+        teacher = CriticClient.for_run_dir(run.run_dir, component="teacher", connect_timeout_s=cs.connect_timeout_s,
+                                           request_timeout_s=cs.request_timeout_s)
+        teacher.connect()
     tracer = Tracer(rd.root, "actor", env.rank, resume_from_step=start_step)
     if run.fault_tolerance.hang_timeout_s:   # from here on a phase must end within the timeout
         tracer.watchdog = Watchdog(run.fault_tolerance.hang_timeout_s, rd.logs / "actor", env.rank).start()
@@ -444,7 +458,7 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
                      start_step=start_step,
                      rewards=Rewards(run, tokenizer, dataset.fields()), evalset=EvalSet.from_run(run, tokenizer),
                      remote=RemoteRollouts(run, rd, env.rank, tokenizer.pad_id) if "generator" in run.components
-                     else None)
+                     else None, teacher=teacher)
     actor.init_checkpoint = worker.init_checkpoint   # the base a LoRA checkpoint refers to
     return actor
 

@@ -86,7 +86,7 @@ def prompt_order(run: RunConfig, num_prompts: int, step: int, round: int = 0) ->
 class Collected:
     """One rank's share of a step: its finished micro-batches and their critic futures (None
     without a critic). Empty on ranks that do not request prompts."""
-    pending: list[tuple[RolloutBatch, Future | None]] = field(default_factory=list)
+    pending: list[tuple[RolloutBatch, Scores | None]] = field(default_factory=list)
     pad_id: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     """Dynamic sampling's (rl.dynamic_sampling_max_rounds): rounds, kept and dropped groups."""
@@ -96,14 +96,28 @@ class Collected:
         return RolloutBatch.cat([mb for mb, _ in self.pending], self.pad_id)
 
 
+@dataclass
+class Scores:
+    """The critic's and the teacher's futures of one micro-batch (either may be None)."""
+
+    critic: Future | None
+    teacher: Future | None
+
+    def result(self) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+        """(values, reward-model scores, teacher log-probs per position); None for an absent one."""
+        values, scores = self.critic.result() if self.critic is not None else (None, None)
+        return values, scores, self.teacher.result()[0] if self.teacher is not None else None
+
+
 class RolloutCollector:
     """Generation of rollouts on one rank's engine (every rank of a generation replica calls
     the same methods in lock-step; only the replica's requester keeps the samples)."""
 
     def __init__(self, run: RunConfig, engine, tokenizer, prompts: Sequence[np.ndarray], rewards, *, rank: int,
-                 tracer=None, critic=None):
+                 tracer=None, critic=None, teacher=None):
         self.run, self.engine, self.tokenizer, self.prompts = run, engine, tokenizer, prompts
         self.rewards, self.rank, self.tracer, self.critic = rewards, rank, tracer, critic
+        self.teacher = teacher   # on-policy distillation: a CriticClient of the teacher component
         self.pad_id = tokenizer.pad_id
         self.params = SamplingParams.from_config(run.generation, eos_id=tokenizer.eos_id, pad_id=self.pad_id)
         self.version = 0
@@ -217,7 +231,7 @@ class RolloutCollector:
             rounds += 1
         chosen = varied[:n] + [g for g, v in groups if not v][:max(n - len(varied), 0)]
         new_id = {g: i for i, g in enumerate(sorted(chosen))}
-        kept: list[tuple[RolloutBatch, Future | None]] = []
+        kept: list[tuple[RolloutBatch, Scores | None]] = []
         for mb, fut in out.pending:
             assert fut is None, "RunConfig: dynamic sampling runs without a critic"
             old = mb["group"].tolist()
@@ -237,16 +251,19 @@ class RolloutCollector:
                        "dropped_varied_groups": float(len(varied) - n_varied)}
         return out
 
-    def to_critic(self, mb: RolloutBatch, step: int) -> Future | None:
-        """A finished micro-batch to the critic (values, reward-model score): its future, or None
-        without a critic. Also for the samples a generator component streamed to the actor."""
-        if self.critic is None:
+    def to_critic(self, mb: RolloutBatch, step: int) -> Scores | None:
+        """A finished micro-batch to the critic (values, reward-model score) and to the teacher
+        (its log-probs of the sampled tokens, on-policy distillation): their futures, or None
+        without either. Also for the samples a generator component streamed to the actor."""
+        if self.critic is None and self.teacher is None:
             return None
-        fut = self.critic.infer_async(mb.tokens.numpy(), mb.seq_lengths.numpy(), step=step)
+        tokens, lengths = mb.tokens.numpy(), mb.seq_lengths.numpy()
+        got = Scores(*(None if c is None else c.infer_async(tokens, lengths, step=step)
+                       for c in (self.critic, self.teacher)))
         if not self.run.switches.async_critic:
             with self.tracer.span(P.CRITIC_WAIT, step):
-                fut.result()
-        return fut
+                got.result()
+        return got
 
     # -- evaluation -------------------------------------------------------------------------
     def greedy(self, prompts: Sequence[np.ndarray], max_new_tokens: int):

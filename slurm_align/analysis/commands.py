@@ -16,6 +16,7 @@ from slurm_align.analysis.breakdown import Breakdown, compute_breakdown
 from slurm_align.analysis.trace_export import write_chrome_trace
 from slurm_align.config import load_run_config
 from slurm_align.config.errors import ConfigError
+from slurm_align.config.loading import with_profile_defaults
 from slurm_align.planning.commands import add_prediction_arguments
 from slurm_align.profiling.phases import phase_order
 from slurm_align.rundir import new_run_dir
@@ -212,6 +213,7 @@ def cmd_sweep(args) -> int:
                              "(--set ppo.actor_lr=1e-6,5e-6, repeatable) or both")
     run = load_run_config(args.config, args.overrides)
     profile = choose_profile(args.profile)   # --profile, else the hostname_pattern match (or refused)
+    run = with_profile_defaults(run, profile)
     nodes = parse_nodes(args.nodes) if args.nodes is not None else None
     sets = [parse_set(s) for s in args.set]
     if args.predict or args.calibration:   # the predicted table first, so a bad plan can be stopped

@@ -13,6 +13,7 @@ import pydantic
 import yaml
 
 from slurm_align import resources
+from slurm_align.config.components import component_kind, component_kinds
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import Component, RunConfig
@@ -119,17 +120,33 @@ def load_profile(name_or_path: str | None = None, overrides: list[str] | None = 
     return validate(ClusterProfile, data, path)
 
 
+def with_profile_defaults(run: RunConfig, profile: ClusterProfile) -> RunConfig:
+    """The run with the profile's defaults for what its config leaves unset: `training.precision`
+    from `profile.precision`. A value the config (or an override) sets is kept."""
+    if profile.precision is None or "precision" in run.training.model_fields_set:
+        return run
+    return run.model_copy(update={"training": run.training.model_copy(update={"precision": profile.precision})})
+
+
 def check_against_profile(run: RunConfig, profile: ClusterProfile, source: str | Path | None = None) -> None:
-    """TP x PP x DP of each component must equal the ranks the profile gives it."""
+    """TP x PP x DP of each component must equal the ranks the profile gives it; every component
+    the profile sizes must be a registered kind (a typo there would be silently unused)."""
     problems = []
+    known = {k.resource_key for k in component_kinds()}
+    for key in profile.components:
+        if key not in known:
+            problems.append(f"profile '{profile.name}' field 'components.{key}': no component kind '{key}'; "
+                            f"allowed: {', '.join(sorted(known))} (a module under the run's plugins: may "
+                            "register more)")
     for comp in run.components:
-        if comp not in profile.components:
-            problems.append(f"profile '{profile.name}' has no resources for component '{comp}' "
+        key = component_kind(comp).resource_key
+        if key not in profile.components:
+            problems.append(f"profile '{profile.name}' has no resources for component '{key}' "
                             f"(components: {', '.join(profile.components) or 'none'})")
             continue
-        res = profile.components[comp]
+        res = profile.resources(comp)
         par = run.parallel(comp)
-        if par.world_size != res.ranks:
+        if component_kind(comp).parallel_field and par.world_size != res.ranks:
             problems.append(
                 f"field '{comp}': tensor_parallel x pipeline_parallel x data_parallel = "
                 f"{par.tensor_parallel}x{par.pipeline_parallel}x{par.data_parallel} = {par.world_size}, "
@@ -137,7 +154,7 @@ def check_against_profile(run: RunConfig, profile: ClusterProfile, source: str |
                 f"task(s) = {res.ranks} ranks; they must be equal")
         if res.gpus_per_node and res.gpus_per_node != res.tasks_per_node:
             problems.append(
-                f"profile '{profile.name}' field 'components.{comp}': gpus_per_node={res.gpus_per_node} "
+                f"profile '{profile.name}' field 'components.{key}': gpus_per_node={res.gpus_per_node} "
                 f"but tasks_per_node={res.tasks_per_node}; one rank per GPU is required")
     if problems:
         raise ConfigError(problems, source)

@@ -20,7 +20,12 @@ softmax output; 'selective' recompute drops it, 'full' keeps only each layer's i
 plus the larger of the logits and one recompute chunk's full activations (the logits are freed
 before the backward pass recomputes the layers). Under PP the first stage holds PP micro-batches
 (1F1B), i.e. L/PP layers x PP. Logits: 2 s b V/t fp32 (logits and log-softmax).
-MoE layers are not modelled (plan_model refuses them; submit then skips the check).
+MoE layers (megatron's TopKRouter + SequentialMLP, TP 1): the router replicated, num_experts /
+expert_parallel experts per rank, each an MLP of ffn_hidden_size; under ZeRO-1 the experts'
+main weights and Adam state are split over the expert-data-parallel group (data_parallel /
+expert_parallel ranks), the rest over data_parallel (models/optimizer.py's two buckets). Their
+activations count each token's top-k expert MLPs and its copies for the dispatch (an estimate:
+not compared with a measured peak, unlike the dense terms).
 """
 
 from __future__ import annotations
@@ -67,8 +72,19 @@ class ComponentPlan:
         return max(sum(m.training_total for m in self.models), self.generation_peak)
 
 
+def _expert_params(m: ModelConfig, ep: int) -> int:
+    """One MoE layer's experts on one rank (its num_experts / ep of them; 0 for a dense model)."""
+    if m.num_experts is None:
+        return 0
+    h, f = m.hidden_size, m.ffn
+    fc1_out = 2 * f if m.activation == "swiglu" else f
+    one = fc1_out * h + h * f + ((fc1_out + h) if m.add_bias_linear else 0)
+    return m.num_experts // ep * one
+
+
 def _layer_params(m: ModelConfig, tp: int) -> int:
-    """One transformer layer's parameters on one TP rank (megatron GPT, local spec)."""
+    """One transformer layer's parameters on one TP rank (megatron GPT, local spec), without an
+    MoE layer's experts (_expert_params): its router instead of the dense MLP."""
     h, d, a, g, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups, m.ffn
     norm = 2 * h if m.normalization == "LayerNorm" else h
     qkv_out = (a + 2 * g) * d
@@ -77,6 +93,8 @@ def _layer_params(m: ModelConfig, tp: int) -> int:
     if m.qk_layernorm:
         n += 2 * (2 * d if m.normalization == "LayerNorm" else d)
     n += h * a * d // tp + (h if m.add_bias_linear else 0)   # proj: row-parallel, bias replicated
+    if m.num_experts is not None:   # the router: [experts, h] (+ bias), replicated
+        return n + m.num_experts * h + (m.num_experts if m.add_bias_linear else 0)
     fc1_out = 2 * f if m.activation == "swiglu" else f
     n += fc1_out * h // tp + (fc1_out // tp if m.add_bias_linear else 0)
     n += h * f // tp + (h if m.add_bias_linear else 0)       # fc2
@@ -94,13 +112,12 @@ def _lora_layer_params(m: ModelConfig, tp: int) -> int:
 
 
 def count_params(m: ModelConfig, par: ParallelConfig, *, value_head: bool = False, stage: int = 0) -> tuple[int, int]:
-    """(parameters, trained parameters) on one rank of pipeline stage `stage`."""
-    if m.num_experts is not None:
-        raise ConfigError.at("model.num_experts", m.num_experts, "the memory plan does not model MoE layers")
+    """(parameters, trained parameters) on one rank of pipeline stage `stage` (MoE experts
+    included: count_expert_params says how many of them are experts)."""
     tp, pp = par.tensor_parallel, par.pipeline_parallel
     h, V = m.hidden_size, m.padded_vocab_size
     layers = m.num_layers // pp
-    n = layers * _layer_params(m, tp)
+    n = layers * (_layer_params(m, tp) + _expert_params(m, par.expert_parallel))
     if stage == 0:
         n += V * h // tp + (m.max_seq_len * h if m.position_embedding == "learned" else 0)
     if stage == pp - 1:
@@ -114,6 +131,11 @@ def count_params(m: ModelConfig, par: ParallelConfig, *, value_head: bool = Fals
     return n, n
 
 
+def count_expert_params(m: ModelConfig, par: ParallelConfig) -> int:
+    """Expert parameters on one rank (any stage: every stage holds L / PP MoE layers)."""
+    return m.num_layers // par.pipeline_parallel * _expert_params(m, par.expert_parallel)
+
+
 def activation_elements(m: ModelConfig, tp: int, pp: int, tokens: int, rows: int, recompute: str,
                         recompute_layers: int = 1) -> int:
     """Activation elements one rank keeps for the backward pass of its stage (see module doc)."""
@@ -122,7 +144,10 @@ def activation_elements(m: ModelConfig, tp: int, pp: int, tokens: int, rows: int
     h, d, a, g, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.query_groups, m.ffn
     fc1_out = 2 * f if m.activation == "swiglu" else f
     softmax = a * s // tp
-    per_layer = sb * (4 * h + ((2 * a + 2 * g) * d + fc1_out + f) // tp + softmax)
+    mlp = fc1_out + f
+    if m.num_experts is not None:   # top-k experts' MLPs per token, its dispatched copies, router logits
+        mlp = m.moe_router_topk * (fc1_out + f + 2 * h) + m.num_experts
+    per_layer = sb * (4 * h + ((2 * a + 2 * g) * d + mlp) // tp + softmax)
     layers = m.num_layers // pp * (pp if pp > 1 else 1)   # 1F1B: the first stage holds PP micro-batches
     logits = 2 * sb * m.padded_vocab_size // tp
     if recompute == "full":
@@ -143,10 +168,15 @@ def plan_model(name: str, m: ModelConfig, par: ParallelConfig, t: TrainingConfig
     p = ModelPlan(name, params, trained if t is not None else 0, weights=params * dtype)
     if t is None:
         return p
-    shards = par.data_parallel if t.distributed_optimizer else 1
+    # ZeRO-1 buckets: the dense weights over DP, MoE experts over the expert-DP group (DP / EP)
+    experts = count_expert_params(m, par) if m.lora is None else 0
+    dp, edp = par.data_parallel, par.data_parallel // par.expert_parallel
+    buckets = [(trained - experts, dp if t.distributed_optimizer else 1),
+               (experts, edp if t.distributed_optimizer else 1)]
     p.grads = 4 * trained
-    p.main_weights = -(-4 * trained // shards) if t.precision != "fp32" or t.distributed_optimizer else 0
-    p.optimizer = -(-8 * trained // shards)
+    if t.precision != "fp32" or t.distributed_optimizer:
+        p.main_weights = sum(-(-4 * n // shards) for n, shards in buckets)
+    p.optimizer = sum(-(-8 * n // shards) for n, shards in buckets)
     p.activations = dtype * activation_elements(m, par.tensor_parallel, par.pipeline_parallel, tokens, rows,
                                                 t.recompute, t.recompute_num_layers)
     return p
@@ -228,18 +258,11 @@ def _fitting_changes(run: RunConfig, component: str, cap_bytes: float) -> list[s
     return fits
 
 
-def moe_models(run: RunConfig) -> list[str]:
-    """The run's models with MoE layers, which the plan does not model."""
-    models = {"model": run.model, "critic_model": run.critic_model}
-    return [name for name, m in models.items() if m is not None and m.num_experts is not None]
-
-
 def check_memory(run: RunConfig, profile: ClusterProfile, *, source: str = "run config") -> list[ComponentPlan]:
     """Refuse (ConfigError) a run whose plan exceeds the profile's gpu_memory_gib on any component.
-    Nothing is checked (an empty plan) without that field, or for MoE models (not modelled).
-    Returns the plan."""
+    Nothing is checked (an empty plan) without that field. Returns the plan."""
     cap = profile.gpu_memory_gib
-    if cap is None or moe_models(run):
+    if cap is None:
         return []
     comps = plan_run(run)
     for c in comps:

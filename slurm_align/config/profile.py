@@ -8,11 +8,12 @@ Slurm hetjob would give them; `kind: slurm` submits one heterogeneous sbatch job
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, StringConstraints, field_validator, model_validator
 
 from slurm_align.config.base import StrictModel
+from slurm_align.config.components import component_kinds
 
 # sbatch option names are lower-case words joined by dashes; anything else is refused.
 _SBATCH_KEY = re.compile(r"^[a-z][a-z0-9-]*$")
@@ -185,9 +186,9 @@ class HardwareConfig(StrictModel):
     (os.cpu_count()) rather than each getting cpus_per_task of its own."""
 
 
-def _every_component() -> dict[Literal["actor", "critic", "generator"], ComponentResources]:
-    """ClusterProfile.components' default: default resources for each component."""
-    return {"actor": ComponentResources(), "critic": ComponentResources(), "generator": ComponentResources()}
+def _every_component() -> dict[str, ComponentResources]:
+    """ClusterProfile.components' default: default resources for each registered component kind."""
+    return {k.resource_key: ComponentResources() for k in component_kinds()}
 
 
 class ClusterProfile(StrictModel):
@@ -207,10 +208,12 @@ class ClusterProfile(StrictModel):
     """Default time limit."""
     constraint: str | None = None
     """Node feature constraint (sbatch --constraint)."""
-    components: dict[Literal["actor", "critic", "generator"], ComponentResources] = Field(
+    components: dict[Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]*$")], ComponentResources] = Field(
         default_factory=_every_component)
-    """Per-component resources; sft/rm/dpo jobs use 'actor'; 'generator' is the rollout
-    generator of rollout.mode 'disaggregated' (it may sit on a partition of its own)."""
+    """Per-component resources, keyed by a registered component kind (config/components.py:
+    actor, critic, generator, ...; checked against the run at submit); sft/rm/dpo jobs use
+    'actor'; 'generator' is the rollout generator of rollout.mode 'disaggregated' (it may sit on
+    a partition of its own)."""
     modules: list[str] = Field(default_factory=list)
     """Environment modules to `module load` before the job runs."""
     setup: list[str] = Field(default_factory=list)
@@ -258,6 +261,9 @@ class ClusterProfile(StrictModel):
     """The compute nodes share /tmp (and the other usually node-local folders) with the submitting
     machine: only true for a one-host cluster such as the local test cluster. False: a 'slurm'
     profile refuses a run directory or interpreter under /tmp, /var/tmp, /dev/shm, /run, /local."""
+    precision: Dtype | None = None
+    """The `training.precision` of runs on this profile whose config does not set it (the shipped
+    GPU example: bf16); unset: the run's own default, fp32 (the CPU profiles)."""
     gpu_memory_gib: float | None = Field(None, gt=0)
     """Memory of one GPU in GiB (e.g. 80 for an H100 80GB). When set, `submit` refuses a run whose
     memory plan (`slurm-align plan`) exceeds it on any component; default: not checked."""
@@ -356,6 +362,9 @@ class ClusterProfile(StrictModel):
         return self
 
     def resources(self, component: str) -> ComponentResources:
-        if component not in self.components:
-            raise KeyError(component)
-        return self.components[component]
+        """The resources of a component (by its kind's resource key, when it is a registered kind)."""
+        kinds = {k.name: k.resource_key for k in component_kinds()}
+        key = kinds.get(component, component)
+        if key not in self.components:
+            raise KeyError(key)
+        return self.components[key]

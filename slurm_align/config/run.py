@@ -14,11 +14,14 @@ from pydantic import Field, field_validator, model_validator
 
 from slurm_align.config.algorithms import REGISTRY, AlgorithmSpec, algorithm_spec
 from slurm_align.config.base import StrictModel
+from slurm_align.config.components import component_kind, component_names, declared_components
 from slurm_align.environments.config import EnvironmentConfig, check_against_run
 
-Component = Literal["actor", "critic", "generator"]
-COMPONENTS: tuple[Component, ...] = ("actor", "critic", "generator")
-"""Every component a run may declare, in het-group order (RunConfig.components picks its own)."""
+Component = str
+"""A registered component kind's name (slurm_align/config/components.py)."""
+COMPONENTS: tuple[Component, ...] = component_names()
+"""The built-in components, in het-group order (RunConfig.components picks its own; plugins may
+register more: config.components.component_names())."""
 
 
 class TokenizerConfig(StrictModel):
@@ -327,6 +330,10 @@ class Switches(StrictModel):
     """Move optimizer state and grads to host during generation."""
     keep_critic_models_resident: bool = False
     """Critic keeps both value and reward model on device (off: swap through host memory)."""
+    colocated_teacher: bool = False
+    """On-policy distillation (teacher_model set): run the teacher's forward on the actor's own
+    ranks, after each micro-batch, instead of on a teacher component (actor.tensor_parallel and
+    pipeline_parallel 1 only). The ablation of benchmarks/bench_teacher.py."""
     sequence_packing: bool = True
     """Concatenate each micro-batch's sequences into packed rows, attention kept per sequence
     (off: right-pad them to the longest)."""
@@ -502,6 +509,9 @@ class RewardConfig(StrictModel):
     """Weight of the reward model's score in the combined reward."""
     rule_weight: float = 1.0
     """Weight of the rule reward in the combined reward."""
+    teacher_weight: float = Field(1.0, ge=0)
+    """Weight of the teacher's term (minus the reverse KL to the teacher) in the combined reward
+    (teacher_model set: on-policy distillation)."""
     attribute_weights: list[float] | None = None
     """A regression reward model's (critic_model.num_labels > 1) attribute weights: the reward
     model's score is sum_i w_i * attribute_i at the last token, in the order of its attributes.
@@ -716,11 +726,23 @@ class TrainingConfig(StrictModel):
     the run; each model keeps its own LR, weight decay and gradient clip (ppo.actor_lr,
     ppo.critic_lr, trainer.lr, ...). Built in one place: models/optimizer.build_optimizer."""
 
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """'fp32': parameters, activations and gradients in fp32 (exact, as before). 'bf16':
     parameters and activations in bf16, gradients accumulated in fp32 (`main_grad`) and the
     update made on fp32 main weights, copied back to the bf16 parameters after each step
-    (megatron's mixed-precision recipe). fp16 (needs loss scaling) is not offered."""
+    (megatron's mixed-precision recipe). 'fp16': the same in fp16, with dynamic loss scaling
+    (megatron's DynamicGradScaler: the loss is multiplied by the scale before the backward pass,
+    the fp32 gradients divided by it; a step whose gradients hold inf/nan is skipped and the
+    scale lowered; `loss_scale` and `skipped_steps` are in the metrics). LoRA: the base weights
+    take this precision, the adapters stay fp32 (they are what trains)."""
+    initial_loss_scale: float = Field(2.0 ** 16, gt=0)
+    """fp16 only: the loss scale of the first step (megatron's initial_loss_scale)."""
+    min_loss_scale: float = Field(1.0, gt=0)
+    """fp16 only: the scale is never lowered below this."""
+    loss_scale_window: int = Field(1000, ge=1)
+    """fp16 only: steps without inf/nan after which the scale is doubled."""
+    loss_scale_hysteresis: int = Field(2, ge=1)
+    """fp16 only: consecutive inf/nan steps after which the scale is halved (each is skipped)."""
     distributed_optimizer: bool = False
     """ZeRO-1: fp32 main weights and Adam state sharded over the data-parallel ranks (each rank
     updates 1/DP of them: gradients are reduce-scattered, updated weights all-gathered). Off:
@@ -748,6 +770,13 @@ class TrainingConfig(StrictModel):
     default: the run's total optimizer steps."""
     min_lr: float = Field(0.0, ge=0)
     """LR at the end of the decay (and after it)."""
+
+    @model_validator(mode="after")
+    def _loss_scale_fits(self):
+        if self.min_loss_scale > self.initial_loss_scale:
+            raise ValueError(f"min_loss_scale={self.min_loss_scale} must not exceed "
+                             f"initial_loss_scale={self.initial_loss_scale}")
+        return self
 
     @model_validator(mode="after")
     def _schedule_fits(self):
@@ -781,6 +810,13 @@ class RunConfig(StrictModel):
     """Parallel layout of the actor (or the single component for sft/rm/dpo)."""
     critic: ParallelConfig = ParallelConfig()
     """Parallel layout of the critic (ppo only)."""
+    teacher_model: ModelConfig | None = None
+    """On-policy distillation: the teacher (its shape, and its weights in init_checkpoint, which is
+    required), served by the teacher component. It scores the student's own samples per token:
+    each sample's reward gains reward.teacher_weight x sum over its response tokens of
+    (log p_teacher - log p_student), minus a one-sample estimate of the reverse KL (docs/algorithms/distillation.md)."""
+    teacher: ParallelConfig = ParallelConfig()
+    """Parallel layout of the teacher component (teacher_model set)."""
     generator: ParallelConfig = ParallelConfig()
     """Parallel layout of the generator component (rollout.mode 'disaggregated'), whatever the
     actor's: data_parallel replicas of tensor_parallel consecutive ranks each (TP > 1 only with
@@ -935,13 +971,6 @@ class RunConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
-    def _precision_fits(self):
-        if self.training.precision != "fp32" and self.model.lora is not None:
-            raise ValueError(f"training.precision={self.training.precision!r} with model.lora: the adapters are "
-                             "built in fp32 and do not take bf16 inputs yet; use precision 'fp32' with LoRA")
-        return self
-
-    @model_validator(mode="after")
     def _rollout_options_fit(self):
         spec = self.spec
         if not spec.rollout:
@@ -956,13 +985,24 @@ class RunConfig(StrictModel):
         if self.reward.use_model and labels > 1 and (weights is None or len(weights) != labels):
             raise ValueError(f"field 'reward.attribute_weights': got {weights!r}; the reward model has "
                              f"critic_model.num_labels={labels} attributes: give one weight per attribute")
-        if not self.reward.use_model and self.reward.rule is None and not self.multi_turn:
+        if self.teacher_model is not None:
+            if self.teacher_model.init_checkpoint is None:
+                raise ValueError("teacher_model.init_checkpoint: the teacher's weights are required")
+            if self.switches.colocated_teacher and (self.actor.tensor_parallel, self.actor.pipeline_parallel) != (1, 1):
+                raise ValueError("switches.colocated_teacher: the teacher's forward runs on each actor rank alone, "
+                                 "so actor.tensor_parallel and pipeline_parallel must be 1")
+            if self.teacher_model.vocab_size != self.model.vocab_size:
+                raise ValueError(f"teacher_model.vocab_size={self.teacher_model.vocab_size}: the teacher scores the "
+                                 f"student's tokens, so it must equal model.vocab_size={self.model.vocab_size}")
+        if not self.reward.use_model and self.reward.rule is None and not self.multi_turn \
+                and self.teacher_model is None:
             raise ValueError("reward: neither a reward model (reward.model) nor a rule (reward.rule) gives rewards")
         if self.rl.dynamic_sampling_max_rounds:
             why = ("rl.filter_equal_reward_groups is off" if not self.rl.filter_equal_reward_groups else
                    "it needs a rule reward (reward.rule)" if self.reward.rule is None and not self.multi_turn else
                    "a critic scores the samples (a value model or reward.model)" if self.spec.value_model
                    or self.reward.use_model else
+                   "a teacher scores the samples (teacher_model)" if self.teacher_model is not None else
                    "rollout.mode 'disaggregated' streams samples before the step is chosen"
                    if self.rollout.mode == "disaggregated" else None)
             if why:
@@ -1032,15 +1072,10 @@ class RunConfig(StrictModel):
 
     @property
     def components(self) -> tuple[Component, ...]:
-        """Job components this run needs: actor and critic for PPO; for the other rollout
-        algorithms the actor, plus a reward-only critic when a reward model scores; one for
-        the trainers."""
-        if not self.spec.rollout or self.eval.standalone:
-            return ("actor",)
-        critic = self.spec.value_model or self.reward.use_model
-        generator = self.rollout.mode == "disaggregated"
-        comps: tuple[Component, ...] = ("actor",)
-        return comps + (("critic",) if critic else ()) + (("generator",) if generator else ())
+        """Job components this run needs, in het-group order: each registered component kind
+        (config/components.py) says whether a run declares it (actor always; critic for PPO or a
+        reward model; generator when rollouts are disaggregated; ...)."""
+        return declared_components(self)
 
     @property
     def multi_turn(self) -> bool:
@@ -1090,7 +1125,10 @@ class RunConfig(StrictModel):
         return self.parallel(self.engine_component)
 
     def parallel(self, component: str) -> ParallelConfig:
-        return {"actor": self.actor, "critic": self.critic, "generator": self.generator}[component]
+        """The component's layout: its kind's parallel_field; one data-parallel rank per process
+        for a kind that lays out its own ranks."""
+        field = component_kind(component).parallel_field
+        return getattr(self, field) if field else ParallelConfig()
 
     @property
     def critic_model_config(self) -> ModelConfig:

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from slurm_align.critic import protocol as P
-from slurm_align.rundir import RunDir, critic_address_problem, read_run_secret
+from slurm_align.rundir import RunDir, address_problem, read_run_secret
 
 
 class CriticError(RuntimeError):
@@ -83,13 +83,16 @@ def _server_reason(text: str) -> str:
 
 class CriticClient:
     """Futures-based client of the critic server at `host:port`, or at the address its run's
-    critic publishes (`run_dir`); every request carries `secret`."""
+    critic publishes (`run_dir`); every request carries `secret`. `component`: the serving
+    component whose address it reads (another kind served by the critic's server, e.g. the
+    teacher, is reached by this client too)."""
 
     def __init__(self, host: str | None, port: int | None, *, secret: str, run_dir: str | Path | None = None,
                  connect_timeout_s: float = 120.0, request_timeout_s: float = 300.0, max_in_flight: int = 64,
-                 restart_notice_s: float = 5.0):
+                 restart_notice_s: float = 5.0, component: str = "critic"):
         if (host is None or port is None) and run_dir is None:
             raise ValueError("CriticClient needs host and port, or the run_dir its critic publishes them in")
+        self.component = component
         self.run_dir = None if run_dir is None else RunDir(Path(run_dir))
         # With run_dir the address is the published one (`host` replaces its host when given).
         self.host, self.port = (None, None) if self.run_dir else (host, port)
@@ -126,14 +129,14 @@ class CriticClient:
 
     def _where(self, endpoint: str) -> str:
         if self.host is None:
-            return f"critic of {self.run_dir.root} (address not published yet), endpoint {endpoint}"
-        return f"critic at {self.host}:{self.port}, endpoint {endpoint}"
+            return f"{self.component} of {self.run_dir.root} (address not published yet), endpoint {endpoint}"
+        return f"{self.component} at {self.host}:{self.port}, endpoint {endpoint}"
 
     # -- connection ------------------------------------------------------------------------
     def _locate(self) -> str | None:
         """Take the address the critic published; None while it has published none. A file
         from an earlier job (another secret) does not count."""
-        found, why = critic_address_problem(self.run_dir, self._secret)
+        found, why = address_problem(self.run_dir, self.component, self._secret)
         if found is None:
             return why
         host, port = found
@@ -227,7 +230,7 @@ class CriticClient:
             return True
         except CriticUnavailableError:
             pass
-        if self.run_dir is None or critic_address_problem(self.run_dir, self._secret)[0] is not None:
+        if self.run_dir is None or address_problem(self.run_dir, self.component, self._secret)[0] is not None:
             return False
         self.connect()   # restarting: the new tritonserver publishes its address when it is up
         return True

@@ -31,7 +31,7 @@ from slurm_align.profiling import phases
 from slurm_align.profiling.timers import Tracer
 from slurm_align.rundir import RunDir
 from slurm_align.slurm.hetenv import service_host
-from slurm_align.slurm.preemption import critic_survives_term, ignore_stop_signal
+from slurm_align.slurm.preemption import enter_role
 
 
 def load_full_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -156,8 +156,9 @@ def main(run_dir: str | Path) -> int:
     rd = RunDir(Path(run_dir))
     run = load_run_config(rd.config)
     env = init_distributed()
-    ignore_stop_signal()   # the actor decides when to stop and saves the critic
-    on_exit = critic_survives_term(rd)   # Slurm's preemption TERM: serve on until the actor stopped
+    # its kind's role, 'survives': USR2 ignored (the actor decides when to stop and saves the
+    # critic); Slurm's preemption TERM: serve on until the actor stopped
+    on_exit = enter_role("critic", rd)
     try:
         return run_critic(run, rd, env, on_exit)
     except BaseException:

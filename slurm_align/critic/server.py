@@ -45,7 +45,7 @@ import psutil
 
 from slurm_align.critic import protocol as P
 from slurm_align.critic.channel import Command
-from slurm_align.rundir import RunDir, publish_critic_address, read_run_secret
+from slurm_align.rundir import RunDir, publish_address, read_run_secret
 
 
 class CriticBindError(RuntimeError):
@@ -182,11 +182,12 @@ class CriticServer:
     """PyTriton endpoints bound to `host:port` (HTTP only; port 0: a free port, chosen at start)."""
 
     def __init__(self, host: str, port: int, limits: ServerLimits, *, secret: str, checkpoint_dir: Path,
-                 run_dir: RunDir | None = None):
+                 run_dir: RunDir | None = None, component: str = "critic"):
         if host in ("0.0.0.0", "", "::"):
             raise ValueError(f"critic server bind address {host!r} would listen on every interface; "
                              "give this host's own address (critic_server.bind_host)")
         self.host, self.port, self.limits = host, port, limits
+        self.component = component   # the serving component whose address it publishes
         self._secret = secret.encode()
         self.checkpoint_dir = Path(checkpoint_dir)
         self.run_dir = run_dir
@@ -202,10 +203,12 @@ class CriticServer:
         self._trains_lock = threading.Lock()
 
     @classmethod
-    def for_run(cls, rd: RunDir, host: str, port: int, limits: ServerLimits) -> CriticServer:
-        """The run's critic: its secret, its checkpoint folder; publishes its address at start."""
-        return cls(host, port, limits, secret=read_run_secret(rd), checkpoint_dir=rd.checkpoints("critic"),
-                   run_dir=rd)
+    def for_run(cls, rd: RunDir, host: str, port: int, limits: ServerLimits,
+                component: str = "critic") -> CriticServer:
+        """The run's critic (or another serving component on the same secured server, e.g. the
+        teacher): its secret, its checkpoint folder; publishes its address at start."""
+        return cls(host, port, limits, secret=read_run_secret(rd), checkpoint_dir=rd.checkpoints(component),
+                   run_dir=rd, component=component)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
@@ -238,7 +241,7 @@ class CriticServer:
                                   "critic_server.port")
         if self.run_dir is not None:
             self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-            publish_critic_address(self.run_dir, self.host, self.port, self._secret.decode())
+            publish_address(self.run_dir, self.component, self.host, self.port, self._secret.decode())
         if not proc_hides_other_users() and not self.restarts:
             print("critic: note: /proc is not mounted with hidepid, so other users of this node can read "
                   "tritonserver's command line and on it the Triton gate token (not the run's secret): "
@@ -254,7 +257,7 @@ class CriticServer:
     def _stop_triton(self, kill: bool = False) -> None:
         if self._triton is not None:
             if self.run_dir is not None:   # no address: clients wait for the next one
-                self.run_dir.critic_address.unlink(missing_ok=True)
+                self.run_dir.address(self.component).unlink(missing_ok=True)
             if kill:   # a broken tritonserver would wait its exit timeout (30 s) for a lost answer
                 for p in psutil.Process().children(recursive=True):
                     if p.name() == "tritonserver":

@@ -86,7 +86,8 @@ class CriticWorker:
         # A reward-only critic (no value model: GRPO family) trains nothing.
         self.optimizer = build_optimizer([p for c in swap.models[VALUE] for p in c.parameters()], pctx,
                                          training or TrainingConfig(),
-                                         lr=lr, grad_clip=grad_clip, total_steps=total_steps) \
+                                         lr=lr, grad_clip=grad_clip, total_steps=total_steps,
+                                         models=swap.models[VALUE]) \
             if VALUE in swap.models else None
         # The value model trains through the one model worker's step with the registered value loss.
         self.trainer = (ModelWorker.around(swap.models[VALUE], self.optimizer, pctx, model_cfg,

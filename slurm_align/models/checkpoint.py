@@ -109,6 +109,8 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common
         state["common"]["optimizer_steps"] = _optimizer_steps(optimizer)
     if isinstance(optimizer, ModelOptimizer):   # the LR schedule continues where it was
         state["common"]["lr_scheduler"] = optimizer.scheduler.state_dict()
+        if optimizer.scaler is not None:   # fp16: the loss scale and its trackers continue too
+            state["common"]["grad_scaler"] = optimizer.scaler_state()
     dist_checkpointing.save(state, str(tmp))
     dist.barrier()
     if rank == 0:
@@ -183,6 +185,8 @@ def load_checkpoint(path: str | Path, chunks: list, optimizer=None) -> dict:
             optimizer.load_per_param_state_dict(osd, steps)
             if "lr_scheduler" in common:
                 optimizer.scheduler.load_state_dict(common["lr_scheduler"])
+            if "grad_scaler" in common:
+                optimizer.load_scaler_state(common["grad_scaler"])
         else:
             for pstate in osd["state"].values():
                 pstate["step"] = torch.tensor(float(steps))

@@ -17,7 +17,8 @@ calls it makes (see ../shared/STACK.md):
   `_get_cuda_rng_state` / `_set_cuda_rng_state`: no-ops here, the CPU generator is saved beside);
 - MoE: the all-to-all token dispatcher makes a `torch.cuda.Stream()` for its device-to-host
   copies (one shared no-op stream here: CPU work is ordered), the router, experts and the aux
-  loss tracker allocate on `current_device()` / `device="cuda"`.
+  loss tracker allocate on `current_device()` / `device="cuda"`;
+- fp16's loss scaler (`optimizer.grad_scaler.DynamicGradScaler`) makes its tensors on "cuda".
 
 The RNG tracker (megatron's `model_parallel_cuda_manual_seed` asserts CUDA) is seeded through
 `seed_model_parallel`, which picks megatron's own function on GPU and the CPU path here.
@@ -50,6 +51,8 @@ PATCHED_MODULES = (
     "megatron.core.transformer.moe.moe_utils",
     "megatron.core.transformer.moe.router",
     "megatron.core.transformer.moe.experts",
+    # fp16: DynamicGradScaler keeps its scale on device="cuda"
+    "megatron.core.optimizer.grad_scaler",
 )
 
 

@@ -69,7 +69,7 @@ def moe_fields(model_cfg: ModelConfig, pctx: Any) -> dict[str, Any]:
     }
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def recompute_fields(training: TrainingConfig | None) -> dict[str, Any]:
@@ -117,6 +117,7 @@ def transformer_config(model_cfg: ModelConfig, pctx: Any, training: TrainingConf
         perform_initialization=False,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
         init_method_std=0.02,
         tensor_model_parallel_size=pctx.tp_size,
         pipeline_model_parallel_size=pctx.pp_size,

@@ -102,10 +102,12 @@ class LoraLinear(torch.nn.Module):
             return output
         x, (out, bias) = args[0], output   # megatron's linear layers take the input positionally
         self.dropout.train(layer.training)
-        h = torch.nn.functional.linear(self.dropout(x), self.lora_A)
+        # The adapters stay fp32 in a bf16/fp16 model (they are what trains; their optimizer
+        # state is small): the bottleneck runs in the adapters' dtype, its sum in the layer's.
+        h = torch.nn.functional.linear(self.dropout(x.to(self.lora_A.dtype)), self.lora_A)
         # column: gradient of h summed over TP; row: h itself summed over TP
         h = copy_to_tensor_model_parallel_region(h) if self.column else reduce_from_tensor_model_parallel_region(h)
-        return out + self.scale * torch.nn.functional.linear(h, self.b_matrix()), bias
+        return out + (self.scale * torch.nn.functional.linear(h, self.b_matrix())).to(out.dtype), bias
 
 
 def mark_tp(param: torch.Tensor, dim: int | None) -> None:

@@ -6,12 +6,20 @@ two layouts of the weights the update is made on:
 
 - direct (fp32, distributed_optimizer off): Adam updates the model's own fp32 parameters;
   gradients are summed over data parallelism by one flat all-reduce (`reduce_gradients`);
-- flat (bf16, or distributed_optimizer on): megatron's mixed-precision / distributed-optimizer
+- flat (bf16/fp16, or distributed_optimizer on): megatron's mixed-precision / distributed-optimizer
   recipe. Every parameter's gradient is accumulated in fp32 (`param.main_grad`, a view of one
   flat fp32 buffer per DP group: a hook adds each backward's `.grad` to it and drops the
   `.grad`); the update is made on fp32 main weights; with distributed_optimizer (ZeRO-1) the
   main weights and Adam state are sharded over the DP group: gradients are reduce-scattered,
   each rank updates its 1/DP, the updated weights are all-gathered into the parameters.
+
+fp16 adds megatron's dynamic loss scaling (megatron.core.optimizer.grad_scaler.DynamicGradScaler,
+its own class; on CPU its 'cuda' tensors are redirected by cpu_compat): the schedule multiplies
+the loss by the scale before the backward pass (TransformerConfig.grad_scale_func, as megatron's
+training loop sets it), the reduced fp32 gradients are divided by it; a step whose gradient norm
+is inf/nan (the norm is reduced over every group, so all ranks agree) is skipped: no update, no
+LR-schedule step, the scaler told so (it halves the scale after `loss_scale_hysteresis` such
+steps in a row and doubles it after `loss_scale_window` clean ones).
 
 Why not megatron's own DistributedDataParallel + DistributedOptimizer: in megatron-core 0.16.1
 (read in this venv) they need (1) the model wrapped in megatron's DDP, whose contiguous
@@ -36,9 +44,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.optimizer.grad_scaler import DynamicGradScaler
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from slurm_align.config.run import TrainingConfig
+from slurm_align.models.cpu_compat import apply_cpu_compat
 from slurm_align.models.weights import sync_tied_embedding_grads
 
 
@@ -165,8 +175,21 @@ class ModelOptimizer:
     clipping. Collective over the model's DP and model-parallel groups."""
 
     def __init__(self, params: list, pctx: Any, training: TrainingConfig, *, lr: float, weight_decay: float,
-                 grad_clip: float, total_steps: int):
+                 grad_clip: float, total_steps: int, models: list | None = None):
         self.params, self.pctx, self.training, self.grad_clip = list(params), pctx, training, grad_clip
+        self.scaler: DynamicGradScaler | None = None
+        self.skipped_steps = 0   # fp16: steps skipped for inf/nan gradients
+        if training.precision == "fp16":
+            if not models:
+                raise ValueError("precision fp16: build_optimizer needs the model chunks (models=...), whose "
+                                 "schedule scales the loss")
+            apply_cpu_compat()   # the scaler's tensors are made on 'cuda'
+            self.scaler = DynamicGradScaler(
+                initial_scale=training.initial_loss_scale, min_scale=training.min_loss_scale, growth_factor=2.0,
+                backoff_factor=0.5, growth_interval=training.loss_scale_window,
+                hysteresis=training.loss_scale_hysteresis)
+            for chunk in models:   # megatron's schedule: backward of grad_scale_func(loss)
+                chunk.config.grad_scale_func = self.scale_loss
         self.flat = training.precision != "fp32" or training.distributed_optimizer
         self.buckets: list[FlatBucket] = []
         if self.flat:
@@ -210,8 +233,48 @@ class ModelOptimizer:
         for b in self.buckets:
             b.grads.zero_()
 
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """fp16: the loss times the current loss scale (what the backward pass starts from)."""
+        assert self.scaler is not None, "set as grad_scale_func for fp16 only"
+        return loss * self.scaler.scale.to(loss.device)
+
+    @property
+    def loss_scale(self) -> float | None:
+        return float(self.scaler.scale) if self.scaler is not None else None
+
+    def metrics(self) -> dict[str, float]:
+        """fp16: the loss scale of the next step and the steps skipped so far (nothing else)."""
+        if self.scaler is None:
+            return {}
+        return {"loss_scale": float(self.scaler.scale), "skipped_steps": float(self.skipped_steps)}
+
+    def scaler_state(self) -> dict | None:
+        """fp16: what a checkpoint keeps of the loss scaler (plain numbers)."""
+        if self.scaler is None:
+            return None
+        return {"scale": float(self.scaler.scale), "growth_tracker": int(self.scaler._growth_tracker),
+                "hysteresis_tracker": int(self.scaler._hysteresis_tracker), "skipped_steps": self.skipped_steps}
+
+    def load_scaler_state(self, state: dict) -> None:
+        """Restore scaler_state(); the fields megatron's own load_state_dict sets (which moves
+        the scale with `.cuda()`, refused on CPU)."""
+        if self.scaler is None:
+            return
+        self.scaler._scale = torch.full_like(self.scaler.scale, state["scale"])
+        self.scaler._growth_tracker = int(state["growth_tracker"])
+        self.scaler._hysteresis_tracker = int(state["hysteresis_tracker"])
+        self.skipped_steps = int(state["skipped_steps"])
+
     def step(self) -> float:
         norm = self._flat_reduce() if self.flat else reduce_gradients(self.params, self.pctx, self.grad_clip)
+        if self.scaler is not None:
+            found_inf = not math.isfinite(norm)
+            self.scaler.update(found_inf)
+            if found_inf:   # megatron: no update and no scheduler step
+                self.skipped_steps += 1
+                for b in self.buckets:
+                    b.main.grad = None
+                return norm
         self.optimizer.step()
         if self.flat:
             self._write_back()
@@ -237,6 +300,8 @@ class ModelOptimizer:
                 if b.group_size > 1:
                     dist.all_reduce(b.grads, group=b.group)
                 g = b.grads
+            if self.scaler is not None:   # fp16: the gradients of the scaled loss, unscaled in fp32
+                g.mul_(self.scaler.inv_scale.to(device))
             part = torch.zeros((), dtype=torch.float64, device=device)
             for lo, hi in b.norm_ranges:
                 part += g[lo:hi].double().pow(2).sum()
@@ -323,9 +388,10 @@ class ModelOptimizer:
 
 
 def build_optimizer(params: list, pctx: Any, training: TrainingConfig, *, lr: float, weight_decay: float = 0.0,
-                    grad_clip: float = 0.0, total_steps: int = 1) -> ModelOptimizer:
+                    grad_clip: float = 0.0, total_steps: int = 1, models: list | None = None) -> ModelOptimizer:
     """THE optimizer of every trained model: `params` are what trains (a LoRA model's adapters,
     every parameter otherwise); `lr`, `weight_decay` and `grad_clip` are the model's own;
-    `total_steps` (the run's optimizer steps) is the default end of the LR decay."""
+    `total_steps` (the run's optimizer steps) is the default end of the LR decay; `models`: the
+    model's chunks (fp16 sets their loss scaling; needed then)."""
     return ModelOptimizer(params, pctx, training, lr=lr, weight_decay=weight_decay, grad_clip=grad_clip,
-                          total_steps=total_steps)
+                          total_steps=total_steps, models=models)

@@ -111,7 +111,7 @@ class ModelWorker:
         self.params = trainable_parameters(self.chunks)   # LoRA: the adapters only
         self.device = self.params[0].device  # collectives run here (gloo: CPU, NCCL: the GPU)
         self.optimizer = build_optimizer(self.params, pctx, training, lr=lr, weight_decay=weight_decay,
-                                         grad_clip=grad_clip, total_steps=total_steps)
+                                         grad_clip=grad_clip, total_steps=total_steps, models=self.chunks)
 
     @classmethod
     def around(cls, chunks: list, optimizer: Any, pctx: Any, model: ModelConfig | None, *, batching: Batching | int,
@@ -206,6 +206,7 @@ class ModelWorker:
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
             metrics["lr"] = lr
+            metrics.update(self.optimizer.metrics())   # fp16: loss_scale, skipped_steps
         if self.router_stats is not None:
             metrics.update(self.router_stats.collect())
         return metrics

@@ -14,7 +14,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from slurm_align.config.memory_plan import moe_models, plan_run
+from slurm_align.config.memory_plan import plan_run
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import ModelConfig, ParallelConfig, RunConfig
 from slurm_align.planning.hardware import profile_hardware
@@ -32,8 +32,6 @@ class LayoutOption:
 
 def fits(run: RunConfig, profile: ClusterProfile) -> tuple[bool, dict[str, float]]:
     """Whether each component's memory plan fits its device memory, and the plans' totals (bytes)."""
-    if moe_models(run):   # the memory plan does not model MoE layers: such a run is not ruled out
-        return True, {}
     need = {c.name: float(c.total) for c in plan_run(run)}
     ok = all(b <= profile_hardware(profile, comp).memory_bytes for comp, b in need.items())
     return ok, need

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from slurm_align.config.errors import ConfigError
-from slurm_align.config.loading import check_against_profile, load_run_config
+from slurm_align.config.loading import check_against_profile, load_run_config, with_profile_defaults
 from slurm_align.config.memory_plan import plan_run, render_plan
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig
@@ -67,6 +67,7 @@ def load_calibration(path: str | None, skip_steps: int, dtype: str) -> Calibrati
 def cmd_plan(args: argparse.Namespace) -> int:
     run = load_run_config(args.config, args.overrides)
     profile = choose_profile(args.profile, args.profile_set)
+    run = with_profile_defaults(run, profile)
     if not args.nodes:   # a sweep's points get their own data_parallel (slurm.sweep.plan_point)
         check_against_profile(run, profile, source=args.config)
     memory = render_plan(plan_run(run), profile)

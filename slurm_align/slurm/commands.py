@@ -16,6 +16,7 @@ from slurm_align.config.loading import (
     load_run_config,
     read_yaml,
     validate,
+    with_profile_defaults,
 )
 from slurm_align.config.memory_plan import check_memory
 from slurm_align.config.profile import ClusterProfile
@@ -62,6 +63,7 @@ def load_inputs(args: argparse.Namespace, algorithm: str | None = None):
     run = load_run_config(args.config, overrides)
     profile = choose_profile(args.profile, args.profile_set)
     check_against_profile(run, profile, source=args.config)
+    run = with_profile_defaults(run, profile)
     run_dir = args.run_dir or run.run_dir or new_run_dir(default_run_root(profile), run.algorithm)
     return run, profile, Path(run_dir)
 

@@ -26,7 +26,7 @@ from rich.live import Live
 from rich.table import Table
 
 from slurm_align.config.errors import ConfigError
-from slurm_align.config.loading import check_against_profile, check_run_dir, check_runnable
+from slurm_align.config.loading import check_against_profile, check_run_dir, check_runnable, with_profile_defaults
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.config.run import RunConfig
 from slurm_align.rundir import RunDir, create_run_secret, write_atomic
@@ -286,6 +286,7 @@ def prepare_launch(run: RunConfig, profile: ClusterProfile, run_dir: Path, *, en
     resolved, its run directory, the rendered script). A pipeline checks all its stages this way
     before it queues the first."""
     check_against_profile(run, profile)
+    run = with_profile_defaults(run, profile)   # e.g. the GPU profile's bf16
     check_run_dir(Path(run_dir))
     rd = RunDir(Path(run_dir).resolve())
     run = resolve_input_paths(run, after, produced).model_copy(update={"run_dir": rd.root})

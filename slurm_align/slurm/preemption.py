@@ -193,6 +193,21 @@ def ignore_stop_signal() -> None:
     signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
 
+def enter_role(component: str, rd: RunDir) -> list[Callable[[], None]]:
+    """Take the preemption role the component's kind declares (config/components.py), on every
+    rank, after `block_term` and before servers or engines start: `survives` (a server: serve on
+    after a TERM until the leader stopped, `critic_survives_term`) and `follows` (USR2 ignored,
+    the leader drives the stop); `leads` installs nothing here (the leader's loop runs StopPoint).
+    Returns the list of clean-ups to run before a surviving rank exits (see critic_survives_term)."""
+    from slurm_align.config.components import component_kind
+
+    role = component_kind(component).preemption
+    if role == "leads":
+        return []
+    ignore_stop_signal()
+    return critic_survives_term(rd) if role == "survives" else []
+
+
 class StopPoint:
     """Install in the actor before the run starts; call `after_step` after every step."""
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import jinja2
 
 from slurm_align import __version__, resources
+from slurm_align.config.components import component_kind, leader, serving_components
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.profile import ClusterProfile, ComponentResources
 from slurm_align.config.run import RunConfig
@@ -110,9 +111,13 @@ class Entry:
         return component if run.spec.rollout else "train"
 
     def program(self, run: RunConfig, component: str) -> list[str]:
-        """What follows `python -u`: `-m slurm_align.launchers.<name>`, or an injected script."""
+        """What follows `python -u`: the component kind's launcher module (config/components.py)
+        for a rollout run, `-m slurm_align.launchers.<name>` for an entry or a trainer, or an
+        injected script."""
         if self.scripts and component in self.scripts:
             return [str(Path(self.scripts[component]).resolve())]
+        if not self.name and run.spec.rollout:
+            return ["-m", component_kind(component).launcher]
         name = self.launcher(run, component)
         if name not in resources.launcher_names():
             raise ConfigError.at("entry", name, f"no launcher '{name}'; available: "
@@ -405,8 +410,9 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
 
     components = []
     for i, comp in enumerate(run.components):
-        if comp not in profile.components:
-            raise ConfigError([f"profile '{profile.name}' has no 'components.{comp}' section, "
+        key = component_kind(comp).resource_key
+        if key not in profile.components:
+            raise ConfigError([f"profile '{profile.name}' has no 'components.{key}' section, "
                                f"which a '{run.algorithm}' run needs"])
         res = profile.resources(comp)
         components.append(ComponentScript(
@@ -439,4 +445,6 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
         emulate_env=_emulated_env(run, profile),
         container_setup=container_setup_text(profile) is not None,
         single=single,
+        leader=leader().name,
+        addresses=[rd.address(c).name for c in serving_components(run.components)],
     )

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from slurm_align.config.components import component_kinds, leader
 from slurm_align.profiling.watchdog import read_hang_reports, stacks_path
 from slurm_align.rundir import RunDir
 from slurm_align.slurm import state as job_state
@@ -23,8 +24,12 @@ _TRACEBACK = re.compile(r"^Traceback \(most recent call last\)", re.M)
 # A rank that failed only because a peer died (gloo/NCCL saw its connection go, the rollout
 # stream from the generator closed, the critic's server went, hung or answered a request with
 # an error, as it does when one of its own ranks died mid-collective): a consequence.
-_LOST_PEER = re.compile(r"Connection (?:reset|closed) by peer|remote process exited|StreamClosed: the peer closed"
-                        r"|CriticError: critic at \S+, endpoint \w+: |CriticUnavailableError")
+# Each component kind adds what its clients log when it went away (ComponentKind.lost_peer).
+_LOST_PEER = r"Connection (?:reset|closed) by peer|remote process exited"
+
+
+def _lost_peer_pattern() -> re.Pattern[str]:
+    return re.compile("|".join([_LOST_PEER] + [k.lost_peer for k in component_kinds() if k.lost_peer]))
 # srun's teardown of a step (the job script's kill of the other components after one failed,
 # or --kill-on-bad-exit): a task srun names after one of these ended because of it.
 _TEARDOWN = re.compile(r"srun: forcing job termination|srun: Job step aborted|\*\*\* STEP \S+ ON \S+ CANCELLED")
@@ -139,7 +144,7 @@ def failing_rank(rd: RunDir, component: str, lines: int = 20) -> FailedRank:
 def _lost_peer(log: Path) -> bool:
     """Whether the rank's log ends in an error about a peer's lost connection."""
     text = "\n".join(tail(log, 60))
-    return bool(_TRACEBACK.search(text) and _LOST_PEER.search(text))
+    return bool(_TRACEBACK.search(text) and _lost_peer_pattern().search(text))
 
 
 def run_status(job) -> RunStatus:
@@ -148,7 +153,7 @@ def run_status(job) -> RunStatus:
     comps = job.component_states()
     state = job_state.combine(list(comps.values()))
     status = RunStatus(job.job_id, state, comps, _read_int(rd.requeue_count) or 0,
-                       latest_step(rd.checkpoints("actor")), _read_int(rd.stopped_step))
+                       latest_step(rd.checkpoints(leader().name)), _read_int(rd.stopped_step))
     if job.record.backend == "slurm" and state == job_state.PENDING:
         status.pending_reasons = job_state.pending_reasons(job.job_id)
     if state == job_state.FAILED:

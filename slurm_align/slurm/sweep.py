@@ -9,8 +9,10 @@ sweep directory, live progress.
 combination is a point (with --nodes, at every node count; without, at the profile's own nodes),
 each checked as a run config before anything starts.
 
-`--nodes` gives the actor's node counts; the critic's follow `sweep.actor_to_critic_nodes` in the
-run config (PPO's critic, and the reward-only critic of GRPO/RLOO/... with a reward model). Each
+`--nodes` gives the actor's node counts; every other component the run declares is scaled as its
+kind says (config/components.py): the critic's follow `sweep.actor_to_critic_nodes` in the run
+config (PPO's critic, and the reward-only critic of GRPO/RLOO/... with a reward model), the others
+(the generator, a teacher, ...) keep the profile's ratio to the actor, rounded up. Each
 component's data_parallel is set so TP x PP x DP equals its ranks (nodes x tasks_per_node of the
 profile). Weak scaling grows what the run's algorithm trains on, in proportion to the actor
 nodes, from the config's value at the smallest point: for the rollout algorithms (ppo, grpo,
@@ -36,6 +38,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from slurm_align.config.components import component_kind
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.loading import apply_overrides, validate
 from slurm_align.config.profile import ClusterProfile
@@ -121,7 +124,7 @@ class SweepPoint:
 
     @property
     def component_nodes(self) -> dict[str, int]:
-        return {c: self.profile.components[c].nodes for c in self.run.components}
+        return {c: self.profile.resources(c).nodes for c in self.run.components}
 
     @property
     def name(self) -> str:
@@ -139,18 +142,20 @@ def plan_point(run: RunConfig, profile: ClusterProfile, nodes: int, base_nodes: 
     """The run config and profile of one point (pure: nothing is written)."""
     if mode not in ("weak", "strong"):
         raise ConfigError.at("--mode", mode, "allowed: weak, strong")
-    comps = {"actor": nodes}
-    if "critic" in run.components:   # PPO's critic, or a reward-only critic (grpo, rloo, ... with a reward model)
-        comps["critic"] = critic_nodes_for(nodes, run.sweep.actor_to_critic_nodes)
     resources = dict(profile.components)
+    comps: dict[str, int] = {}
     update: dict = {}
-    for comp, n in comps.items():
-        if comp not in resources:
-            raise ConfigError([f"profile '{profile.name}' has no resources for component '{comp}'"])
-        res = resources[comp].model_copy(update={"nodes": n})
-        resources[comp] = res
-        par = run.parallel(comp)
-        update[comp] = par.model_copy(update={"data_parallel": _data_parallel(run, comp, res.ranks, n)})
+    for comp in run.components:   # every declared component, each scaled as its kind says
+        kind = component_kind(comp)
+        if kind.resource_key not in resources:
+            raise ConfigError([f"profile '{profile.name}' has no resources for component '{kind.resource_key}'"])
+        n = comps[comp] = kind.nodes_at(run, profile, nodes)
+        res = resources[kind.resource_key].model_copy(update={"nodes": n})
+        resources[kind.resource_key] = res
+        if kind.parallel_field:
+            par = run.parallel(comp)
+            update[kind.parallel_field] = par.model_copy(
+                update={"data_parallel": _data_parallel(run, comp, res.ranks, n)})
     if mode == "weak":
         base = _batch(run)
         gbs = run.ppo.global_batch_size if run.spec.rollout else None
@@ -238,7 +243,7 @@ class Manifest:
 
 def _table(manifest: Manifest) -> Table:
     t = Table(title=f"sweep {manifest.sweep_dir} ({manifest.mode})")
-    for col in ("actor nodes", "critic nodes", "batch", "settings", "job", "state", "elapsed", "note"):
+    for col in ("nodes per component", "batch", "settings", "job", "state", "elapsed", "note"):
         t.add_column(col)
     now = time.time()
     for p in manifest.points:
@@ -246,7 +251,8 @@ def _table(manifest: Manifest) -> Table:
         color = {"COMPLETED": "green", "RUNNING": "cyan", "PENDING": "yellow"}.get(p.state, "red")
         if p.state == PLANNED:
             color = "white"
-        t.add_row(str(p.nodes), str(p.critic_nodes), str(p.rollout_samples),
+        nodes = " ".join(f"{c} {n}" for c, n in p.component_nodes.items()) or str(p.nodes)
+        t.add_row(nodes, str(p.rollout_samples),
                   " ".join(f"{k}={v}" for k, v in p.settings.items()), p.job_id or "",
                   f"[{color}]{p.state}[/]", elapsed, (p.error or "")[:80])
     return t

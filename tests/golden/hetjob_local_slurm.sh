@@ -33,8 +33,8 @@ export SLURM_ALIGN_COMPONENTS=actor,critic
 cd /scratch/runs/golden
 
 # A requeued job (by this script or by Slurm itself: preemption, a node failure) runs this script
-# again: clear what the previous start left behind, the critic's address first (its host:port
-# may belong to another process by now; the actor accepts only an address of this start).
+# again: clear what the previous start left behind, the serving components' addresses first
+# (a host:port may belong to another process by now; clients accept only an address of this start).
 export SLURM_ALIGN_START="${SLURM_JOB_ID:-local-$$}:${SLURM_RESTART_COUNT:-0}"
 rm -f "$SLURM_ALIGN_RUN_DIR/critic_address.json" "$SLURM_ALIGN_RUN_DIR"/logs/*/exit_code \
   "$SLURM_ALIGN_RUN_DIR/logs/first_failure" "$SLURM_ALIGN_RUN_DIR/stop_requested" \

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -266,6 +267,7 @@ def accuracy_gain(run_dir: Path) -> float:
     return scores[max(scores)] - scores[0]
 
 
+BF16_LEARNING = os.environ.get("SLURM_ALIGN_BF16_LEARNING") == "1"
 BROKEN_ACTOR = Path(__file__).parents[1] / "programs" / "grpo_flipped_actor.py"
 BROKEN_STEPS = ["ppo.num_steps=10", "eval.interval=2"]
 """The broken twin runs 10 steps, evaluated every 2 (its end pools steps 6, 8 and 10): enough to
@@ -290,7 +292,11 @@ worst-sample rejection-sampling twin at 0.034 (15 wrong -> right, 483 right -> w
     # pooled end at step 40 under the no-AVX path: 0.305, p = 2e-6; at step 60 under the native,
     # AVX2 and no-AVX paths: 0.334-0.337, p <= 4e-16).
     ("grpo", ["model.lora.rank=8", "model.lora.alpha=16", "ppo.actor_lr=2e-3", "ppo.num_steps=60"]),
-], ids=["grpo", "rloo", "reinforce_pp", "rejection_sampling", "grpo_lora"])
+    # bf16 weights and activations (fp32 main weights and gradients, models/optimizer.py): the
+    # same task and twin; two more end-to-end runs, so opt-in (BF16_LEARNING).
+    pytest.param("reinforce_pp", ["training.precision=bf16"], marks=pytest.mark.skipif(
+        not BF16_LEARNING, reason="bf16 learning run: set SLURM_ALIGN_BF16_LEARNING=1 (two end-to-end runs)")),
+], ids=["grpo", "rloo", "reinforce_pp", "rejection_sampling", "grpo_lora", "reinforce_pp_bf16"])
 def test_raises_heldout_accuracy_and_its_broken_twin_does_not(request, tmp_path, weak_sft, algorithm, overrides):
     if algorithm == "grpo" and not overrides:   # the session's shared run (the async example compares with it)
         good_dir = request.getfixturevalue("grpo_learning_run")

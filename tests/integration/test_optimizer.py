@@ -1,6 +1,7 @@
 """The run's optimizer (models/optimizer.build_optimizer) over real gloo ranks: ZeRO-1 takes the
 same steps as the replicated optimizer with half the state per rank at DP 2, and its sharded
-checkpoint resumes exactly at DP 2 and reshards to DP 1 (tests/programs/optimizer_worker.py is
+checkpoint resumes exactly at DP 2 and reshards to DP 1; the critic's ZeRO-1 at DP 2 ends where
+DP 1 does (tests/programs/optimizer_worker.py is
 the rank program: one tiny megatron GPT, one global batch, 3 steps, the gradient clip acting)."""
 
 from __future__ import annotations
@@ -75,3 +76,20 @@ def test_zero1_shards_state_takes_the_same_steps_and_resumes_at_another_dp(tmp_p
     assert one["loss"] == pytest.approx(last["losses"][-1], rel=1e-5)
     assert one["norm"] == pytest.approx(last["norms"][-1], rel=1e-2)
     assert max_diff(one["weights"], last["weights"]) <= 2 ** -6   # 1 bf16 ulp of weights up to 2
+
+    # The critic (CriticWorker: its value model, ZeRO-1, the clip acting) at DP 2 ends where DP 1
+    # ends on the same global batch (fp32: only the order of the gradient sums differs), with
+    # half of DP 1's optimizer state (moments and fp32 main-weight shards) on each rank.
+    c2, c1 = torch.load(tmp_path / "critic_dp2.pt"), torch.load(tmp_path / "critic_dp1.pt")
+    assert c2["losses"] == pytest.approx(c1["losses"], rel=1e-5)
+    # Weights: the update (end - start) agrees in norm to 1e-4 (measured: 6.4e-6; a single entry
+    # moves up to 1.2e-5 apart where Adam divides a gradient near zero by its own small moment).
+    def update_norm(a: dict, b: dict) -> float:
+        return sum(float((a[k] - b[k]).double().pow(2).sum()) for k in a) ** 0.5
+    assert update_norm(c2["weights"], c1["weights"]) < 1e-4 * update_norm(c1["weights"], c1["start"])
+    assert max_diff(c2["start"], c1["start"]) == 0.0 and update_norm(c1["weights"], c1["start"]) > 0.1
+    n = c1["numel"]
+    assert c1["bytes"] == [{"moments": 8 * n, "main": 4 * n}]
+    for rank in (0, 1):
+        assert c2["bytes"][rank]["moments"] == pytest.approx(4 * n, abs=16)   # padding: < 2 params
+        assert c2["bytes"][rank]["main"] == pytest.approx(2 * n, abs=8)

@@ -10,6 +10,9 @@ rank's optimizer bytes (read from the optimizer's tensors) to OUT_DIR/zero1.pt. 
 run also saves a checkpoint before its last step, then the same world resumes from it (below).
 resume: loads that checkpoint at this DP size and runs the last step; rank 0 writes its loss,
 LR and the weights after it to OUT_DIR/resume_dp<N>.pt.
+Both then train a critic (slurm_align.critic.worker.CriticWorker: value + reward model, ZeRO-1)
+CRITIC_STEPS steps on one global batch at DP = ranks; rank 0 writes its losses, the value
+model's weights and each rank's optimizer bytes to OUT_DIR/critic_dp<N>.pt.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ STEPS = 3
 WAYS = {"fp32": TrainingConfig(), "fp32_zero1": TrainingConfig(distributed_optimizer=True),
         "bf16": TrainingConfig(precision="bf16"),
         "bf16_zero1": TrainingConfig(precision="bf16", distributed_optimizer=True)}
+
+
+CRITIC_STEPS = 4
+CRITIC_TRAINING = TrainingConfig(distributed_optimizer=True)
 
 
 def init_parallel():
@@ -119,9 +126,38 @@ def resume(pctx, out: Path) -> None:
                     "lr": lr, "lr_steps": opt.scheduler.num_steps}, out / f"resume_dp{pctx.dp_size}.pt")
 
 
+def critic(pctx, out: Path) -> None:
+    import numpy as np
+    from mpi4py import MPI
+
+    from slurm_align.critic.channel import Command
+    from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
+    from slurm_align.critic.worker import CriticWorker
+    from slurm_align.models.gpt import build_gpt
+    models = {VALUE: build_gpt(MODEL, pctx, value_head=True, seed=11, training=CRITIC_TRAINING),
+              REWARD: build_gpt(MODEL, pctx, value_head=True, seed=12)}
+    worker = CriticWorker(ModelSwap(models, keep_resident=True), pctx, MPI.COMM_WORLD, lr=1e-2, value_clip=0.2,
+                          grad_clip=0.5, checkpoint_dir=out / "critic", training=CRITIC_TRAINING,
+                          total_steps=CRITIC_STEPS)
+    rng = np.random.default_rng(7)   # one global batch: each DP rank trains on its rows
+    data = {"tokens": rng.integers(0, MODEL.vocab_size, size=(8, 16)), "lengths": rng.integers(6, 17, size=8),
+            "returns": rng.normal(size=(8, 16)).astype(np.float32),
+            "prev_values": rng.normal(scale=0.1, size=(8, 16)).astype(np.float32),
+            "mask": (rng.random((8, 16)) < 0.8).astype(np.float32)}
+    start = weights(models[VALUE])
+    losses = [worker.execute(Command("train", data)) for _ in range(CRITIC_STEPS)]
+    assert worker.optimizer is not None
+    sizes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(sizes, optimizer_bytes(worker.optimizer))
+    if dist.get_rank() == 0:
+        torch.save({"losses": losses, "start": start, "weights": weights(models[VALUE]), "bytes": sizes,
+                    "numel": sum(p.numel() for p in worker.optimizer.params)}, out / f"critic_dp{pctx.dp_size}.pt")
+
+
 if __name__ == "__main__":
     action, out_dir = sys.argv[1], Path(sys.argv[2])
     ctx = init_parallel()
     {"zero1": zero1, "resume": resume}[action](ctx, out_dir)
+    critic(ctx, out_dir)
     dist.barrier()
     ctx.destroy()

@@ -25,7 +25,7 @@ import yaml
 
 from slurm_align.critic import protocol as P
 from slurm_align.critic.client import CriticClient
-from slurm_align.rundir import RunDir, create_run_secret, read_critic_address, read_run_secret
+from slurm_align.rundir import RunDir, address_problem, create_run_secret, read_critic_address, read_run_secret
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 100,
@@ -60,11 +60,12 @@ def client_for(run_dir: Path, **kw) -> CriticClient:
 
 
 class CriticProcess:
-    """`launchers/critic.py` (under mpirun when ranks > 1) in its own process group."""
+    """`launchers/critic.py` (under mpirun when ranks > 1) in its own process group; `component`:
+    another kind served by the critic's server (launchers/<component>.py, e.g. the teacher)."""
 
-    def __init__(self, run_dir: Path, ranks: int = 1):
-        self.run_dir = run_dir
-        cmd = [sys.executable, str(REPO / "launchers" / "critic.py"), "--run-dir", str(run_dir)]
+    def __init__(self, run_dir: Path, ranks: int = 1, component: str = "critic"):
+        self.run_dir, self.component = run_dir, component
+        cmd = [sys.executable, str(REPO / "launchers" / f"{component}.py"), "--run-dir", str(run_dir)]
         if ranks > 1:
             cmd = ["mpirun", "--oversubscribe", "-n", str(ranks), *cmd]
         self.log = open(run_dir / f"critic-{ranks}.log", "wb")  # noqa: SIM115 open for the critic's life; stop() closes it
@@ -97,7 +98,8 @@ class CriticProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.check_alive()
-            addr = critic_address(self.run_dir)
+            rd = RunDir(self.run_dir)
+            addr = address_problem(rd, self.component, read_run_secret(rd))[0]
             if addr is not None:
                 try:
                     with urllib.request.urlopen(f"http://{addr[0]}:{addr[1]}/v2/health/ready", timeout=1) as r:

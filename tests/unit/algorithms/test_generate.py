@@ -108,3 +108,14 @@ def test_a_resumed_job_writes_the_missing_shards_only_and_each_prompt_once(job, 
     assert after == before, "the resumed shards draw what the first run drew"
     assert generate(job, out) == [], "nothing left to do"
     assert json.loads(shard_path(out, 2).read_text().splitlines()[0])["index"] == 6
+
+
+def test_without_top_k_each_shard_is_written_as_generated_with_the_same_rows(job, tmp_path: Path):
+    plain = GenerateSpec(**{**SPEC.__dict__, "top_k_logprobs": 0})
+    assert generate(job, tmp_path / "plain", plain) == [0, 1, 2]
+    rows = read_shards(tmp_path / "plain")
+    generate(job, tmp_path / "topk")
+    with_k = read_shards(tmp_path / "topk")
+    assert "topk_ids" not in rows[0]
+    assert [{k: v for k, v in r.items() if not k.startswith("topk")} for r in with_k] == rows, \
+        "the same samples, with or without the top-K forward"

@@ -291,7 +291,7 @@ def test_each_micro_batch_goes_to_the_critic_once_as_soon_as_it_is_generated(dat
     assert s.log == [e.format(i) for i in range(calls) for e in per_call]
     assert [mb for mb, _ in got.pending] == streamed
     for i, ((mb, fut), req) in enumerate(zip(got.pending, s.critic.requests, strict=True)):
-        assert fut.name == str(i)   # each micro-batch paired with its own request's reply
+        assert fut.critic.name == str(i) and fut.teacher is None   # paired with its own request's reply
         np.testing.assert_array_equal(req["tokens"], mb.tokens.numpy())
         np.testing.assert_array_equal(req["lengths"], mb.seq_lengths.numpy())
         assert req["step"] == 2

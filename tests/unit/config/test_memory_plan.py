@@ -31,6 +31,10 @@ SHAPES = {
     "qwen_qkv_bias_qk_norm": (LLAMA.model_copy(update={"add_qkv_bias": True, "qk_layernorm": True,
                                                        "tie_embeddings": False}), False),
     "value_head": (LLAMA, True),
+    # MoE (megatron's router + SequentialMLP experts): Qwen3-MoE-like and GELU experts with biases
+    "moe_swiglu": (LLAMA.model_copy(update={"num_experts": 4, "moe_router_topk": 2, "tie_embeddings": False}), False),
+    "moe_gelu_bias": (ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, num_experts=3,
+                                  moe_router_topk=2, ffn_hidden_size=40), False),
 }
 
 
@@ -61,10 +65,12 @@ def test_lora_trained_count_and_optimizer_bytes_equal_the_real_optimizer():
     assert plan.grads == 4 * plan.trained and plan.weights == 4 * plan.params
 
 
-def test_bf16_plan_equals_the_real_optimizers_tensors():
+@pytest.mark.parametrize("shape", ["llama_tied", "moe_swiglu"])
+def test_bf16_plan_equals_the_real_optimizers_tensors(shape: str):
     t = TrainingConfig(precision="bf16")
+    cfg = SHAPES[shape][0]
     with single_rank_world() as (_, pctx):
-        chunks = build_gpt(LLAMA, pctx, seed=1, training=t)
+        chunks = build_gpt(cfg, pctx, seed=1, training=t)
         params = [p for c in chunks for p in c.parameters()]
         opt = build_optimizer(params, pctx, t, lr=1e-3)
         opt.step()
@@ -73,7 +79,7 @@ def test_bf16_plan_equals_the_real_optimizers_tensors():
         weights = sum(p.numel() * p.element_size() for p in params)
         grads = sum(p.main_grad.numel() * p.main_grad.element_size() for p in params)
         main = sum(b.main.numel() * b.main.element_size() for b in opt.buckets)
-    plan = plan_model("policy", LLAMA, ONE, t)
+    plan = plan_model("policy", cfg, ONE, t)
     assert (plan.weights, plan.grads, plan.main_weights, plan.optimizer) == (weights, grads, main, moments)
 
 
@@ -116,3 +122,27 @@ def test_plan_command_prints_each_component_against_the_profile(capsys):
     assert code == 0
     assert "actor      policy      2,007,764,992" in text   # Llama-3-8B / TP 4 (8.03e9 / 4)
     assert "critic     TOTAL" in text and "of 80 GiB fits" in text and "KV cache" in text
+
+
+def test_the_gpu_profile_trains_in_bf16_unless_the_run_says_otherwise(tmp_path: Path, capsys):
+    """The shipped GPU profile's `precision: bf16` is the default of runs that leave
+    training.precision unset (the plan shows bf16 weights); a config's own value wins; the CPU
+    profiles leave fp32."""
+    from slurm_align.config import load_profile, load_run_config
+    from slurm_align.config.loading import with_profile_defaults
+
+    text = (REPO_ROOT / "examples" / "plans" / "llama3_8b_ppo.yaml").read_text()
+    config = tmp_path / "run.yaml"
+    config.write_text(text.replace("training: {precision: bf16, ", "training: {"))
+    gpu, local = load_profile("example-gpu-cluster"), load_profile("local")
+    unset = load_run_config(config)
+    assert unset.training.precision == "fp32"
+    assert with_profile_defaults(unset, gpu).training.precision == "bf16"
+    assert with_profile_defaults(unset, gpu).training.distributed_optimizer   # the rest is the run's
+    assert with_profile_defaults(unset, local).training.precision == "fp32"
+    for own in ("fp32", "fp16"):
+        assert with_profile_defaults(load_run_config(config, [f"training.precision={own}"]),
+                                     gpu).training.precision == own
+    assert cli_main(["plan", str(config), "--profile", "example-gpu-cluster"]) == 0
+    policy = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("actor      policy"))
+    assert policy.split()[3] == f"{2_007_764_992 * 2 / 2 ** 30:.2f}"   # TP 4's share of 8.03e9, 2 bytes each

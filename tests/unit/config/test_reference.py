@@ -70,8 +70,8 @@ def test_every_field_is_in_the_reference_with_its_doc_type_and_default(root):
 
 def test_a_class_used_twice_is_one_section_naming_both_paths():
     by_model = {s.model: s for s in sections(RunConfig)}
-    assert by_model[ModelConfig].path == "model" and by_model[ModelConfig].also == ("critic_model",)
-    assert by_model[ParallelConfig].also == ("critic", "generator")
+    assert by_model[ModelConfig].path == "model" and by_model[ModelConfig].also == ("critic_model", "teacher_model")
+    assert by_model[ParallelConfig].also == ("critic", "teacher", "generator")
 
 
 def test_types_show_allowed_values_and_bounds():
