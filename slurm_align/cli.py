@@ -13,6 +13,7 @@ from slurm_align.analysis import commands as analysis_commands
 from slurm_align.cli_help import add_examples
 from slurm_align.config import commands as config_commands
 from slurm_align.config.errors import ConfigError
+from slurm_align.judge import commands as judge_commands
 from slurm_align.models.hf import commands as hf_commands
 from slurm_align.planning import commands as planning_commands
 from slurm_align.slurm import commands as slurm_commands
@@ -27,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "step-time breakdowns and scaling sweeps.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for area in (slurm_commands, algorithm_commands, analysis_commands, hf_commands, config_commands,
-                 planning_commands):
+                 planning_commands, judge_commands):
         area.register(sub)   # each area owns its subcommands
     add_examples(parser)   # one example per command (cli_help.py), at the end of its --help
     return parser

@@ -51,6 +51,16 @@ EXAMPLES: dict[tuple[str, ...], tuple[str, ...]] = {
         "slurm-align eval runs/tiny/ppo/checkpoints/actor --data examples/synthetic/prompts_val.jsonl "
         "--profile local --samples 8 --temperature 1.0",
     ),
+    ("label",): (
+        "slurm-align label runs/cai/responses/generate --config examples/cai_tiny.yaml --out runs/cai/labels.jsonl "
+        "judge.model.init_checkpoint=runs/cai/judge-model/checkpoints/sft",
+        "slurm-align label runs/cai/responses/generate --config examples/cai_tiny.yaml --out runs/cai/random.jsonl "
+        "--random-labels",
+    ),
+    ("revise",): (
+        "slurm-align revise runs/cai/responses/generate --config examples/cai_tiny.yaml "
+        "--out runs/cai/revisions.jsonl judge.model.init_checkpoint=runs/cai/judge-model/checkpoints/sft",
+    ),
     ("generate",): (
         "slurm-align generate runs/tiny/ppo/checkpoints/actor --data examples/synthetic/prompts.jsonl "
         "--profile local --samples 4 --top-k-logprobs 8",

@@ -618,6 +618,45 @@ class CriticServerConfig(StrictModel):
         return self
 
 
+class RemoteJudgeConfig(StrictModel):
+    """A judge served elsewhere: an OpenAI-compatible HTTP endpoint (e.g. `vllm serve`), asked
+    for /v1/completions with the allowed answers' log-probs (judge/remote.py)."""
+
+    url: str = Field(pattern=r"^https?://[^\s/]+(/\S*)?$")
+    """Base URL of the service, e.g. http://judge-node:8000/v1 (requests go to URL/completions)."""
+    model: str
+    """The model name the service serves (the request's `model`)."""
+    api_key_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    """Name of the environment variable holding the API key (sent as a Bearer token); the key
+    itself is never written into the config, scripts or logs."""
+    timeout_s: float = Field(60.0, gt=0)
+    """Upper bound on one request."""
+    top_logprobs: int = Field(20, ge=1, le=20)
+    """How many top log-probs to ask for at the answer position (the allowed answers must be
+    among them; otherwise the verdict is parsed from the text)."""
+
+
+class JudgeConfig(StrictModel):
+    """The LLM judge (AI feedback): a model of its own, served as the `judge` component over the
+    critic's secured channel, or a remote OpenAI-compatible service (judge/)."""
+
+    model: ModelConfig | None = None
+    """The judge's model (its init_checkpoint: a trained judge), served by the judge component."""
+    remote: RemoteJudgeConfig | None = None
+    """Ask a remote OpenAI-compatible service instead of the judge component."""
+    tensor_parallel: int = Field(1, ge=1)
+    """The judge component's tensor-parallel size."""
+    pipeline_parallel: int = Field(1, ge=1)
+    """The judge component's pipeline-parallel size."""
+    port: int = Field(0, ge=0, le=65535)
+    """HTTP port of the judge's server; 0: a free port picked at start."""
+    template: str = "pairwise"
+    """The judging prompt: a name of judge.prompts.JUDGE_TEMPLATES (pairwise, pointwise,
+    pairwise_compact, pointwise_compact) or an inline Jinja2 template."""
+    principles: list[str] = Field(default_factory=lambda: ["the answer is correct and helpful"])
+    """The principles judged against (a pair's verdict averages p(A) over them)."""
+
+
 class SweepConfig(StrictModel):
     """How `slurm-align sweep` scales this run over node counts."""
 
@@ -861,6 +900,9 @@ class RunConfig(StrictModel):
     policy loss (default ppo_clip, the clipped surrogate)."""
     critic_server: CriticServerConfig = CriticServerConfig()
     """Critic server address and timeouts."""
+    judge: JudgeConfig = JudgeConfig()
+    """The LLM judge: AI preference labels (`slurm-align label`), revisions (`slurm-align
+    revise`) and judge rewards (judge/)."""
     sweep: SweepConfig = SweepConfig()
     """Node scaling rule for `slurm-align sweep`."""
     logging: LoggingConfig = LoggingConfig()

@@ -179,7 +179,10 @@ def refusal(endpoint: str, why: str) -> P.CriticAuthError:
 
 
 class CriticServer:
-    """PyTriton endpoints bound to `host:port` (HTTP only; port 0: a free port, chosen at start)."""
+    """PyTriton endpoints bound to `host:port` (HTTP only; port 0: a free port, chosen at start).
+
+    Another served component (the judge: judge/server.py) subclasses it with its own `component`
+    name (its published address) and `_bind` (its endpoints): the secured channel is this one."""
 
     def __init__(self, host: str, port: int, limits: ServerLimits, *, secret: str, checkpoint_dir: Path,
                  run_dir: RunDir | None = None, component: str = "critic"):
@@ -267,7 +270,7 @@ class CriticServer:
 
     def _watch(self, interval_s: float = 0.25) -> None:
         """Start tritonserver again when it died (not when stop() stopped it)."""
-        asked = None if self.run_dir is None else self.run_dir.critic_restart_requested
+        asked = None if self.run_dir is None or self.component != "critic" else self.run_dir.critic_restart_requested
         if asked is not None:
             asked.unlink(missing_ok=True)   # an earlier job's request is not this server's
         while not self._stopping.wait(interval_s):

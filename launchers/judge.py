@@ -1,0 +1,13 @@
+"""Judge component entry inside a job: `python -m slurm_align.launchers.judge --run-dir RUN_DIR`."""
+
+import sys
+
+# Under the guard: spawned helper processes re-run this module as __mp_main__ (see actor.py).
+if __name__ == "__main__":
+    from slurm_align.slurm.preemption import block_term
+
+    block_term()   # before MPI, tritonserver and their threads start: see slurm_align.slurm.preemption
+
+    from slurm_align.judge.main import cli
+
+    sys.exit(cli())
