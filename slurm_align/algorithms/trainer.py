@@ -22,6 +22,7 @@ from slurm_align.config.errors import ConfigError
 from slurm_align.config.run import RunConfig
 from slurm_align.data.datasets import DataOrder
 from slurm_align.data.mixture import training_data
+from slurm_align.models.checkpoint import AsyncCheckpointWriter
 from slurm_align.models.lora import lora_base
 from slurm_align.models.packing import run_batching
 from slurm_align.models.retention import apply_retention
@@ -67,6 +68,7 @@ class Trainer:
         self.order = DataOrder(len(self.train_ds), tc.global_batch_size, run.seed)
         self.ckpt_root = RunDir(self.run_dir).checkpoints(self.name)
         self.step = 0
+        self.writer = AsyncCheckpointWriter() if run.checkpointing.async_save else None
 
     @property
     def chunks(self) -> list:
@@ -86,13 +88,13 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------
     def save(self) -> Path:
-        path = self.worker.save(self.ckpt_root, self.step,
+        # on_commit: once committed on every rank (the commit's last barrier), older ones may go
+        return self.worker.save(self.ckpt_root, self.step,
                                 {"consumed_samples": self.step * self.run.trainer.global_batch_size,
                                  "algorithm": self.name,
-                                 **lora_base(self.run.model, self.run.seed, self.worker.init_checkpoint)})
-        if self.rank == 0:   # committed on every rank (save_checkpoint's last barrier): older ones may go
-            apply_retention(self.run.checkpointing, self.ckpt_root, self.metrics.path)
-        return path
+                                 **lora_base(self.run.model, self.run.seed, self.worker.init_checkpoint)},
+                                writer=self.writer, on_commit=lambda: apply_retention(
+                                    self.run.checkpointing, self.ckpt_root, self.metrics.path))
 
     def resume(self) -> bool:
         found = self.worker.resume(self.ckpt_root)
@@ -142,6 +144,8 @@ class Trainer:
                     watchdog.progress("step", self.step)
                 last = record
         window.close()
+        if self.writer is not None:   # the last checkpoint is committed before the run ends
+            self.writer.wait()
         if watchdog is not None:
             watchdog.stop()
         self.metrics.close()

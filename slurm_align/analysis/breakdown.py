@@ -38,6 +38,23 @@ class Breakdown:
     """'component/rankN' -> [steps] idle seconds of that rank."""
     component_phase_s: dict[str, np.ndarray] = field(default_factory=dict)
     """component -> [steps, phases] seconds, max over that component's ranks (no idle column value)."""
+    tokens: np.ndarray | None = None
+    """[steps] rollout tokens (prompt + response) of each step (analysis/throughput.py), if known."""
+    model_flops: np.ndarray | None = None
+    """[steps] model FLOPs of each step, from the architecture (analysis/throughput.py)."""
+    peak_flops: float | None = None
+    """FLOP/s of all the run's ranks together at peak (the profile's), for MFU."""
+
+    @property
+    def tokens_per_s(self) -> np.ndarray | None:
+        return None if self.tokens is None else self.tokens / self.step_s
+
+    @property
+    def mfu(self) -> np.ndarray | None:
+        """[steps] model FLOPs utilisation: model FLOPs / (step time x peak FLOP/s)."""
+        if self.model_flops is None or not self.peak_flops:
+            return None
+        return self.model_flops / (self.step_s * self.peak_flops)
 
     def percentile_phase_s(self, q: float) -> np.ndarray:
         """[phases] the q-th percentile over steps (50: the median)."""
@@ -56,6 +73,16 @@ class Breakdown:
         return self.mean_phase_s / self.mean_step_s
 
     def to_dict(self) -> dict:
+        out = self._times_dict()
+        rates = {"tokens_per_s": self.tokens_per_s, "mfu": self.mfu}
+        for key, values in rates.items():
+            if values is not None:
+                out[f"mean_{key}"] = float(values.mean())
+                for row, v in zip(out["steps"], values.tolist()):
+                    row[key] = v
+        return out
+
+    def _times_dict(self) -> dict:
         return {
             "run": self.name,
             "definition": "step time = max over ranks of (last end - first start); phase = max over "

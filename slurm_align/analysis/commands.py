@@ -44,6 +44,12 @@ def _breakdown_table(b: Breakdown) -> Table:
         t.add_row(p, f"{b.mean_phase_s[j]:.3f}", f"{p50[j]:.3f}", f"{top[j]:.3f}", f"{100 * b.share[j]:.1f}%")
     t.add_row("[bold]step", f"[bold]{b.mean_step_s:.3f}", f"{np.median(b.step_s):.3f}", f"{b.step_s.max():.3f}",
               "100%")
+    if b.tokens_per_s is not None:   # analysis/throughput.py
+        v = b.tokens_per_s
+        t.add_row("tokens/s", f"{v.mean():.1f}", f"{np.median(v):.1f}", f"{v.max():.1f}", "")
+    if b.mfu is not None:
+        v = 100 * b.mfu
+        t.add_row("MFU", f"{v.mean():.2f}%", f"{np.median(v):.2f}%", f"{v.max():.2f}%", "")
     return t
 
 
@@ -109,6 +115,8 @@ def _csv(rows: list[dict]) -> str:
 def cmd_breakdown(args) -> int:
     from slurm_align.analysis.plots import plot_breakdown, plot_timeline
     from slurm_align.analysis.runs import load_run
+    from slurm_align.analysis.throughput import add_throughput, run_profile
+    from slurm_align.config.run import RunConfig
 
     dirs = [Path(args.run_dir), *[Path(p) for p in (args.compare or [])]]
     runs = [load_run(d, allow_incomplete=args.allow_incomplete, console=console) for d in dirs]
@@ -116,6 +124,9 @@ def cmd_breakdown(args) -> int:
     if len(set(names)) != len(names):  # same folder names under different parents
         names = [str(r.run_dir) for r in runs]
     bs = [compute_breakdown(r.spans, name=n, skip_steps=args.skip_steps) for r, n in zip(runs, names)]
+    for r, b in zip(runs, bs):   # tokens/s and MFU where the run has rollouts and its config loads
+        if isinstance(r.config, RunConfig) and len(b.steps):
+            add_throughput(b, r.run_dir, r.config, run_profile(r.run_dir))
     if any(not len(b.steps) for b in bs):
         raise ConfigError.at("--skip-steps", args.skip_steps, "leaves no step to analyse")
     step = int(bs[0].steps[-1]) if args.timeline_step is None else args.timeline_step

@@ -15,6 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from slurm_align.config.algorithms import REGISTRY, AlgorithmSpec, algorithm_spec
 from slurm_align.config.base import StrictModel
 from slurm_align.config.components import component_kind, component_names, declared_components
+from slurm_align.config.engines import TrtllmOptions, VllmOptions
 from slurm_align.environments.config import EnvironmentConfig, check_against_run
 
 Component = str
@@ -313,6 +314,10 @@ class GenerationConfig(StrictModel):
     """Nucleus sampling mass."""
     prompt_batch_size: int = Field(4, ge=1)
     """Prompts a generation worker takes from the prompt server per request."""
+    vllm: VllmOptions = VllmOptions()
+    """vLLM's settings (used with engine 'vllm'; slurm_align/config/engines.py)."""
+    trtllm: TrtllmOptions = TrtllmOptions()
+    """TensorRT-LLM's settings (used with engine 'trtllm'; slurm_align/config/engines.py)."""
 
 
 class Switches(StrictModel):
@@ -720,6 +725,11 @@ class CheckpointingConfig(StrictModel):
     """A metric of metrics.jsonl recorded at the checkpoint's step, e.g. val/score (ppo) or val_loss."""
     best_mode: Literal["max", "min"] = "max"
     """Whether a larger (max) or smaller (min) best_metric is better."""
+    async_save: bool = False
+    """Save in the background (models/checkpoint.AsyncCheckpointWriter): the step waits only for
+    the save's planning and a host copy of its shards (the `save` phase); a writer thread writes
+    and commits (manifest last), and the next save, a stop for preemption and the end of the run
+    wait for it. Costs a host copy of the rank's weights and optimizer state while it writes."""
 
     @model_validator(mode="after")
     def _best_needs_a_metric(self) -> CheckpointingConfig:
@@ -733,12 +743,20 @@ class CheckpointingConfig(StrictModel):
 
 
 class FaultToleranceConfig(StrictModel):
-    """What ends (and, later, restarts) a job that stopped making progress (profiling/watchdog.py)."""
+    """What ends a job that stopped making progress (profiling/watchdog.py), and what restarts a
+    failed one (slurm/restart.py)."""
 
     hang_timeout_s: float = Field(0.0, ge=0)
     """End the job when a rank closed no traced span (a phase: generate, train, ...; a trainer:
     no step) for this long, after dumping every thread's stack into the rank's log; 0: off.
     Choose it above the longest phase (the first step's included)."""
+    max_restarts: int = Field(0, ge=0)
+    """Slurm profiles: resubmit a job that failed for a reason worth retrying (a rank killed by a
+    signal, a hung rank's watchdog exit, a lost node, a node's failed pre-flight) as a new job
+    that resumes from the newest checkpoint and excludes the nodes it failed on, at most this many
+    times per submission (slurm/restart.py; RUN_DIR/restarts.jsonl). A rank's Python exception,
+    or a second failure at the step the previous one failed at, is not retried. Separate from
+    the profile's max_requeues (stops for preemption). 0: never."""
 
 
 class ProfilingConfig(StrictModel):
@@ -1080,6 +1098,14 @@ class RunConfig(StrictModel):
                 raise ValueError(f"generator.pipeline_parallel={g.pipeline_parallel}: generation runs no pipeline "
                                  "(the trainer's stages are gathered before they are streamed); give the ranks as "
                                  "generator.data_parallel")
+            if g.tensor_parallel != 1 and engine == "vllm":
+                # TP > 1 would be vLLM's external_launcher executor, one worker per rank over the
+                # replica's process group: not built (docs/generation.md)
+                raise ValueError(f"generator.tensor_parallel={g.tensor_parallel} with generation.engine='vllm': "
+                                 "vLLM runs inside each rank's process at TP 1 here (its multi-rank executor inside "
+                                 "a Slurm step, external_launcher, is not built), so a replica's ranks would repeat "
+                                 "each other's work; give them as generator.data_parallel (TP > 1 is "
+                                 "generation.engine 'trtllm')")
             if g.tensor_parallel != 1 and engine != "trtllm":
                 raise ValueError(f"generator.tensor_parallel={g.tensor_parallel} with generation.engine={engine!r}: "
                                  "the torch engines compute at TP 1, so a replica's ranks would repeat each other's "

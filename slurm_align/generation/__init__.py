@@ -54,10 +54,15 @@ def make_engine(kind: str, shape: GptShape, device: torch.device | str = "cpu", 
 
 def engine_from_config(run_cfg, device: torch.device | str = "cpu", layout: Any = None) -> Engine:
     """The policy's generation engine for a RunConfig: generation.engine, except that the
-    switch `switches.kv_cache_engine: false` selects the naive baseline (the ablation)."""
+    switch `switches.kv_cache_engine: false` selects the naive baseline (the ablation); vLLM and
+    TensorRT-LLM get their section of the config (generation.vllm, generation.trtllm)."""
     kind = run_cfg.generation.engine if run_cfg.switches.kv_cache_engine else "naive"
     shape = GptShape.from_model_config(run_cfg.model)
     if kind == "trtllm":  # the longest prompt the run admits (checked at submit: check_prompt_lengths)
-        longest = max(1, run_cfg.model.max_seq_len - run_cfg.generation.max_new_tokens)
-        return make_engine(kind, shape, device, layout, max_input_len=longest)
+        options = run_cfg.generation.trtllm.model_dump()
+        if options["max_input_len"] is None:
+            options["max_input_len"] = max(1, run_cfg.model.max_seq_len - run_cfg.generation.max_new_tokens)
+        return make_engine(kind, shape, device, layout, **options)
+    if kind == "vllm":
+        return make_engine(kind, shape, device, layout, **run_cfg.generation.vllm.model_dump())
     return make_engine(kind, shape, device, layout)

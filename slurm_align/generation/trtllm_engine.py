@@ -60,13 +60,13 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
+from slurm_align.config.engines import TrtllmOptions, engine_options
 from slurm_align.config.run import ModelConfig
 from slurm_align.generation.base import pack_prompts
 from slurm_align.generation.params import GenerationError, GenerationOutput, GptShape, SamplingParams
@@ -94,43 +94,6 @@ _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 _LAYER_PREFIX_PARTS = 3  # "model.layers.N." groups a layer's tensors into one bucket
 
 
-@dataclass(frozen=True)
-class TrtllmOptions:
-    """Engine settings (make_engine's extra keyword arguments)."""
-
-    dtype: str = "bfloat16"
-    """Weights and activations: 'bfloat16' (default) or 'float16'."""
-    max_batch_size: int = 256
-    """Requests TensorRT-LLM schedules at once."""
-    kv_cache_fraction: float = 0.5
-    """Share of the GPU memory free when the LLM is created (training state offloaded, weights
-    loaded) that the KV cache takes; the rest stays for the training process's generation-time
-    needs (see the module docstring)."""
-    bucket_mib: int = 512
-    """Refit: staged weights per update_weights call (whole layers; at least one layer)."""
-    max_input_len: int | None = None
-    """Longest prompt TensorRT-LLM accepts (its default, 1024, refuses longer ones). Default: the
-    run's max_seq_len - max_new_tokens (engine_from_config), else the model's max_seq_len."""
-    max_num_tokens: int | None = None
-    """Tokens per scheduler iteration (a prompt's whole prefill must fit). Default: 8192, or
-    max_input_len when that is larger."""
-    workdir: str | None = None
-    """Where config.json of the generation model goes (default: a fresh temp folder)."""
-    ray_temp_dir: str | None = None
-    """Ray's temp dir (sockets, session logs); default a fresh /tmp/sa-ray-* of this engine's own,
-    never the node's shared /tmp/ray. Keep it short: Ray's socket paths must fit 107 bytes."""
-
-    def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise GenerationError(f"trtllm dtype={self.dtype!r}: allowed {sorted(_DTYPES)}")
-        if not 0.0 < self.kv_cache_fraction < 1.0:
-            raise GenerationError(f"trtllm kv_cache_fraction={self.kv_cache_fraction}: must be in (0, 1)")
-        for name in ("max_input_len", "max_num_tokens"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise GenerationError(f"trtllm {name}={v}: must be a positive number of tokens")
-
-
 def import_tensorrt_llm() -> Any:
     """Import tensorrt_llm only when the engine is used, with a clear message when missing."""
     if not torch.cuda.is_available():
@@ -151,7 +114,8 @@ def model_config_of(shape: GptShape | ModelConfig) -> ModelConfig:
         return shape
     arch = {f: getattr(shape, f) for f in ("position_embedding", "rotary_base", "rope_scaling", "normalization",
                                           "activation", "num_query_groups", "kv_channels", "add_bias_linear",
-                                          "add_qkv_bias", "tie_embeddings") if hasattr(shape, f)}
+                                          "add_qkv_bias", "tie_embeddings", "qk_layernorm", "num_experts",
+                                          "moe_router_topk", "moe_norm_topk_prob") if hasattr(shape, f)}
     return ModelConfig(num_layers=shape.num_layers, hidden_size=shape.hidden_size,
                        num_attention_heads=shape.num_attention_heads, ffn_hidden_size=shape.ffn_hidden_size,
                        vocab_size=shape.vocab_size, max_seq_len=shape.max_seq_len,
@@ -213,11 +177,7 @@ class TrtllmEngine:
                  layout: Any = None, **options: Any):
         self.model_cfg = model_config_of(shape)
         self.shape = shape if isinstance(shape, GptShape) else GptShape.from_model_config(shape)
-        try:
-            self.options = TrtllmOptions(**options)
-        except TypeError as e:
-            names = [f.name for f in fields(TrtllmOptions)]
-            raise GenerationError(f"trtllm engine options {sorted(options)}: allowed {names} ({e})") from None
+        self.options: TrtllmOptions = engine_options(TrtllmOptions, "trtllm", options)  # type: ignore[assignment]
         hf_model_type(self.model_cfg)  # refuse a model TensorRT-LLM cannot run now, not at the first refit
         self.device = torch.device(device)
         self.torch_dtype = _DTYPES[self.options.dtype]

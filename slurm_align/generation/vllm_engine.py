@@ -51,12 +51,12 @@ import os
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from slurm_align.config.engines import VllmOptions, engine_options
 from slurm_align.config.run import ModelConfig
 from slurm_align.generation.base import pack_prompts
 from slurm_align.generation.params import GenerationError, GenerationOutput, GptShape, SamplingParams
@@ -82,38 +82,6 @@ _IN_PROCESS_ENV = {
 }
 
 
-@dataclass(frozen=True)
-class VllmOptions:
-    """Engine settings (make_engine's extra keyword arguments)."""
-
-    dtype: str | None = None
-    """'float32', 'bfloat16' or 'float16'; None: the dtype of the weights of the first refit."""
-    max_num_seqs: int = 256
-    """Sequences vLLM schedules at once."""
-    gpu_memory_utilization: float = 0.4
-    """GPUs: vLLM's share of the GPU's total memory (weights + KV cache); see the module docstring."""
-    sleep_mode: bool | None = None
-    """Release weights and KV cache around training (vLLM's sleep level 1). None: on GPUs yes,
-    on CPU no (vLLM has no sleep mode there; True is refused on CPU)."""
-    cpu_kv_cache_mib: int | None = None
-    """CPU: the KV cache's host memory. None: enough for max_num_seqs sequences of the model's
-    max_seq_len (vLLM's own default is 4 GiB per engine)."""
-    bucket_mib: int = 512
-    """Refit: HF-converted weights per load call (whole layers; at least one layer)."""
-    workdir: str | None = None
-    """Where config.json of the generation model goes (default: a fresh temp folder)."""
-
-    def __post_init__(self) -> None:
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise GenerationError(f"vllm dtype={self.dtype!r}: allowed {sorted(_DTYPES)} or None (the weights')")
-        if not 0.0 < self.gpu_memory_utilization < 1.0:
-            raise GenerationError(f"vllm gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1)")
-        for name in ("max_num_seqs", "bucket_mib", "cpu_kv_cache_mib"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise GenerationError(f"vllm {name}={v}: must be >= 1")
-
-
 def import_vllm() -> Any:
     """Import vLLM only when the engine is used, with a clear message when missing."""
     for k, v in _IN_PROCESS_ENV.items():
@@ -132,16 +100,13 @@ def import_vllm() -> Any:
 
 
 class VllmEngine:
-    """One in-process vLLM LLM on this rank (TP 1)."""
+    """One in-process vLLM LLM on this rank (TP 1). `options`: VllmOptions' fields
+    (slurm_align/config/engines.py; the run config's generation.vllm)."""
 
     def __init__(self, shape: GptShape | ModelConfig, device: torch.device | str = "cpu", **options: Any):
         self.model_cfg = model_config_of(shape)
         self.shape = shape if isinstance(shape, GptShape) else GptShape.from_model_config(shape)
-        try:
-            self.options = VllmOptions(**options)
-        except TypeError as e:
-            names = [f.name for f in fields(VllmOptions)]
-            raise GenerationError(f"vllm engine options {sorted(options)}: allowed {names} ({e})") from None
+        self.options: VllmOptions = engine_options(VllmOptions, "vllm", options)  # type: ignore[assignment]
         self.model_type = supported_model_type(self.model_cfg, VLLM_ARCHS, "vllm")
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
@@ -196,13 +161,13 @@ class VllmEngine:
                           enable_sleep_mode=self.sleep_mode)
         else:
             kwargs["kv_cache_memory_bytes"] = self._cpu_kv_bytes(_DTYPES[dtype].itemsize)
-        # enforce_eager: no graph capture or compilation (seconds to minutes at every start, and the
-        # weights change in place each step); enable_prefix_caching off: prompts are not shared
-        # across steps and cached blocks would hold KV of the old weights.
+        # enable_prefix_caching off: prompts are not shared across steps and cached blocks would
+        # hold KV of the old weights. enforce_eager: VllmOptions.enforce_eager.
         return vllm.LLM(model=str(self.workdir), skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
                         max_model_len=self.shape.max_seq_len, max_num_seqs=self.options.max_num_seqs,
-                        enforce_eager=True, enable_prefix_caching=False, logprobs_mode=LOGPROBS_MODE,
-                        worker_extension_cls=WORKER_EXTENSION, generation_config="vllm", **kwargs)
+                        enforce_eager=self.options.enforce_eager, enable_prefix_caching=False,
+                        logprobs_mode=LOGPROBS_MODE, worker_extension_cls=WORKER_EXTENSION, generation_config="vllm",
+                        **kwargs)
 
     def _cpu_kv_bytes(self, itemsize: int) -> int:
         if self.options.cpu_kv_cache_mib is not None:

@@ -18,6 +18,7 @@ class WeightLoader:
 
     model_runner: Any
     vllm_config: Any
+    _tied: list[tuple[str, list[str]]]
 
     def start_refit(self) -> None:
         """Put every layer back in its loading state (vLLM's layerwise reload, the path of its own
@@ -28,6 +29,7 @@ class WeightLoader:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._tied = tied_parameters(self.model_runner.model)
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(self.model_runner.model)
 
@@ -49,3 +51,32 @@ class WeightLoader:
 
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model_runner.model, self.vllm_config.model_config)
+        # Tied embeddings (Qwen3, Qwen2, GPT-2): vLLM ties by making lm_head.weight the embedding's
+        # Parameter, and the reload copies the new embedding into that storage; but no tensor is
+        # loaded for lm_head itself, so the reload does not process it again, and on CPU its
+        # matmul is a oneDNN/sgl kernel packed from the weights of the first processing (the dummy
+        # init: near-uniform logits). Process the tied modules again.
+        modules = dict(self.model_runner.model.named_modules())
+        for owner, others in getattr(self, "_tied", []):
+            module, attr = _split(owner)
+            param = getattr(modules[module], attr)
+            for other in others:
+                module, attr = _split(other)
+                layer = modules[module]
+                if getattr(layer, attr) is not param:
+                    setattr(layer, attr, param)
+                quant_method = getattr(layer, "quant_method", None)
+                if quant_method is not None:
+                    quant_method.process_weights_after_loading(layer)
+
+def tied_parameters(model: torch.nn.Module) -> list[tuple[str, list[str]]]:
+    """Parameters shared by several modules: (the first name, the other names) per shared one."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return [(ns[0], ns[1:]) for ns in names.values() if len(ns) > 1]
+
+
+def _split(name: str) -> tuple[str, str]:
+    module, _, attr = name.rpartition(".")
+    return module, attr

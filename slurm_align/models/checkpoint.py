@@ -17,17 +17,23 @@ import json
 import os
 import queue
 import shutil
+import threading
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
 from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
 )
 from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from torch.distributed.checkpoint.utils import _DistWrapper, _get_failure_dict
 
 from slurm_align.models.checkpoint_names import MANIFEST, find_latest, iter_dir  # noqa: F401  (their home is torch-free)
 from slurm_align.models.cpu_compat import apply_cpu_compat
@@ -91,15 +97,13 @@ def _results_queue_in_process() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common: dict) -> Path:
-    """Collective over all ranks. `common` (step, data position, ...) must be the same on every
-    rank; torch's RNG state of rank 0 is added."""
+def _prepare(root: str | Path, step: int, chunks: list, optimizer, common: dict) -> tuple[Path, Path, dict]:
+    """(final folder, its .tmp, the state to save); the .tmp is fresh and empty on every rank."""
     apply_cpu_compat()
     _results_queue_in_process()
     final = iter_dir(Path(root), step)
     tmp = final.with_name(final.name + ".tmp")
-    rank = dist.get_rank()
-    if rank == 0:
+    if dist.get_rank() == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died mid-save
         tmp.mkdir(parents=True)
     dist.barrier()
@@ -111,9 +115,13 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common
         state["common"]["lr_scheduler"] = optimizer.scheduler.state_dict()
         if optimizer.scaler is not None:   # fp16: the loss scale and its trackers continue too
             state["common"]["grad_scaler"] = optimizer.scaler_state()
-    dist_checkpointing.save(state, str(tmp))
-    dist.barrier()
-    if rank == 0:
+    return final, tmp, state
+
+
+def _commit(tmp: Path, final: Path, step: int, barrier: Callable[[], None]) -> None:
+    """Every rank's files are in `tmp`: rank 0 writes the manifest last, renames, fsyncs."""
+    barrier()
+    if dist.get_rank() == 0:
         files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
         with open(tmp / MANIFEST, "w") as f:
             json.dump({"step": step, "files": files}, f)
@@ -123,8 +131,101 @@ def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common
             shutil.rmtree(final)
         os.replace(tmp, final)
         fsync_dir(final.parent)
-    dist.barrier()
+    barrier()
+
+
+def save_checkpoint(root: str | Path, step: int, chunks: list, optimizer, common: dict) -> Path:
+    """Collective over all ranks. `common` (step, data position, ...) must be the same on every
+    rank; torch's RNG state of rank 0 is added."""
+    final, tmp, state = _prepare(root, step, chunks, optimizer, common)
+    dist_checkpointing.save(state, str(tmp))
+    _commit(tmp, final, step, dist.barrier)
     return final
+
+
+class _KeepFinalizeArgs(TorchDistSaveShardedStrategy):
+    """megatron's torch_dist save strategy (the one `dist_checkpointing.save` uses by default,
+    so the files are the same), keeping what its finalisation needs: the writer and the global
+    metadata, which AsyncCheckpointWriter finalises on a process group of its own."""
+
+    finalize_args: tuple | None = None
+
+    def _get_save_and_finalize_callbacks(self, writer, save_state_dict_ret):
+        self.finalize_args = tuple(save_state_dict_ret)
+        return super()._get_save_and_finalize_callbacks(writer, save_state_dict_ret)
+
+
+class AsyncCheckpointWriter:
+    """`checkpointing.async_save`: the step waits for the save's planning (collective) and a host
+    copy of this rank's shards; a background thread writes them (megatron's writer, forked
+    processes), finalises megatron's metadata and commits with the manifest last, as
+    save_checkpoint does. Its collectives run on a gloo group of its own, created at the first
+    save, so they never interleave with the step's on the default group. `wait()` joins it (and
+    raises what it raised): before the next save, a stop for preemption and the end of the run.
+    `on_commit` runs on rank 0 once the checkpoint is committed (retention)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._group: Any = None
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise CheckpointError(f"the background checkpoint write failed: {error}") from error
+
+    def save(self, root: str | Path, step: int, chunks: list, optimizer, common: dict,
+             on_commit: Callable[[], object] | None = None) -> Path:
+        """Collective over all ranks, like save_checkpoint; returns once the write is under way."""
+        self.wait()
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        final, tmp, state = _prepare(root, step, chunks, optimizer, common)
+        strategy = _KeepFinalizeArgs("torch_dist", 1)
+        request = dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy, async_sharded_save=True)
+        assert request is not None and strategy.finalize_args is not None   # async_sharded_save=True
+        args = list(request.async_fn_args)
+        if request.async_fn is not None:   # the host copy: the step may change the tensors from now on
+            args[1] = [(name, key, (data, [(item, t.detach().to("cpu", copy=True)) for item, t in tensors]))
+                       for name, key, (data, tensors) in args[1]]
+        self._thread = threading.Thread(target=self._write, name=f"checkpoint-writer-{step}", daemon=True,
+                                        args=(request, args, strategy.finalize_args, tmp, final, step, on_commit))
+        self._thread.start()
+        return final
+
+    def _write(self, request, args, finalize_args, tmp: Path, final: Path, step: int, on_commit) -> None:
+        try:
+            if request.async_fn is not None:
+                request.async_fn(*args, **request.async_fn_kwargs)
+            barrier = partial(dist.barrier, group=self._group)
+            barrier()
+            self._finalize(*finalize_args)
+            if dist.get_rank() == 0:   # dist_checkpointing.save's own last file (metadata.json)
+                save_config(CheckpointingConfig("torch_dist", 1), str(tmp))
+            _commit(tmp, final, step, barrier)
+            if on_commit is not None and dist.get_rank() == 0:
+                on_commit()
+        except BaseException as e:  # handed to wait(), in the main thread
+            self._error = e
+
+    def _finalize(self, storage_writer, global_metadata, _default_group_wrapper) -> None:
+        """megatron's save_state_dict_async_finalize on this writer's group (the metadata file)."""
+        wrapper = _DistWrapper(self._group, True, 0)
+        results = wrapper.gather_object(storage_writer.retrieve_write_results())
+        failures = _get_failure_dict(results or []) if wrapper.is_coordinator else {}
+        if wrapper.is_coordinator and not failures:
+            storage_writer.finish(global_metadata, results)
+        failed = torch.tensor([int(bool(failures))])
+        dist.broadcast(failed, src=dist.get_global_rank(self._group, 0), group=self._group)
+        if int(failed):
+            raise CheckpointError(f"megatron's checkpoint writer failed: {failures or 'on rank 0'}")
 
 
 def verify_checkpoint(path: str | Path) -> dict:

@@ -25,6 +25,7 @@ targets: data that forms its own micro-batches with the loss's per-token columns
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,13 @@ import torch
 import torch.distributed as dist
 
 from slurm_align.config.run import ModelConfig, TrainingConfig
-from slurm_align.models.checkpoint import find_latest, load_checkpoint, load_weights, save_checkpoint
+from slurm_align.models.checkpoint import (
+    AsyncCheckpointWriter,
+    find_latest,
+    load_checkpoint,
+    load_weights,
+    save_checkpoint,
+)
 from slurm_align.models.forward import run_schedule, sequence_token_logprobs
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.lora import AdaptersOff, attach_configured, reference_policy, trainable_parameters
@@ -240,8 +247,16 @@ class ModelWorker:
         return {k: torch.cat([info[k].cpu()[rows] for info, rows in zip(infos, keep)]) for k in keys}
 
     # --- checkpoints -----------------------------------------------------------------------
-    def save(self, root: Path, step: int, common: dict) -> Path:
-        return save_checkpoint(root, step, self.chunks, self.optimizer, common)
+    def save(self, root: Path, step: int, common: dict, writer: AsyncCheckpointWriter | None = None,
+             on_commit: Callable[[], object] | None = None) -> Path:
+        """Collective. With a `writer` it returns once the write is under way (on_commit: rank 0,
+        after the commit); without one once committed (then on_commit runs here, on rank 0)."""
+        if writer is not None:
+            return writer.save(root, step, self.chunks, self.optimizer, common, on_commit)
+        path = save_checkpoint(root, step, self.chunks, self.optimizer, common)
+        if on_commit is not None and dist.get_rank() == 0:
+            on_commit()
+        return path
 
     def resume(self, root: Path) -> tuple[Path, dict] | None:
         """Load the newest complete checkpoint under `root` (weights, optimizer state, RNG);

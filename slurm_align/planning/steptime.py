@@ -267,11 +267,16 @@ def link_bandwidth(profile: ClusterProfile, comp: str, group_size: int) -> float
     return hw.intra_node_bandwidth if group_size <= res.tasks_per_node else hw.inter_node_bandwidth
 
 
+def pass_flops(shape: ModelShape, lengths: list[int], passes: float = 1.0) -> float:
+    """`passes` forwards over sequences of `lengths` (a backward counts as two forwards)."""
+    return passes * sum(shape.forward_flops(n) for n in lengths)
+
+
 def forward_pass_s(shape: ModelShape, par: ParallelConfig, lengths: list[int], hw: Hardware, dtype: str,
                    micro_batch: int, rate: float, passes: float = 1.0) -> float:
     """`passes` forwards of one DP rank's share of `lengths` on its TP x PP ranks, with the bubble."""
     dp, mp = par.data_parallel, par.tensor_parallel * par.pipeline_parallel
-    flops = passes * sum(shape.forward_flops(n) for n in lengths) / dp
+    flops = pass_flops(shape, lengths, passes) / dp
     micro_batches = max(1, math.ceil(len(lengths) / dp / micro_batch))
     bubble = 1.0 + (par.pipeline_parallel - 1) / micro_batches
     return flops / mp * bubble / (hw.flops(dtype) * rate)
@@ -338,6 +343,24 @@ def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype:
                                                  passes=3.0 * run.ppo.epochs)
             out["critic_grad_reduce"] = grad_reduce_s(
                 c_shape, c_par, link_bandwidth(profile, "critic", c_par.world_size), run.ppo.epochs)
+    return out
+
+
+def step_model_flops(run: RunConfig, work: Workload) -> dict[str, float]:
+    """The model FLOPs of one step per phase (MFU's numerator: the work the models' architecture
+    needs, not what the kernels did): generation as one forward over each prompt + response
+    (prefill and the decode steps add up to it), a forward per log-prob pass, 3 forwards per
+    training epoch, and the critic's value and reward models likewise."""
+    lengths = work.lengths()
+    shape = ModelShape.of(run.model)
+    out = {"generate": pass_flops(shape, lengths), "logprobs": pass_flops(shape, lengths),
+           "init_logprobs": pass_flops(shape, lengths) if run.uses_reference else 0.0,
+           "train": pass_flops(shape, lengths, 3.0 * run.ppo.epochs)}
+    if "critic" in run.components:
+        c_shape = ModelShape.of(run.critic_model_config, value_head=True)
+        models = (1 if run.critic_trains else 0) + (1 if run.reward.use_model else 0)
+        out["critic_infer"] = pass_flops(c_shape, lengths, float(models))
+        out["critic_train"] = pass_flops(c_shape, lengths, 3.0 * run.ppo.epochs) if run.critic_trains else 0.0
     return out
 
 

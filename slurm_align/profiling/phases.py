@@ -30,10 +30,13 @@ EVALUATE = "evaluate"
 WEIGHT_SYNC = "weight_sync"
 # Multi-turn rollouts: the environment's steps between the model's turns (tool calls in its pool).
 TOOLS = "tools"
+# A checkpoint save's time on the step's critical path (all of it, or with checkpointing.async_save
+# the planning and the host copy).
+SAVE = "save"
 
 PHASES: tuple[str, ...] = (
     REFIT, GENERATE, TOOLS, LOGPROBS, INIT_LOGPROBS, CRITIC_WAIT, REBALANCE, STORE, TRAIN,
-    CRITIC_INFER, CRITIC_TRAIN, PROMPT_WAIT, EVALUATE, WEIGHT_SYNC,
+    CRITIC_INFER, CRITIC_TRAIN, PROMPT_WAIT, EVALUATE, WEIGHT_SYNC, SAVE,
 )
 """Known phases in the order a step runs them (the order of table rows and bar segments)."""
 

@@ -160,6 +160,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     out.print(job._table(st.components))
     out.print(f"state {st.state}; requeues {st.requeues}; last checkpoint at step "
               f"{'none' if st.last_checkpoint_step is None else st.last_checkpoint_step}", highlight=False)
+    for r in st.restarts:   # fault_tolerance.max_restarts (slurm/restart.py)
+        where = f"{r['component']} rank {r['rank']}" if r.get("component") else "the job"
+        out.print(f"restart {r['count'] if r['retry'] else '-'}: job {r['job_id']} failed at step {r['failed_step']} "
+                  f"({where}: {r['why'] or 'unknown'}); {r['reason']}", highlight=False)
     if st.pending_reasons:
         out.print(f"waiting: Slurm's reason {', '.join(sorted(set(st.pending_reasons)))}", highlight=False)
     if st.state == job_state.STOPPED:

@@ -166,6 +166,9 @@ class Job:
                 overall = job_state.combine(list(comps.values()))
                 if live:
                     live.update(self._table(comps))
+                if overall == job_state.FAILED and self._restarted():
+                    settle_by = None
+                    continue
                 if overall in job_state.FINAL_STATES:
                     # A failed job's other components may still be ending (Slurm: COMPLETING):
                     # wait for them (at most SETTLE_S), so that what is read after wait()
@@ -183,6 +186,24 @@ class Job:
         finally:
             if live:
                 live.stop()
+
+    def _restarted(self) -> bool:
+        """Whether this failed Slurm job was resubmitted (fault_tolerance.max_restarts): then this
+        handle follows the new job. The job script decides after its components ended, so the
+        job's own end (Slurm's state) is waited for first, at most SETTLE_S."""
+        if self.record.backend != "slurm" or not self.run_dir.config.is_file():
+            return False
+        run = yaml.safe_load(self.run_dir.config.read_text()) or {}
+        if not (run.get("fault_tolerance") or {}).get("max_restarts"):
+            return False
+        deadline = time.monotonic() + SETTLE_S
+        while job_state.slurm_state(self.job_id)[0] not in job_state.FINAL_STATES and time.monotonic() < deadline:
+            time.sleep(0.5)
+        now = JobRecord.load(self.run_dir.root)
+        if now.job_id == self.job_id:
+            return False
+        self.record = now
+        return True
 
     def _table(self, comps: dict[str, str] | None = None) -> Table:
         table = Table(title=f"job {self.job_id} ({self.record.backend}) {self.run_dir.root}")

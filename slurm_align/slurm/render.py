@@ -445,6 +445,7 @@ def render_script(run: RunConfig, profile: ClusterProfile, run_dir: Path, entry:
         emulate_env=_emulated_env(run, profile),
         container_setup=container_setup_text(profile) is not None,
         single=single,
+        max_restarts=run.fault_tolerance.max_restarts,
         leader=leader().name,
         addresses=[rd.address(c).name for c in serving_components(run.components)],
     )

@@ -7,6 +7,7 @@ mpirun's own messages in logs/<component>/launcher.log, where they name the rank
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,6 +35,8 @@ def _lost_peer_pattern() -> re.Pattern[str]:
 # or --kill-on-bad-exit): a task srun names after one of these ended because of it.
 _TEARDOWN = re.compile(r"srun: forcing job termination|srun: Job step aborted|\*\*\* STEP \S+ ON \S+ CANCELLED")
 _ITER = re.compile(r"^iter_(\d+)$")
+RESTARTS = "restarts.jsonl"
+"""Restart-on-failure decisions, one JSON line each (slurm/restart.py writes them)."""
 
 
 def latest_step(root: Path) -> int | None:
@@ -67,10 +70,12 @@ class RunStatus:
     stopped_at_step: int | None = None
     pending_reasons: list[str] = field(default_factory=list)
     failed: FailedRank | None = None
+    restarts: list[dict] = field(default_factory=list)
+    """Restart-on-failure decisions (RUN_DIR/restarts.jsonl, slurm/restart.py), oldest first."""
 
     def to_dict(self) -> dict:
         out = {"job_id": self.job_id, "state": self.state, "components": self.components,
-               "requeues": self.requeues, "last_checkpoint_step": self.last_checkpoint_step,
+               "requeues": self.requeues, "restarts": self.restarts, "last_checkpoint_step": self.last_checkpoint_step,
                "stopped_at_step": self.stopped_at_step, "pending_reasons": self.pending_reasons, "failed": None}
         if self.failed is not None:
             f = self.failed
@@ -154,12 +159,21 @@ def run_status(job) -> RunStatus:
     state = job_state.combine(list(comps.values()))
     status = RunStatus(job.job_id, state, comps, _read_int(rd.requeue_count) or 0,
                        latest_step(rd.checkpoints(leader().name)), _read_int(rd.stopped_step))
+    status.restarts = read_restarts(rd)
     if job.record.backend == "slurm" and state == job_state.PENDING:
         status.pending_reasons = job_state.pending_reasons(job.job_id)
     if state == job_state.FAILED:
         failed = [c for c, s in comps.items() if s == job_state.FAILED]
         status.failed = first_failure(rd, rd.first_failed_component(), failed)
     return status
+
+
+def read_restarts(rd: RunDir) -> list[dict]:
+    try:
+        text = (rd.root / RESTARTS).read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
 def first_failure(rd: RunDir, first: str | None, failed: list[str]) -> FailedRank | None:

@@ -9,6 +9,9 @@ run cannot finish first. Without RUN_DIR/test_hold it is the stock actor.
                          before the critic's values are read, until this rank got SIGTERM; the
                          step then goes on, its critic requests after the TERM (Slurm's
                          preemption must arrive mid-step, however fast the machine)
+    RUN_DIR/test_slow_write (checkpointing.async_save): each background checkpoint write waits
+                         until the job script wrote RUN_DIR/stop_requested, and SLOW_WRITE_S
+                         more, so a stop arrives while the write is under way
 Each hold has a ceiling (HOLD_CEILING_S), after which the actor fails, saying so.
 """
 
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 
 HOLD_CEILING_S = 600
+SLOW_WRITE_S = 10
 
 
 def after_step_with_hold(self, step, *, last, saved, save):
@@ -35,6 +39,17 @@ def after_step_with_hold(self, step, *, last, saved, save):
                 raise RuntimeError(f"test hold ({mode}) after step {step}: nothing came in {HOLD_CEILING_S} s")
             time.sleep(0.1)
     return _after_step(self, step, last=last, saved=saved, save=save)
+
+
+def write_after_the_stop_request(self, request, args, finalize_args, tmp, final, step, on_commit):
+    run_dir = Path(tmp).parents[2]   # RUN_DIR/checkpoints/actor/iter_<step>.tmp
+    if (run_dir / "test_slow_write").exists():
+        deadline = time.monotonic() + HOLD_CEILING_S
+        while not (run_dir / "stop_requested").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(SLOW_WRITE_S)   # longer than a rank takes to exit: a stop that did not wait loses the write
+        print(f"test: background write of step {step} goes on after the stop request", flush=True)
+    return _write(self, request, args, finalize_args, tmp, final, step, on_commit)
 
 
 _term = threading.Event()
@@ -63,12 +78,15 @@ def critic_results_with_hold(self, pending, step):
 # above call are bound here, as module globals.
 if __name__ == "__main__":
     from slurm_align.algorithms import ppo
+    from slurm_align.models.checkpoint import AsyncCheckpointWriter
     from slurm_align.slurm.preemption import StopPoint
 
     _after_step, _on_term, _critic_results = StopPoint.after_step, StopPoint._on_term, ppo.PPOActor.critic_results
     StopPoint.after_step = after_step_with_hold
     StopPoint._on_term = on_term_noted
     ppo.PPOActor.critic_results = critic_results_with_hold
+    _write = AsyncCheckpointWriter._write
+    AsyncCheckpointWriter._write = write_after_the_stop_request
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
     sys.exit(ppo.main(Path(parser.parse_args().run_dir)))

@@ -71,12 +71,15 @@ def test_trtllm_gets_the_device_and_the_generation_layout(monkeypatch, refold):
         return "engine"
 
     monkeypatch.setattr(TrtllmEngine, "for_layout", classmethod(for_layout))
-    run = load_run_config(EXAMPLE, ["generation.engine=trtllm", f"switches.refold={str(refold).lower()}"])
+    run = load_run_config(EXAMPLE, ["generation.engine=trtllm", f"switches.refold={str(refold).lower()}",
+                                    "generation.trtllm.kv_cache_fraction=0.3"])
     pctx = Pctx()
     assert actor_engine(run, Env("cuda:1"), pctx) == "engine"
     (shape, layout, kwargs), = calls
     assert shape == GptShape.from_model_config(run.model)
     assert layout == Layout(refold) and pctx.asked == [refold]   # TP comes from this layout
     # TensorRT-LLM's max_input_len from the run's lengths (its default, 1024, refuses longer prompts)
-    assert kwargs == {"device": "cuda:1", "max_input_len": run.model.max_seq_len - run.generation.max_new_tokens}
+    # and the rest of the run's generation.trtllm section
+    want = run.generation.trtllm.model_dump() | {"max_input_len": run.model.max_seq_len - run.generation.max_new_tokens}
+    assert kwargs == {"device": "cuda:1", **want} and kwargs["kv_cache_fraction"] == 0.3
     assert "tensorrt_llm" not in sys.modules

@@ -32,10 +32,11 @@ def reachable(model: type[BaseModel]) -> set[type[BaseModel]]:
 
 
 def _all_models() -> list[type[BaseModel]]:
+    import slurm_align.config.engines as engines
     import slurm_align.config.profile as profile
     import slurm_align.config.run as run
     import slurm_align.environments.config as env
-    return [v for mod in (run, profile, env) for v in vars(mod).values()
+    return [v for mod in (run, profile, env, engines) for v in vars(mod).values()
             if isinstance(v, type) and issubclass(v, BaseModel) and v.__module__ == mod.__name__]
 
 
@@ -70,7 +71,8 @@ def test_every_field_is_in_the_reference_with_its_doc_type_and_default(root):
 
 def test_a_class_used_twice_is_one_section_naming_both_paths():
     by_model = {s.model: s for s in sections(RunConfig)}
-    assert by_model[ModelConfig].path == "model" and by_model[ModelConfig].also == ("critic_model", "teacher_model")
+    assert by_model[ModelConfig].path == "model"
+    assert by_model[ModelConfig].also == ("critic_model", "teacher_model", "judge.model")
     assert by_model[ParallelConfig].also == ("critic", "teacher", "generator")
 
 

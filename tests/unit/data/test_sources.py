@@ -57,7 +57,7 @@ def test_sort_prompts_with_other_column_names_give_the_jsonl_prompts_and_fields(
     # the two readers equal, a job reads every format as it reads the JSONL file
     # (tests/integration/test_data_formats.py runs GRPO on the parquet file end to end).
     submitted = read_rows(path, "prompt", {"prompt": "question", "answer": "gold"})
-    assert [{"prompt": r.data["prompt"], "answer": r.extra["answer"]} for r in submitted] == want.fields()
+    assert [{"prompt": r.data["prompt"], "answer": r.extra["answer"]} for r in submitted] == list(want.fields())
 
 
 def test_sft_and_preference_rows_from_parquet_with_a_column_map(tmp_path: Path):

@@ -17,7 +17,7 @@ import torch
 
 from slurm_align.config.run import ModelConfig
 from slurm_align.generation import GenerationError, GptShape, SamplingParams, make_engine
-from slurm_align.generation.vllm_engine import CPU_HEAD_DIMS, VllmOptions
+from slurm_align.generation.vllm_engine import CPU_HEAD_DIMS
 from slurm_align.models.forward import forward_logprobs
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.weights import full_state_dict
@@ -139,6 +139,29 @@ def test_eos_and_one_token_stops_end_a_sample_inside_the_engine(engine):
             assert not bool(out.is_end[i]) and torch.equal(r, free.responses()[i]), i
 
 
+def test_the_multiturn_loops_one_token_stops_end_a_turn_inside_the_engine(engine):
+    """run_turns' stop ids (conversations.stop_token_ids, byte tokenizer): a one-character stop
+    sequence ends the turn inside vLLM (stop_token_ids), the stop kept, nothing generated past it."""
+    from slurm_align.algorithms.conversations import stop_token_ids
+    from slurm_align.models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    prm = prompts(8, seed=6)
+    free = engine.generate(prm, SamplingParams(max_new_tokens=12, temperature=1.0), seeds=range(8))
+    # a character sample 0 writes at its 3rd to 11th step, as the environment's stop text
+    stop = next(chr(t) for t in free.response_tokens[0, 2:11].tolist() if t < 128 and tok.encode(chr(t)) == [t])
+    ids = stop_token_ids(tok, [stop, "</tool_call>"])
+    assert ids[0] == (ord(stop),) and len(ids[1]) > 1
+    out = engine.generate(prm, SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_sequences=ids),
+                          seeds=range(8))
+    for i, r in enumerate(out.responses()):
+        hits = (free.responses()[i] == ord(stop)).nonzero()
+        k = int(hits[0]) + 1 if len(hits) else len(free.responses()[i])
+        assert torch.equal(r, free.responses()[i][:k]), i          # the same draws, up to the stop
+        assert bool(out.is_end[i]) == bool(len(hits)), i
+    assert int(out.response_lengths[0]) < 12
+
+
 def test_top_k_sampling_returns_no_logprobs_and_length_limits_are_clear_errors(engine):
     prm = prompts(4, seed=4)
     out = engine.generate(prm, SamplingParams(max_new_tokens=6, temperature=1.0, top_k=5), seeds=range(4))
@@ -162,9 +185,16 @@ def test_settings_the_cpu_engine_cannot_honour_are_refused():
     with pytest.raises(GenerationError, match="head dim 16"):
         make_engine("vllm", GptShape.from_model_config(MODEL.model_copy(update={"num_attention_heads": 4})))
     with pytest.raises(GenerationError, match="gpu_memory_utilization"):
-        VllmOptions(gpu_memory_utilization=1.5)
+        make_engine("vllm", SHAPE, gpu_memory_utilization=1.5)
     with pytest.raises(GenerationError, match="allowed"):
         make_engine("vllm", SHAPE, kv_fraction=0.5)
+
+
+def test_the_engine_options_reach_vllm(engine):
+    """generation.vllm's values (engine_from_config passes them; test_engine_options) are the LLM's."""
+    config = engine._llm.llm_engine.vllm_config
+    assert config.scheduler_config.max_num_seqs == 64   # the module's engine: max_num_seqs=64
+    assert config.model_config.enforce_eager and str(config.model_config.dtype) == "torch.float32"
 
 
 def test_the_output_fields_collect_outputs_reads_are_vllms():

@@ -98,7 +98,7 @@ def test_container_job_runs_the_installed_package_in_the_run_dir():
 
 def test_unknown_launcher_is_named():
     with pytest.raises(ConfigError, match="no launcher 'nope'; available: actor, critic, evaluate, generate, "
-                                          "generator, report, teacher, train"):
+                                          "generator, judge, report, teacher, train"):
         render_script(load_run_config(EXAMPLE), load_profile("local"), RUN_DIR, Entry("nope"))
 
 
