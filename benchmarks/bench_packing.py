@@ -86,7 +86,9 @@ def main() -> None:
     from slurm_align.algorithms.policy_gradient import PolicyUpdate
     from slurm_align.models.forward import forward_logprobs
     from slurm_align.models.gpt import build_gpt
+    from slurm_align.models.optimizer import build_optimizer
     from slurm_align.models.packing import run_batching
+    from slurm_align.models.worker import ModelWorker
     from slurm_align.parallel.bootstrap import init_distributed
     from slurm_align.parallel.layout import initialize_model_parallel
 
@@ -107,8 +109,11 @@ def main() -> None:
     def train_step(name):
         for p, s in zip((p for c in policy for p in c.parameters()), start):
             p.data.copy_(s)   # every step starts from the same weights
-        opt = torch.optim.AdamW([p for c in policy for p in c.parameters()], lr=1e-5)
-        PolicyUpdate(cfgs[name], policy, opt, pctx).train(batch, 1, NoTracer())
+        run = cfgs[name]
+        opt = build_optimizer([p for c in policy for p in c.parameters()], pctx, run.training, lr=1e-5)
+        worker = ModelWorker.around(policy, opt, pctx, run.model,
+                                    batching=run_batching(run, "actor", run.ppo.train_micro_batch_size))
+        PolicyUpdate(run, worker).train(batch, 1, NoTracer())
 
     for name in cfgs:   # warm-up (allocations, megatron's first-call set-up)
         logprob_pass(name)

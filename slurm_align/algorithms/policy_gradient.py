@@ -8,7 +8,7 @@ The actor loop (algorithms/ppo.py) calls, in order:
                                                  generation
     combine_rewards(run, model_score, rule)      reward model score and rule reward, weighted
     estimate_advantages(run, shard, dp_group)    advantages (or rejection sampling's keep-best)
-    PolicyUpdate(...).train(shard, step, tracer) epochs x optimizer batches
+    PolicyUpdate(...).train(shard, step, tracer) epochs x optimizer batches (ModelWorker.train)
 
 Groups (a prompt's n_samples_per_prompt samples) arrive whole on one DP rank (the rebalance keeps
 them together), so group baselines need no communication; batch whitening (GAE, REINFORCE++)
@@ -17,24 +17,21 @@ and the loss normalisers are all-reduced over the DP ranks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from slurm_align.algorithms import advantages as A
 from slurm_align.algorithms import rollout_correction
-from slurm_align.algorithms.policy_loss import LossTerms, aggregate, clipped_policy_loss, denominator
+from slurm_align.algorithms.policy_loss import LossTerms
 from slurm_align.algorithms.rejection_sampling import keep_best
 from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
 from slurm_align.config.run import RunConfig
-from slurm_align.data.positions import gather_response
 from slurm_align.generation.params import logprob_temperature
-from slurm_align.models.forward import per_sequence, run_schedule, sequence_token_logprobs
-from slurm_align.models.optimizer import ModelOptimizer
-from slurm_align.models.packing import run_batching
+from slurm_align.losses.policy import PolicyLoss, RolloutNLL
+from slurm_align.models.worker import ModelWorker
 from slurm_align.profiling import phases as P
 from slurm_align.rewards.rule import RuleReward
 
@@ -168,96 +165,46 @@ def actor_optimizer_steps(run: RunConfig) -> int:
 
 class PolicyUpdate:
     """The actor's update of one step on this DP rank's shard: ppo.epochs passes, each split
-    into optimizer steps of ppo.global_batch_size rollouts (NeMo-Aligner's mini-batches), each a
-    megatron forward/backward over micro-batches, gradients summed over DP, one AdamW step.
+    into optimizer steps of ppo.global_batch_size rollouts (NeMo-Aligner's mini-batches), each
+    one step of the model worker (models/worker.py: micro-batches, the global normaliser, the
+    forward/backward over TP/PP, gradients summed over DP, the optimizer step).
 
-    Both losses count the tokens of responses that ended (is_end) and were kept ('train'
-    weight). loss 'policy': the clipped surrogate (+ KL loss term, entropy bonus) of
-    policy_loss.py; loss 'sft': negative log-likelihood (rejection sampling)."""
+    Both losses (losses/policy.py) count the tokens of responses that ended (is_end) and were
+    kept ('train' weight). loss 'policy': the run's registered policy loss (RunConfig.loss;
+    default ppo_clip, the clipped surrogate + KL loss term, entropy bonus of policy_loss.py) at
+    the sampling temperature; loss 'sft': negative log-likelihood (rejection sampling)."""
 
-    def __init__(self, run: RunConfig, policy: list, optimizer: ModelOptimizer, pctx, *,
-                 loss: Literal["policy", "sft"] = "policy"):
-        self.run, self.policy, self.optimizer, self.pctx, self.loss = run, policy, optimizer, pctx, loss
+    def __init__(self, run: RunConfig, worker: ModelWorker, *, loss: Literal["policy", "sft"] = "policy"):
+        self.run, self.worker, self.pctx, self.loss = run, worker, worker.pctx, loss
         self.terms = loss_terms(run)
-        # The registered policy loss (RunConfig.loss; default ppo_clip: clipped_policy_loss).
-        self.loss_options: Any = None
-        self.policy_loss: Callable[..., tuple[torch.Tensor, Any]] = clipped_policy_loss
+        self.objective: RolloutNLL
         if loss == "policy":
-            spec, self.loss_options = run.loss_spec_and_options()
-            self.policy_loss = spec.load()
-        self.agg = "token-mean" if loss == "sft" else self.terms.agg
-        # The policy is scored at the sampling temperature, as pi_old and the engine's log-probs.
-        self.temperature = 1.0 if loss == "sft" else logprob_temperature(run.generation.temperature)
-        # Micro-batching only splits the work: the normaliser is the optimizer batch's, so the
-        # gradient is the same however the batch is cut (token budget, sample count, packed).
-        self.batching = run_batching(run, "actor", run.ppo.train_micro_batch_size)
+            spec, options = run.loss_spec_and_options()
+            # The policy is scored at the sampling temperature, as pi_old and the engine's log-probs.
+            self.objective = PolicyLoss(options, run.model, fn=spec.load(), terms=self.terms,
+                                        temperature=logprob_temperature(run.generation.temperature))
+        else:
+            self.objective = RolloutNLL(None, run.model)
 
     def train(self, shard: RolloutBatch, step: int, tracer) -> dict[str, float]:
-        run, dp = self.run, self.pctx.dp_group
-        totals = {"loss": 0.0, "ratio": 0.0, "clipped": 0.0, "kl": 0.0, "tokens": 0.0}
-        norms = []
-        lr = self.optimizer.lr   # the first optimizer step's of this PPO step
+        run = self.run
+        # responses cut at max_new_tokens teach nothing
+        shard.set_samples("weight", shard["is_end"].float() * shard["train"])
+        totals = dict.fromkeys(self.objective.sum_keys, 0.0)
+        norms, lrs = [], []
         with tracer.span(P.TRAIN, step):
-            for c in self.policy:
-                c.train()
             for epoch in range(run.ppo.epochs):
                 for rows in optimizer_batches(shard.size, run, step, epoch):
-                    norms.append(self._optimizer_step(shard.select(rows), totals))
-        # Only the last stage computed a loss: sum over DP, then hand it to the other stages.
-        total = all_reduce_sums(all_reduce_sums(totals, dp), self.pctx.pp_group)
-        tokens = max(total["tokens"], 1.0)
-        out = {"loss": total["loss"] / len(norms), "grad_norm": float(np.mean(norms)), "lr": lr,
-               "optimizer_steps": float(len(norms)), **self.optimizer.metrics()}   # fp16: loss scale
+                    m = self.worker.train(shard, rows.tolist(), self.objective)
+                    norms.append(m["grad_norm"])
+                    lrs.append(m["lr"])
+                    for k in totals:
+                        totals[k] += m[k]
+        tokens = max(totals["tokens"], 1.0)
+        out = {"loss": totals["loss"] / len(norms), "grad_norm": float(np.mean(norms)), "lr": lrs[0],
+               "optimizer_steps": float(len(norms)), **self.worker.optimizer.metrics()}   # fp16: loss scale
         if self.loss == "policy":
-            out.update(ppo_ratio=total["ratio"] / tokens, ppo_ratio_clamped=total["clipped"] / tokens)
+            out.update(ppo_ratio=totals["ratio"] / tokens, ppo_ratio_clamped=totals["clipped"] / tokens)
             if self.terms.kl_loss_coef > 0:
-                out["kl_loss"] = total["kl"] / tokens
+                out["kl_loss"] = totals["kl"] / tokens
         return out
-
-    def _optimizer_step(self, part: RolloutBatch, totals: dict) -> float:
-        vocab, terms = self.run.model.vocab_size, self.terms
-        weight = part["is_end"].float() * part["train"]   # responses cut at max_new_tokens teach nothing
-        # Global normaliser of this optimizer batch: its loss is a mean over all DP ranks.
-        norm = all_reduce_sums({"n": denominator(part.mask * weight[:, None], self.agg)}, self.pctx.dp_group)["n"]
-        self.optimizer.zero_grad()
-        if part.size and norm > 0:
-            part.set_samples("weight", weight)
-            corrected = self.loss == "policy" and rollout_correction.WEIGHTS in part.per_token
-            micro = part.micro_batches(self.batching, samples=["weight"],
-                                       per_token=["logprobs", "ref_logprobs", "advantages"]
-                                       + ([rollout_correction.WEIGHTS] if corrected else []),
-                                       fixed_shape=self.pctx.pp_size > 1)
-            T = part.max_response
-
-            def loss_fn(output, mb):
-                dev = output.device
-                mask = (mb["mask"] * mb["weight"][:, None]).to(dev)
-                logp = gather_response(sequence_token_logprobs(output, mb, vocab, self.temperature),
-                                       mb["prompt_lengths"], mb["response_lengths"], T)
-                if self.loss == "sft":
-                    loss = aggregate(-logp, mask, "token-mean", norm)
-                    totals["loss"] += float(loss)
-                    totals["tokens"] += float(mask.sum())
-                    return loss, {"loss": loss.detach()}
-                entropy = self._entropy(output, mb, T) if terms.entropy_coef > 0 else None
-                rc = mb[rollout_correction.WEIGHTS].to(dev) if corrected else None
-                loss, st = self.policy_loss(logp, mb["logprobs"].to(dev), mb["advantages"].to(dev), mask, terms,
-                                            ref_logp=mb["ref_logprobs"].to(dev), entropy=entropy, norm=norm,
-                                            weights=rc, options=self.loss_options)
-                for k, v in (("loss", st.loss), ("ratio", st.ratio * st.tokens),
-                             ("clipped", st.clipped_fraction * st.tokens), ("kl", st.kl * st.tokens),
-                             ("tokens", st.tokens)):
-                    totals[k] += v
-                return loss, {"loss": loss.detach()}
-
-            run_schedule(self.policy, micro, loss_fn, forward_only=False)
-        # Every rank joins the gradient all-reduce, also with nothing to train on (zero grads).
-        return self.optimizer.step()
-
-    def _entropy(self, output: torch.Tensor, mb: dict, T: int) -> torch.Tensor:
-        """Entropy of the policy at each response token's predicting position, [b, T]."""
-        vocab = self.run.model.vocab_size
-        logits = gather_from_tensor_model_parallel_region(output)[..., :vocab]
-        lp_all = torch.log_softmax(logits.float() / self.temperature, -1)
-        per_position = per_sequence(-(lp_all.exp() * lp_all).sum(-1), mb)
-        return gather_response(per_position, mb["prompt_lengths"], mb["response_lengths"], T)

@@ -66,17 +66,16 @@ from slurm_align.models.checkpoint import (
     AsyncCheckpointWriter,
     find_latest,
     load_checkpoint,
-    load_weights,
     save_checkpoint,
 )
 from slurm_align.models.forward import forward_logprobs
-from slurm_align.models.gpt import build_gpt
-from slurm_align.models.lora import attach_configured, lora_base, reference_policy, trainable_parameters
+from slurm_align.models.lora import lora_base
 from slurm_align.models.moe_stats import RouterStats
-from slurm_align.models.optimizer import ModelOptimizer, build_optimizer
+from slurm_align.models.optimizer import ModelOptimizer
 from slurm_align.models.packing import run_batching
 from slurm_align.models.retention import apply_retention
 from slurm_align.models.tokenizer import build_tokenizer
+from slurm_align.models.worker import ModelWorker
 from slurm_align.parallel import quiet
 from slurm_align.parallel.bootstrap import DistEnv, init_distributed
 from slurm_align.parallel.layout import ParallelContext, initialize_model_parallel
@@ -104,7 +103,7 @@ class PPOActor:
     """One actor rank's parts (made by `build_actor`) and the PPO loop over them."""
 
     def __init__(self, run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext, *, tokenizer,
-                 prompts: Sequence[np.ndarray], policy: list, optimizer: ModelOptimizer, reference,
+                 prompts: Sequence[np.ndarray], worker: ModelWorker,
                  offload: TrainingStateOffload | None, engine: Engine, critic: CriticClient | None, tracer: Tracer,
                  store: RolloutStore | None, metrics: MetricsLogger, start_step: int, rewards: Rewards,
                  evalset: EvalSet | None, remote: RemoteRollouts | None = None,
@@ -112,7 +111,12 @@ class PPOActor:
         self.run, self.rd, self.env, self.pctx = run, rd, env, pctx
         self.rank = env.rank
         self.tokenizer, self.prompts = tokenizer, prompts
-        self.policy, self.optimizer, self.reference, self.offload = policy, optimizer, reference, offload
+        # The policy's model worker (models/worker.py) holds the model, its optimizer and the frozen
+        # reference; the update trains through its step.
+        self.worker = worker
+        assert worker.reference is not None, "the actor's worker holds the reference policy"
+        self.policy, self.optimizer, self.reference = worker.chunks, worker.optimizer, worker.reference
+        self.offload = offload
         self.engine, self.critic, self.tracer, self.store, self.metrics = engine, critic, tracer, store, metrics
         self.start_step = start_step
         self.rewards, self.evalset = rewards, evalset
@@ -122,14 +126,13 @@ class PPOActor:
         self._writing_step: int | None = None   # the step the writer is (or was last) saving
         self.collected_metrics: dict[str, float] = {}
         assert run.spec.loss is not None, "config.algorithms: a rollout algorithm has a loss"
-        self.update = PolicyUpdate(run, policy, optimizer, pctx,
-                                   loss=run.spec.loss)
+        self.update = PolicyUpdate(run, worker, loss=run.spec.loss)
         self.pad_id = tokenizer.pad_id
         self.collector = RolloutCollector(run, engine, tokenizer, prompts, rewards, rank=env.rank, tracer=tracer,
                                           critic=critic, teacher=teacher)
         self.teacher = teacher   # on-policy distillation: the teacher component's client
         # MoE: per-expert load and the load-balancing loss of the update's forward passes
-        self.router_stats = RouterStats(policy, run.model.num_experts) if run.model.num_experts else None
+        self.router_stats = RouterStats(self.policy, run.model.num_experts) if run.model.num_experts else None
 
     # -- phases ------------------------------------------------------------------------------
     def generate(self, step: int) -> tuple[RolloutBatch, list[tuple[RolloutBatch, Scores | None]]]:
@@ -451,18 +454,15 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     # Prompts are encoded as the SFT trainer formats its inputs (plain: [BOS] text; chat: the template).
     dataset = run_prompts(run, tokenizer)   # data.train_path or data.mixture
     prompts = dataset.token_arrays()
-    policy = build_gpt(run.model, pctx, seed=run.seed, training=run.training)
-    init_checkpoint = None
-    if run.model.init_checkpoint is not None:
-        # an iter_* folder, or a trainer's checkpoints folder (then its newest complete one)
-        init_checkpoint = find_latest(run.model.init_checkpoint) or run.model.init_checkpoint
-        load_weights(init_checkpoint, policy)
-    attach_configured(policy, run.model, pctx, run.seed)   # LoRA: on the loaded base
-    optimizer = build_optimizer(trainable_parameters(policy), pctx, run.training, lr=run.ppo.actor_lr,
-                                grad_clip=run.ppo.grad_clip, total_steps=actor_optimizer_steps(run), models=policy)
-    # The reference policy is the initial policy: in host memory and swapped in, or (LoRA) the
-    # same model with its adapters off.
-    reference = reference_policy(policy)
+    # The model worker loads the init checkpoint (an iter_* folder, or a trainer's checkpoints
+    # folder: its newest complete one), attaches LoRA, builds the optimizer and keeps the
+    # reference policy (the initial policy: in host memory and swapped in, or LoRA's adapters off).
+    # Its router stats stay off: the actor collects them over the whole step.
+    worker = ModelWorker(run.model, pctx, seed=run.seed, reference=True, lr=run.ppo.actor_lr,
+                         grad_clip=run.ppo.grad_clip,
+                         batching=run_batching(run, "actor", run.ppo.train_micro_batch_size),
+                         training=run.training, total_steps=actor_optimizer_steps(run), router_stats=False)
+    policy, optimizer = worker.chunks, worker.optimizer
     start_step = _resume(rd, policy, optimizer)
     offload = TrainingStateOffload(optimizer.optimizer, policy) if run.switches.offload_optimizer else None
     engine = actor_engine(run, env, pctx)
@@ -488,13 +488,13 @@ def build_actor(run: RunConfig, rd: RunDir, env: DistEnv, pctx: ParallelContext)
     store = _open_store(rd, start_step) if env.rank == 0 else None
     metrics = MetricsLogger(run, rd.root, enabled=env.rank == 0)
     metrics.start_at(start_step)
-    actor = PPOActor(run, rd, env, pctx, tokenizer=tokenizer, prompts=prompts, policy=policy, optimizer=optimizer,
-                     reference=reference, offload=offload, engine=engine, critic=critic, tracer=tracer, store=store,
-                     metrics=metrics, start_step=start_step,
+    actor = PPOActor(run, rd, env, pctx, tokenizer=tokenizer, prompts=prompts, worker=worker, offload=offload,
+                     engine=engine, critic=critic, tracer=tracer, store=store, metrics=metrics,
+                     start_step=start_step,
                      rewards=Rewards(run, tokenizer, dataset.fields()), evalset=EvalSet.from_run(run, tokenizer),
                      remote=RemoteRollouts(run, rd, env.rank, tokenizer.pad_id) if "generator" in run.components
                      else None, teacher=teacher)
-    actor.init_checkpoint = init_checkpoint   # the base a LoRA checkpoint refers to
+    actor.init_checkpoint = worker.init_checkpoint   # the base a LoRA checkpoint refers to
     return actor
 
 

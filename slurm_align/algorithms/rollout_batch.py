@@ -300,6 +300,14 @@ class RolloutBatch:
             out.append(mb)
         return out
 
+    def loss_microbatches(self, indices: Sequence[int], batching: int | Batching, columns: Sequence[str], *,
+                          fixed_shape: bool) -> list[dict]:
+        """The model worker's view (models/worker.py): the micro-batches of rows `indices` (one
+        optimizer batch), with those of the loss's `columns` this batch has."""
+        part = self.select(indices)
+        return part.micro_batches(batching, samples=[c for c in columns if c in part.samples],
+                                  per_token=[c for c in columns if c in part.per_token], fixed_shape=fixed_shape)
+
     def store_columns(self, names: Sequence[str], sample_names: Sequence[str]) -> dict[str, Any]:
         """Ragged per-sample arrays in the layout RolloutStore.append_step takes."""
         plen, rlen = self.prompt_lengths.tolist(), self.response_lengths.tolist()

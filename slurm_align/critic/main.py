@@ -178,7 +178,7 @@ def run_critic(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) -> 
                           grad_clip=run.ppo.critic_grad_clip, checkpoint_dir=rd.checkpoints("critic"),
                           batching=run_batching(run, "critic"), training=run.training,
                           total_steps=run.ppo.num_steps, reward_weights=run.reward.attribute_weights
-                          if run.critic_model_config.num_labels > 1 else None)
+                          if run.critic_model_config.num_labels > 1 else None, model_cfg=run.critic_model_config)
     resumed = resume_step(rd)
     if resumed is not None and run.critic_trains:   # a reward-only critic has no state of its own
         restore(worker, rd, resumed, pctx)

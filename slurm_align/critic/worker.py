@@ -15,15 +15,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from slurm_align.config.run import TrainingConfig
+from slurm_align.config.run import ModelConfig, TrainingConfig
 from slurm_align.critic.channel import Command
-from slurm_align.critic.loss import clipped_value_loss_sum
 from slurm_align.critic.swap import REWARD, VALUE, ModelSwap
+from slurm_align.losses.registry import ValueOptions
+from slurm_align.losses.value import ValueLoss
 from slurm_align.models.checkpoint import load_checkpoint, save_checkpoint
-from slurm_align.models.forward import forward_values, last_token_values, per_sequence, run_schedule
+from slurm_align.models.forward import forward_values, last_token_values
 from slurm_align.models.optimizer import build_optimizer
 from slurm_align.models.packing import Batching, micro_batch_inputs
 from slurm_align.models.weights import full_state_dict
+from slurm_align.models.worker import ModelWorker
 from slurm_align.rundir import fsync_dir
 
 _ITER_FILE = re.compile(r"^iter_(\d+)\.pt$")
@@ -42,11 +44,38 @@ def save_atomic_torch(obj: Any, path: Path) -> Path:
     return path
 
 
+class ValueTargets:
+    """The value model's training data of one step: tokens [N, L], lengths [N] and per-position
+    columns [N, L] (returns, prev, mask); forms the model worker's micro-batches."""
+
+    def __init__(self, tokens: torch.Tensor, lengths: torch.Tensor, per_position: dict[str, torch.Tensor]):
+        self.tokens, self.lengths, self.per_position = tokens, lengths, per_position
+
+    def loss_microbatches(self, indices: list[int], batching: Batching | int, columns, *,
+                          fixed_shape: bool) -> list[dict]:
+        if isinstance(batching, int):
+            batching = Batching(micro_batch_size=batching)
+        idx = torch.as_tensor(indices, dtype=torch.int64)
+        tok, seq_len = self.tokens[idx], self.lengths[idx]
+        per_pos = {k: v[idx] for k, v in self.per_position.items()}
+        mbs = []
+        for inp in micro_batch_inputs(tok, seq_len, batching.groups(seq_len), pack=batching.pack,
+                                      fixed_shape=fixed_shape):
+            mb = {"tokens": inp["tokens"], **{k: v[inp["rows"]] for k, v in per_pos.items()}}
+            mb["mask"] = mb["mask"] * inp["real"][:, None]   # filler rows (fixed shapes) count nothing
+            if "packing" in inp:
+                mb["packing"] = inp["packing"]
+                width = int(inp["packing"].lengths.max())   # per_sequence's width
+                mb.update({k: mb[k][:, :width] for k in per_pos})
+            mbs.append(mb)
+        return mbs
+
+
 class CriticWorker:
     def __init__(self, swap: ModelSwap, pctx: Any, comm, *, lr: float, value_clip: float,
                  checkpoint_dir: Path, grad_clip: float = 0.0, batching: Batching = Batching(),
                  training: TrainingConfig | None = None, total_steps: int = 1,
-                 reward_weights: list[float] | None = None):
+                 reward_weights: list[float] | None = None, model_cfg: ModelConfig | None = None):
         self.swap, self.pctx, self.comm = swap, pctx, comm
         # A regression reward model's attribute weights: its reward is their weighted sum.
         self.reward_weights = torch.tensor(reward_weights, dtype=torch.float32) if reward_weights else None
@@ -60,6 +89,10 @@ class CriticWorker:
                                          lr=lr, grad_clip=grad_clip, total_steps=total_steps,
                                          models=swap.models[VALUE]) \
             if VALUE in swap.models else None
+        # The value model trains through the one model worker's step with the registered value loss.
+        self.trainer = (ModelWorker.around(swap.models[VALUE], self.optimizer, pctx, model_cfg,
+                                           batching=batching) if self.optimizer is not None else None)
+        self.value_loss = ValueLoss(ValueOptions(value_clip=value_clip))
         self.holds_result = pctx.is_last_stage and pctx.tp_rank == 0
 
     def execute(self, cmd: Command) -> Any:
@@ -106,40 +139,16 @@ class CriticWorker:
         return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
 
     def _train(self, tokens, lengths, returns, prev_values, mask) -> float | None:
-        chunks = self.swap.use(VALUE)
-        for c in chunks:
-            c.train()
+        """One step of the value model through the model worker (losses/value.py): this DP
+        rank's rows, normalised by the masked positions of the whole batch."""
+        assert self.trainer is not None, "only a critic with a value model trains"
+        self.swap.use(VALUE)   # the value model on the device (the worker trains its chunks)
         rows = self._rows(tokens.shape[0])
-        total = float(mask.sum())  # global count: DP parts add up to the batch's masked mean
-        tok, seq_len = torch.from_numpy(tokens[rows]), torch.from_numpy(lengths[rows]).long()
-        per_pos = {"returns": torch.from_numpy(returns[rows]), "prev": torch.from_numpy(prev_values[rows]),
-                   "mask": torch.from_numpy(mask[rows])}
-        mbs = []
-        for inp in micro_batch_inputs(tok, seq_len, self.batching.groups(seq_len), pack=self.batching.pack,
-                                      fixed_shape=self.pctx.pp_size > 1):
-            mb = {"tokens": inp["tokens"], **{k: v[inp["rows"]] for k, v in per_pos.items()}}
-            mb["mask"] = mb["mask"] * inp["real"][:, None]   # filler rows (fixed shapes) count nothing
-            if "packing" in inp:
-                mb["packing"] = inp["packing"]
-                width = int(inp["packing"].lengths.max())   # per_sequence's width
-                mb.update({k: mb[k][:, :width] for k in per_pos})
-            mbs.append(mb)
-
-        def loss_fn(values, mb):
-            loss = clipped_value_loss_sum(per_sequence(values.float(), mb), mb["prev"], mb["returns"], mb["mask"],
-                                          self.value_clip) / total
-            return loss, {"loss": loss.detach()}
-
-        assert self.optimizer is not None, "only a critic with a value model trains"
-        self.optimizer.zero_grad()
-        local = torch.zeros(1)
-        if mbs:
-            infos = run_schedule(chunks, mbs, loss_fn, forward_only=False)
-            for info in infos:
-                local += info["loss"]
-        self.optimizer.step()
-        parts = self._gather_rows(float(local))
-        return None if parts is None else float(sum(parts))
+        data = ValueTargets(torch.from_numpy(tokens), torch.from_numpy(lengths).long(),
+                            {"returns": torch.from_numpy(returns), "prev": torch.from_numpy(prev_values),
+                             "mask": torch.from_numpy(mask)})
+        metrics = self.trainer.train(data, list(range(rows.start, rows.stop)), self.value_loss)
+        return metrics["loss"] if self.comm.Get_rank() == 0 else None
 
     def _save(self, path: str) -> str | None:
         """The value model's full weights to `path`. For `iter_<step>.pt` (the actor's

@@ -32,6 +32,12 @@ class Loss:
     """Needs the frozen reference policy's per-token log-probs (mb["ref_logp"] [b, s-1])."""
     columns: ClassVar[tuple[str, ...]] = ("tokens", "lengths", "mask", "real")
     """Micro-batch keys the loss reads (the worker checks them before the first forward)."""
+    optional_columns: ClassVar[tuple[str, ...]] = ()
+    """Keys the loss reads where the data has them (e.g. rollout-correction weights)."""
+    sum_keys: ClassVar[tuple[str, ...]] = ()
+    """The keys of the loss's metric sums, for a rank (or a step) without micro-batches: a
+    loss that declares them may get a step where nothing counts on any DP rank (the RL actor's
+    all-filtered batches); the worker then runs no forward and steps with zero gradients."""
 
     def __init__(self, options: Any, model: Any):
         self.options = options

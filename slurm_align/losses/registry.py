@@ -30,10 +30,13 @@ class LossSpec:
     """'module:Class' of the loss (a losses.base.Loss subclass), imported where it runs."""
     options: type[StrictModel] = NoOptions
     """The typed options (RunConfig.loss.options is validated against it)."""
-    kind: Literal["trainer", "policy"] = "trainer"
+    kind: Literal["trainer", "policy", "rollout"] = "trainer"
     """trainer: a losses.base.Loss class the one-component trainers (sft, rm, dpo, kto) train
     with. policy: the per-token policy loss of the RL actor (algorithms/policy_gradient.py), a
-    function like algorithms.policy_loss.clipped_policy_loss (same arguments, plus `options`)."""
+    function like algorithms.policy_loss.clipped_policy_loss (same arguments, plus `options`).
+    rollout: a losses.base.Loss class over rollouts that the RL actor and the critic build
+    themselves from the run (losses/policy.py wraps the run's policy loss; losses/value.py);
+    not a choice under `loss:`."""
 
     def parse_options(self, raw: dict[str, Any]) -> StrictModel:
         """The options model from the config's dict; a ValueError naming each bad field as
@@ -194,6 +197,13 @@ class KDOptions(StrictModel):
         return self
 
 
+class ValueOptions(StrictModel):
+    """The PPO critic's clipped value loss (losses/value.py); the critic fills it from ppo.value_clip."""
+
+    value_clip: float = Field(0.2, gt=0)
+    """Clip of the new values around the old ones. Default 0.2."""
+
+
 for _spec in (
     LossSpec("nll", "slurm_align.losses.nll:NLL"),
     LossSpec("bradley_terry", "slurm_align.losses.bradley_terry:BradleyTerry", BradleyTerryOptions),
@@ -202,5 +212,8 @@ for _spec in (
     LossSpec("kto", "slurm_align.losses.kto:KTO", KTOOptions),
     LossSpec("kd", "slurm_align.losses.distill:KD", KDOptions),
     LossSpec("ppo_clip", "slurm_align.algorithms.policy_loss:clipped_policy_loss", kind="policy"),
+    LossSpec("policy", "slurm_align.losses.policy:PolicyLoss", kind="rollout"),
+    LossSpec("rollout_nll", "slurm_align.losses.policy:RolloutNLL", kind="rollout"),
+    LossSpec("value", "slurm_align.losses.value:ValueLoss", ValueOptions, kind="rollout"),
 ):
     register_loss(_spec)

@@ -12,7 +12,15 @@ with micro-batching (make_microbatches: sample count or token budget, packed or 
 global loss normaliser (the loss's counts summed over micro-batches and DP ranks), the
 reference log-probs, megatron's forward/backward schedule over TP/PP, the optimizer step and the
 reduction of the loss's metric sums over micro-batches, DP and PP. The SFT / RM / DPO trainer
-(algorithms/trainer.py) is a thin loop over it.
+(algorithms/trainer.py) is a thin loop over it; so are the RL actor's update
+(algorithms/policy_gradient.PolicyUpdate: losses/policy.py over rollouts, the worker built by
+algorithms/ppo.build_actor) and the critic's value training (critic/worker.py: losses/value.py,
+`ModelWorker.around` its value model, which the critic swaps with its reward model).
+
+A data set hands the worker its items one of two ways: `item_tokens(indices)` + `batch(items)`
+(the trainers' JSONL data sets: make_microbatches forms the micro-batches), or
+`loss_microbatches(indices, batching, columns, fixed_shape=)` (rollouts, the critic's value
+targets: data that forms its own micro-batches with the loss's per-token columns).
 """
 
 from __future__ import annotations
@@ -86,8 +94,10 @@ class ModelWorker:
 
     def __init__(self, model: ModelConfig, pctx: Any, *, seed: int, value_head: bool = False,
                  reference: bool = False, lr: float = 1e-3, weight_decay: float = 0.0, grad_clip: float = 1.0,
-                 batching: Batching | int = 8, training: TrainingConfig | None = None, total_steps: int = 1):
-        self.model_cfg, self.pctx, self.seed = model, pctx, seed
+                 batching: Batching | int = 8, training: TrainingConfig | None = None, total_steps: int = 1,
+                 router_stats: bool = True):
+        self.model_cfg: ModelConfig | None = model
+        self.pctx, self.seed = pctx, seed
         self.grad_clip, self.batching = grad_clip, batching
         training = training or TrainingConfig()
         self.chunks = build_gpt(model, pctx, value_head=value_head, seed=seed, training=training)
@@ -99,7 +109,9 @@ class ModelWorker:
             load_weights(self.init_checkpoint, self.chunks)
         attach_configured(self.chunks, model, pctx, seed)   # LoRA: on the loaded base
         # MoE: per-expert load and the load-balancing loss in the step's metrics
-        self.router_stats = RouterStats(self.chunks, model.num_experts) if model.num_experts else None
+        # (router_stats=False: the user collects them itself, over more than the update: the RL actor)
+        self.router_stats = (RouterStats(self.chunks, model.num_experts) if model.num_experts and router_stats
+                             else None)
         # The frozen reference is the initial policy, taken after the init weights are loaded and
         # before any resume: a host copy swapped in for its forward pass, or LoRA's adapters off.
         self.reference: HostSwap | AdaptersOff | None = reference_policy(self.chunks) if reference else None
@@ -108,13 +120,35 @@ class ModelWorker:
         self.optimizer = build_optimizer(self.params, pctx, training, lr=lr, weight_decay=weight_decay,
                                          grad_clip=grad_clip, total_steps=total_steps, models=self.chunks)
 
-    # --- one step ---------------------------------------------------------------------------
-    def microbatches(self, ds, indices: list[int]) -> list[dict]:
-        return make_microbatches(ds, indices, self.batching, fixed_shape=self.pctx.pp_size > 1)
+    @classmethod
+    def around(cls, chunks: list, optimizer: Any, pctx: Any, model: ModelConfig | None, *, batching: Batching | int,
+               reference: HostSwap | AdaptersOff | None = None) -> ModelWorker:
+        """The worker's step over a model built elsewhere (the critic's value model, which it
+        swaps with its reward model through host memory): no loading, no LoRA, no router stats."""
+        self = cls.__new__(cls)
+        self.model_cfg, self.pctx, self.seed = model, pctx, 0
+        self.batching, self.grad_clip = batching, 0.0
+        self.chunks, self.optimizer, self.reference = chunks, optimizer, reference
+        self.init_checkpoint, self.router_stats = None, None
+        self.params = [p for c in chunks for p in c.parameters() if p.requires_grad]
+        self.device = self.params[0].device
+        return self
 
-    def _prepare(self, mbs: list[dict], loss) -> None:
+    # --- one step ---------------------------------------------------------------------------
+    def microbatches(self, ds, indices: list[int], loss=None) -> list[dict]:
+        if not len(indices):
+            return []
+        fixed = self.pctx.pp_size > 1
+        own = getattr(ds, "loss_microbatches", None)
+        if own is not None:   # rollouts, value targets: per-token columns the loss names
+            columns = (*loss.columns, *loss.optional_columns) if loss is not None else ()
+            return own(indices, self.batching, columns, fixed_shape=fixed)
+        return make_microbatches(ds, indices, self.batching, fixed_shape=fixed)
+
+    def _prepare(self, mbs: list[dict], loss) -> float:
         """Check the loss's columns, put the global normaliser in every micro-batch and, when
-        the loss needs them, the reference policy's per-token log-probs."""
+        the loss needs them, the reference policy's per-token log-probs. Returns the global
+        count (the loss's `count` summed over micro-batches and DP ranks)."""
         missing = sorted({c for mb in mbs for c in loss.columns if c not in mb})
         if missing:
             raise ValueError(f"loss {loss.name!r} reads micro-batch column(s) {missing}; the data set gives "
@@ -125,13 +159,15 @@ class ModelWorker:
         norm = max(float(t), 1.0)
         for mb in mbs:
             mb["norm"] = norm
-        if loss.reference:
+        if loss.reference and mbs:
             self._reference_logprobs(mbs)
+        return float(t)
 
     @torch.no_grad()
     def _reference_logprobs(self, mbs: list[dict]) -> None:
         """mb["ref_logp"] [b, s-1] (last stage) with the reference weights swapped in."""
         def ref(output, mb):
+            assert self.model_cfg is not None, "a worker around a policy knows its model config"
             return output.new_zeros(()), {"ref_logp": sequence_token_logprobs(output, mb, self.model_cfg.vocab_size)}
         if self.reference is None:
             raise ValueError("this loss needs the reference policy: build the worker with reference=True")
@@ -143,9 +179,9 @@ class ModelWorker:
         for mb, info in zip(mbs, infos):
             mb["ref_logp"] = info["ref_logp"]
 
-    def _reduce_sums(self, infos: list[dict]) -> dict:
+    def _reduce_sums(self, infos: list[dict], loss) -> dict:
         """Sum the last stage's per-micro-batch sums over micro-batches, DP and PP."""
-        obj: list[list[str] | None] = [sorted(infos[0]) if infos else None]
+        obj: list[list[str] | None] = [sorted(infos[0]) if infos else (sorted(loss.sum_keys) or None)]
         if self.pctx.pp_size > 1:  # non-last stages learn the keys from the last stage
             src = dist.get_global_rank(self.pctx.pp_group, self.pctx.pp_size - 1)
             dist.broadcast_object_list(obj, src=src, group=self.pctx.pp_group)
@@ -163,14 +199,17 @@ class ModelWorker:
     def _run(self, ds, indices: list[int], loss, *, train: bool) -> dict:
         for c in self.chunks:
             c.train(train)
-        mbs = self.microbatches(ds, indices)
-        self._prepare(mbs, loss)
+        mbs = self.microbatches(ds, indices, loss)
+        total = self._prepare(mbs, loss)
+        if total == 0 and loss.sum_keys:
+            mbs = []   # nothing counts on any DP rank: no forward (its zero gradients), still the step
         if train:
             self.optimizer.zero_grad()
-        infos = run_schedule(self.chunks, mbs, loss, forward_only=not train)
+        infos = run_schedule(self.chunks, mbs, loss, forward_only=not train) if mbs else []
         lr = self.optimizer.lr   # this step's
+        # every rank joins the gradient all-reduce, also with nothing to train on (zero grads)
         grad_norm = self.optimizer.step() if train else None
-        metrics = loss.metrics(self._reduce_sums(infos))
+        metrics = loss.metrics(self._reduce_sums(infos, loss))
         if grad_norm is not None:
             metrics["grad_norm"] = grad_norm
             metrics["lr"] = lr

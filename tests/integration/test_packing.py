@@ -23,7 +23,7 @@ WORKER = Path(__file__).parents[1] / "programs" / "packing_worker.py"
 
 
 def mpirun(n: int, *args: str, timeout: int = 300):
-    import tests.integration.test_models_parallel as tmp
+    import tests.support.layout_runs as tmp  # the module whose mpirun reads WORKER
     old = tmp.WORKER
     tmp.WORKER = WORKER
     try:

@@ -124,9 +124,19 @@ def rollouts():
     return b
 
 
+def policy_update(run, policy, opt, pctx):
+    """The actor's PolicyUpdate over the one model worker's step, around this policy and optimizer
+    (as build_actor's worker: the run's actor micro-batching)."""
+    from slurm_align.algorithms.policy_gradient import PolicyUpdate
+    from slurm_align.models.packing import run_batching
+    from slurm_align.models.worker import ModelWorker
+    worker = ModelWorker.around(policy, opt, pctx, run.model,
+                                batching=run_batching(run, "actor", run.ppo.train_micro_batch_size))
+    return PolicyUpdate(run, worker)
+
+
 def step(pctx, out: Path) -> None:
     """One optimizer step of the policy, three micro-batchings, each loss aggregation."""
-    from slurm_align.algorithms.policy_gradient import PolicyUpdate
     from slurm_align.config.run import RunConfig
     from slurm_align.models.gpt import build_gpt
     from slurm_align.models.weights import full_state_dict
@@ -150,7 +160,7 @@ def step(pctx, out: Path) -> None:
             opt = sgd(policy, pctx, run)
             b = rollouts()
             before = full_state_dict(policy, pctx)
-            PolicyUpdate(run, policy, opt, pctx).train(b, 1, NoTracer())
+            policy_update(run, policy, opt, pctx).train(b, 1, NoTracer())
             finals[way] = full_state_dict(policy, pctx)
         moved = max(float((finals["samples"][k] - before[k]).abs().max()) for k in before)
         result[f"{agg}/moved"] = moved
@@ -215,7 +225,6 @@ def corrected(pctx, out: Path) -> None:
     """PolicyUpdate with rollout_correction token_truncate through sample-count, token-budget and
     packed micro-batches (the weights column rides in the micro-batches), against step_by_hand."""
     from slurm_align.algorithms import rollout_correction as rc
-    from slurm_align.algorithms.policy_gradient import PolicyUpdate
     from slurm_align.config.run import RunConfig
     from slurm_align.models.gpt import build_gpt
     from slurm_align.models.weights import full_state_dict
@@ -241,7 +250,7 @@ def corrected(pctx, out: Path) -> None:
         m = rc.apply(run.rollout_correction, b, None)   # the column estimate_advantages sets
         result[f"{way}/weight_min"] = float(b[rc.WEIGHTS][b.mask > 0].min())
         result[f"{way}/weight_max"] = m["rollout_correction_weight_max"]
-        PolicyUpdate(run, policy, opt, pctx).train(b, 1, NoTracer())
+        policy_update(run, policy, opt, pctx).train(b, 1, NoTracer())
         got = full_state_dict(policy, pctx)
         for name, weights in want.items():
             result[f"{way}/vs_{name}"] = diff(got, weights)

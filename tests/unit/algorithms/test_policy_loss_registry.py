@@ -14,25 +14,32 @@ import torch
 from slurm_align.algorithms.policy_gradient import PolicyUpdate
 from slurm_align.algorithms.rollout_batch import RolloutBatch
 from slurm_align.config import ConfigError
+from slurm_align.losses.policy import PolicyLoss
 from slurm_align.models.forward import forward_logprobs
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.lora import trainable_parameters
 from slurm_align.models.optimizer import build_optimizer
+from slurm_align.models.packing import run_batching
+from slurm_align.models.worker import ModelWorker
 from slurm_align.profiling.timers import Tracer
 from tests.support import gspo_loss
 from tests.unit.algorithms.test_ppo_step import make_run, world  # noqa: F401  (world: a fixture)
 
 
 def test_gspo_from_a_plugin_is_the_actors_update(tmp_path: Path, world) -> None:  # noqa: F811
-    """PolicyUpdate (the RL actor's update) trains with the run's registered policy loss: the
+    """PolicyUpdate (the RL actor's update, through the model worker's step) trains with the
+    run's registered policy loss (losses/policy.PolicyLoss around it): the
     plugin's GSPO, with its option, on a real one-rank policy; the first call sees ratio 1
     (pi == pi_old: the batch's log-probs are the policy's own) and the weights move."""
     _, pctx = world
     run = make_run(tmp_path, "grpo", loss={"name": "toy_gspo", "options": {"eps_high": 5e-4}})
     policy = build_gpt(run.model, pctx, seed=run.seed)
     optimizer = build_optimizer(trainable_parameters(policy), pctx, run.training, lr=1e-3)
-    update = PolicyUpdate(run, policy, optimizer, pctx)
-    assert update.policy_loss is gspo_loss.gspo_loss and update.loss_options.eps_high == 5e-4
+    worker = ModelWorker.around(policy, optimizer, pctx, run.model,
+                                batching=run_batching(run, "actor", run.ppo.train_micro_batch_size))
+    update = PolicyUpdate(run, worker)
+    assert isinstance(update.objective, PolicyLoss)
+    assert update.objective.fn is gspo_loss.gspo_loss and update.objective.options.eps_high == 5e-4
 
     g = np.random.default_rng(0)
     batch = RolloutBatch.from_sequences([g.integers(1, 250, 4) for _ in range(4)],
