@@ -28,9 +28,9 @@ from slurm_align.algorithms import rollout_correction
 from slurm_align.algorithms.policy_loss import LossTerms
 from slurm_align.algorithms.rejection_sampling import keep_best
 from slurm_align.algorithms.rollout_batch import RolloutBatch, all_reduce_sums
+from slurm_align.algorithms.rollout_losses import PolicyLoss, RolloutNLL
 from slurm_align.config.run import RunConfig
 from slurm_align.generation.params import logprob_temperature
-from slurm_align.losses.policy import PolicyLoss, RolloutNLL
 from slurm_align.models.worker import ModelWorker
 from slurm_align.profiling import phases as P
 from slurm_align.rewards.rule import RuleReward
@@ -169,7 +169,7 @@ class PolicyUpdate:
     one step of the model worker (models/worker.py: micro-batches, the global normaliser, the
     forward/backward over TP/PP, gradients summed over DP, the optimizer step).
 
-    Both losses (losses/policy.py) count the tokens of responses that ended (is_end) and were
+    Both losses (algorithms/rollout_losses.py) count the tokens of responses that ended (is_end) and were
     kept ('train' weight). loss 'policy': the run's registered policy loss (RunConfig.loss;
     default ppo_clip, the clipped surrogate + KL loss term, entropy bonus of policy_loss.py) at
     the sampling temperature; loss 'sft': negative log-likelihood (rejection sampling)."""

@@ -35,7 +35,7 @@ class LossSpec:
     with. policy: the per-token policy loss of the RL actor (algorithms/policy_gradient.py), a
     function like algorithms.policy_loss.clipped_policy_loss (same arguments, plus `options`).
     rollout: a losses.base.Loss class over rollouts that the RL actor and the critic build
-    themselves from the run (losses/policy.py wraps the run's policy loss; losses/value.py);
+    themselves from the run (algorithms/rollout_losses.py wraps the run's policy loss; losses/value.py);
     not a choice under `loss:`."""
 
     def parse_options(self, raw: dict[str, Any]) -> StrictModel:
@@ -212,8 +212,8 @@ for _spec in (
     LossSpec("kto", "slurm_align.losses.kto:KTO", KTOOptions),
     LossSpec("kd", "slurm_align.losses.distill:KD", KDOptions),
     LossSpec("ppo_clip", "slurm_align.algorithms.policy_loss:clipped_policy_loss", kind="policy"),
-    LossSpec("policy", "slurm_align.losses.policy:PolicyLoss", kind="rollout"),
-    LossSpec("rollout_nll", "slurm_align.losses.policy:RolloutNLL", kind="rollout"),
+    LossSpec("policy", "slurm_align.algorithms.rollout_losses:PolicyLoss", kind="rollout"),
+    LossSpec("rollout_nll", "slurm_align.algorithms.rollout_losses:RolloutNLL", kind="rollout"),
     LossSpec("value", "slurm_align.losses.value:ValueLoss", ValueOptions, kind="rollout"),
 ):
     register_loss(_spec)

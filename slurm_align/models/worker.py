@@ -13,7 +13,7 @@ global loss normaliser (the loss's counts summed over micro-batches and DP ranks
 reference log-probs, megatron's forward/backward schedule over TP/PP, the optimizer step and the
 reduction of the loss's metric sums over micro-batches, DP and PP. The SFT / RM / DPO trainer
 (algorithms/trainer.py) is a thin loop over it; so are the RL actor's update
-(algorithms/policy_gradient.PolicyUpdate: losses/policy.py over rollouts, the worker built by
+(algorithms/policy_gradient.PolicyUpdate: algorithms/rollout_losses.py over rollouts, the worker built by
 algorithms/ppo.build_actor) and the critic's value training (critic/worker.py: losses/value.py,
 `ModelWorker.around` its value model, which the critic swaps with its reward model).
 

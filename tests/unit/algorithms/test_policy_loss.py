@@ -67,7 +67,7 @@ def test_policy_loss_by_hand():
     adv = torch.tensor([[1.0, 1.0], [5.0, 5.0]])
     mask = torch.ones(2, 2)
     is_end = torch.tensor([True, False])   # the second response was cut: it does not count
-    # The actor's update weighs each response by is_end (losses/policy.py RolloutNLL.counted).
+    # The actor's update weighs each response by is_end (algorithms/rollout_losses.py RolloutNLL.counted).
     loss, stats = clipped_policy_loss(logp, old, adv, mask * is_end.float()[:, None], LossTerms(0.2, 0.2))
     # token 0: ratio 1.5 -> min(1.5, 1.2) * 1 = 1.2 ; token 1: ratio 0.5 -> min(0.5, 0.8) = 0.5
     assert math.isclose(float(loss), -(1.2 + 0.5) / 2, rel_tol=1e-6)

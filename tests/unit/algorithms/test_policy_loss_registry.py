@@ -13,8 +13,8 @@ import torch
 
 from slurm_align.algorithms.policy_gradient import PolicyUpdate
 from slurm_align.algorithms.rollout_batch import RolloutBatch
+from slurm_align.algorithms.rollout_losses import PolicyLoss
 from slurm_align.config import ConfigError
-from slurm_align.losses.policy import PolicyLoss
 from slurm_align.models.forward import forward_logprobs
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.lora import trainable_parameters
@@ -28,7 +28,7 @@ from tests.unit.algorithms.test_ppo_step import make_run, world  # noqa: F401  (
 
 def test_gspo_from_a_plugin_is_the_actors_update(tmp_path: Path, world) -> None:  # noqa: F811
     """PolicyUpdate (the RL actor's update, through the model worker's step) trains with the
-    run's registered policy loss (losses/policy.PolicyLoss around it): the
+    run's registered policy loss (algorithms/rollout_losses.PolicyLoss around it): the
     plugin's GSPO, with its option, on a real one-rank policy; the first call sees ratio 1
     (pi == pi_old: the batch's log-probs are the policy's own) and the weights move."""
     _, pctx = world

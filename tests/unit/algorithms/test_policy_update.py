@@ -1,5 +1,5 @@
 """The RL actor's update (policy_gradient.PolicyUpdate) trains through the one model worker's
-step (models/worker.py) with the registered rollout losses (losses/policy.py). On a fixed batch
+step (models/worker.py) with the registered rollout losses (algorithms/rollout_losses.py). On a fixed batch
 and a real megatron GPT in a one-rank world, with SGD at lr 1 (the weights move by exactly the
 gradient), the weights and metrics after the update equal, bit for bit in fp32, those of the
 actor's own loop as it was before the worker (246a4ba's PolicyUpdate._optimizer_step, kept here

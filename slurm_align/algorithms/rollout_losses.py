@@ -11,6 +11,10 @@ Both count the response tokens of samples that ended (is_end) and are kept ('tra
 micro-batch column "weight" (PolicyUpdate sets it). The normaliser is the loss aggregation's
 denominator (tokens, or sequences) over the whole optimizer batch and every DP rank, so the
 gradient does not depend on how the batch is cut into micro-batches.
+
+They live here, not in slurm_align/losses/, because they wrap the algorithms' own policy-loss
+math (policy_loss.py, rollout_correction.py), which the packages below the algorithms must not
+import (tests/unit/test_layering.py); the loss registry names them by their import path.
 """
 
 from __future__ import annotations
