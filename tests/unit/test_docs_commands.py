@@ -168,3 +168,10 @@ def test_transcript_shows_what_the_command_prints(page, line, body, capsys, monk
 def test_the_marks_are_found():
     kinds = {mark.split()[0] for _, _, mark, _ in BLOCKS if mark}
     assert {"transcript", "ran-by", "needs"} <= kinds, kinds
+
+
+def test_every_benchmark_is_on_the_performance_page():
+    page = (REPO_ROOT / "docs" / "performance.md").read_text()
+    scripts = sorted(p.name for p in (REPO_ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
+    assert len(scripts) > 10
+    assert [s for s in scripts if f"`{s}`" not in page] == [], "benchmarks missing from docs/performance.md"
