@@ -32,7 +32,7 @@ def _stdout() -> Console:
     """Tables to stdout; piped or captured output keeps whole rows instead of wrapping at 80."""
     return Console() if sys.stdout.isatty() else Console(width=220)
 
-SHOWN = ("refit", "generate", "rebalance", "logprobs", "init_logprobs", "critic_infer", "critic_wait", "store",
+SHOWN = ("refit", "generate", "rebalance", "logprobs", "init_logprobs", "critic_infer", "critic_wait", "store", "save",
          "train", "critic_train", "weight_sync")
 
 

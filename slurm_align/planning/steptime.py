@@ -59,9 +59,11 @@ DEFAULT_EFFICIENCY: dict[str, float] = {
 }
 """Fraction of peak each phase reaches without a calibration (typical large-model figures)."""
 MODELLED = tuple(DEFAULT_EFFICIENCY)
-CONSTANT_PHASES = ("store", "other")
-"""Phases without a work model: their time is a calibrated constant (default 0). `other` is the
-actor's step time outside every span (metrics, the critic's update request, ...)."""
+CONSTANT_PHASES = ("store", "save", "other")
+"""Phases without a work model: their time is a calibrated constant (default 0). `save` is the
+checkpoint save on the step's critical path (its median over the steps, so a run that saves every
+k steps spreads it; with checkpointing.async_save only the host copy); `other` is the actor's
+step time outside every span (metrics, the critic's update request, ...)."""
 
 
 @dataclass(frozen=True)
@@ -390,7 +392,7 @@ def combine(t: dict[str, float], *, engine_batches: int, disaggregated: bool = F
     wait2 = max(0.0, g("critic_train") - g("train"))
     crit = {"refit": g("refit"), "generate": g("generate"), "rebalance": g("rebalance"),
             "logprobs": g("logprobs"), "init_logprobs": g("init_logprobs"), "critic_infer": wait1,
-            "store": g("store"), "train": g("train") if wait2 == 0 else 0.0,
+            "store": g("store"), "save": g("save"), "train": g("train") if wait2 == 0 else 0.0,
             "critic_train": g("train") + wait2 if wait2 > 0 else 0.0, "weight_sync": g("weight_sync"),
             "other": g("other")}
     if disaggregated:

@@ -67,9 +67,13 @@ def test_a_pipeline_queues_at_once_cancels_after_a_failure_and_resume_runs_each_
     `pipeline --resume` queues SFT and PPO again, and PPO starts only after both of its inputs
     ended and trains from their checkpoints."""
     broken = tmp_path / "broken.jsonl"
-    broken.write_text("this is not JSON\n")   # exists (passes the submit checks), fails when read
+    # Valid when queued (submit reads a sample of the rows and would refuse a broken file), broken
+    # when the stage's ranks read it: overwritten as soon as `pipeline` returns, long before the
+    # SFT job's ranks have imported torch and open their data (seconds).
+    broken.write_text((SYNTH / "sft_train.jsonl").read_text())
     root = tmp_path / "pipe"
     proc = _cli("pipeline", str(_spec(tmp_path, broken)), "--profile", "local-slurm", "--run-dir", str(root))
+    broken.write_text("this is not JSON\n")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stages = _stages(root)
     assert {n: s["after"] for n, s in stages.items()} == {"sft": [], "rm": [], "ppo": ["sft", "rm"]}
