@@ -1,15 +1,8 @@
-"""The sort task's prompts as users keep them (parquet with other column names) train GRPO exactly
-as the JSONL file does: the 2-step run stores the very rollouts (tokens, rewards) of the JSONL
-run's first 2 steps, with the same seed and static prompt sharding (the shared grpo_learning_run
-is that JSONL run: a shorter run is an exact prefix of a longer one, nothing depends on num_steps).
-
-The Arrow file and the save_to_disk folder differ from parquet only in data/sources.py's
-`read_table`; what a job does with the path (submit's checks, the mounts, the ranks' PromptDataset)
-does not depend on the format. tests/unit/data/test_sources.py
-`test_sort_prompts_with_other_column_names_give_the_jsonl_prompts_and_fields[arrow, hf_disk]`
-shows both readers (the ranks' PromptDataset, submit's read_rows) give the JSONL file's tokens and
-fields for them, so their GRPO runs would repeat this one's rollouts (this file ran them too, and
-they did, until the suite's time was cut: issue 35)."""
+"""The sort task's prompts as users keep them (parquet with other column names, an Arrow file, a
+`datasets` save_to_disk folder) train GRPO exactly as the JSONL file does: each format's 2-step
+run stores the very rollouts (tokens, rewards) of the JSONL run's first 2 steps, with the same
+seed and static prompt sharding (the shared grpo_learning_run is that JSONL run: a shorter run
+is an exact prefix of a longer one, nothing depends on num_steps)."""
 
 from __future__ import annotations
 
@@ -18,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
 
@@ -34,14 +28,24 @@ def _rows() -> list[dict]:
 def _write(fmt: str, folder: Path) -> tuple[Path, list[str]]:
     """The prompts in `fmt`, and the overrides that read them."""
     rows = _rows()
-    assert fmt == "parquet", fmt
-    path = folder / "prompts.parquet"   # another column name, and a column of ours it does not have
-    pq.write_table(pa.table({"question": [r["prompt"] for r in rows], "id": list(range(len(rows)))}), path)
-    return path, [f"data.train_path={path}", "data.columns.prompt=question"]
+    if fmt == "parquet":   # another column name, and a column of ours it does not have
+        path = folder / "prompts.parquet"
+        pq.write_table(pa.table({"question": [r["prompt"] for r in rows], "id": list(range(len(rows)))}), path)
+        return path, [f"data.train_path={path}", "data.columns.prompt=question"]
+    table = pa.table({"prompt": [r["prompt"] for r in rows]})
+    if fmt == "arrow":
+        path = folder / "prompts.arrow"
+        feather.write_feather(table, path)
+    else:
+        from datasets import Dataset
+
+        path = folder / "prompts_disk"
+        Dataset(table).save_to_disk(str(path))
+    return path, [f"data.train_path={path}"]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fmt", ["parquet"])
+@pytest.mark.parametrize("fmt", ["parquet", "arrow", "save_to_disk"])
 def test_each_format_trains_grpo_as_the_jsonl_file_does(tmp_path, sft_checkpoint, grpo_learning_run, fmt):
     _, overrides = _write(fmt, tmp_path)
     run = learning_config(sft_checkpoint, "algorithm=grpo", f"ppo.num_steps={STEPS}", "eval.interval=0", *overrides)
