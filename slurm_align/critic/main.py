@@ -11,7 +11,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -97,8 +97,15 @@ class TracedWorker:
             return self.worker.execute(cmd)
 
 
-def serve(server: CriticServer, channel: CommandChannel, worker: TracedWorker) -> None:
-    """Rank 0: take commands from the HTTP endpoints one by one, broadcast, execute, answer."""
+class Executes(Protocol):
+    """What serve/follow drive: the critic's TracedWorker, the teacher's, the judge's worker."""
+
+    def execute(self, cmd: Command) -> Any: ...
+
+
+def serve(server: CriticServer, channel: CommandChannel, worker: Executes) -> None:
+    """Rank 0: take commands from the HTTP endpoints one by one, broadcast, execute, answer (a
+    served component's loop: the critic's, the teacher's, the judge's)."""
     while True:
         pending = server.next_command(timeout=1.0)
         if pending is None:
@@ -115,7 +122,7 @@ def serve(server: CriticServer, channel: CommandChannel, worker: TracedWorker) -
             return
 
 
-def follow(channel: CommandChannel, worker: TracedWorker) -> None:
+def follow(channel: CommandChannel, worker: Executes) -> None:
     """Ranks > 0: execute rank 0's commands until shutdown."""
     while True:
         cmd = channel.recv()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 import traceback
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import torch
 from slurm_align.config import load_run_config
 from slurm_align.config.run import RunConfig
 from slurm_align.critic.channel import Command, CommandChannel
+from slurm_align.critic.main import follow, serve
 from slurm_align.critic.server import ServerLimits
 from slurm_align.judge.model import JudgeModel
 from slurm_align.judge.server import JudgeServer
@@ -60,28 +60,11 @@ def run_judge(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) -> i
             on_exit.append(server.stop)
         print(f"judge: serving on {server.host}:{server.port} ({env.world_size} ranks)", flush=True)
         try:
-            while True:
-                pending = server.next_command(timeout=1.0)
-                if pending is None:
-                    continue
-                channel.send(pending.command)
-                try:
-                    result = worker.execute(pending.command)
-                except BaseException as exc:
-                    pending.result.set_exception(exc)
-                    raise
-                pending.result.set_result(result)
-                if pending.command.kind == "shutdown":
-                    time.sleep(0.5)   # let the answer to the shutdown go out
-                    break
+            serve(server, channel, worker)
         finally:
             server.stop()
     else:
-        while True:
-            cmd = channel.recv()
-            worker.execute(cmd)
-            if cmd.kind == "shutdown":
-                break
+        follow(channel, worker)
     pctx.destroy()
     return 0
 
