@@ -106,24 +106,37 @@ def map_columns(names: list[str], columns: Mapping[str, str], path: Path, kind: 
     return {theirs: ours for ours, theirs in columns.items()}
 
 
+def _type_problem(name: str, key: str, typ) -> str | None:
+    """Why column `name` (the project's `key`) cannot hold that key's values, or None. messages:
+    a list of turns; chosen/rejected: a string or a list of turns; the other string keys: strings."""
+    import pyarrow as pa
+    text = pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)
+    messages = pa.types.is_list(typ) or pa.types.is_large_list(typ)
+    if messages if key == "messages" else text or (key in ("chosen", "rejected") and messages):
+        return None
+    allowed = "a list of {role, content} structs" if key == "messages" else "string"
+    return f"column {name!r} (key {key!r}) has type {typ}; allowed: {allowed}"
+
+
+def _check_types(schema, rename: dict[str, str], path: Path, kind: str) -> None:
+    """Each key's column type, from the schema alone (nothing read)."""
+    problems = [p for field in schema if (key := rename.get(field.name, field.name)) in (*STRING_KEYS, "messages")
+                and (p := _type_problem(field.name, key, field.type)) is not None]
+    if problems:
+        raise ConfigError(problems, path)
+
+
 def _check_schema(table, rename: dict[str, str], path: Path, kind: str) -> None:
     """Column types and nulls of the keys whose values must be strings, before any row is read."""
-    import pyarrow as pa
     import pyarrow.compute as pc
     problems = []
     for name in table.column_names:
         key = rename.get(name, name)
-        if key not in STRING_KEYS and key != "messages":
+        if key not in (*STRING_KEYS, "messages"):
             continue
         col = table.column(name)
-        typ = col.type
-        text = pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)
-        messages = pa.types.is_list(typ) or pa.types.is_large_list(typ)
-        # messages: a list of turns; chosen/rejected: a string or a list of turns; others: strings
-        ok = messages if key == "messages" else text or (key in ("chosen", "rejected") and messages)
-        if not ok:
-            allowed = "a list of {role, content} structs" if key == "messages" else "string"
-            problems.append(f"column {name!r} (key {key!r}) has type {typ}; allowed: {allowed}")
+        if (problem := _type_problem(name, key, col.type)) is not None:
+            problems.append(problem)
         elif col.null_count:
             first = pc.index(pc.is_null(col), True).as_py()
             problems.append(f"row {first}: column {name!r} (key {key!r}) is null ({col.null_count} null rows)")
@@ -364,25 +377,6 @@ def _mapped_table(path: Path, fmt: str, kind: str):
     except Exception as e:   # pyarrow's and datasets' errors for unreadable or corrupt files
         raise ConfigError([f"cannot read {kind} data as {fmt} ({type(e).__name__}: {e}); expected {ALLOWED}"],
                           path) from None
-
-
-def _check_types(schema, rename: dict[str, str], path: Path, kind: str) -> None:
-    """Each key's column type, from the schema alone (nothing read)."""
-    import pyarrow as pa
-    problems = []
-    for field in schema:
-        key = rename.get(field.name, field.name)
-        if key not in STRING_KEYS and key != "messages":
-            continue
-        typ = field.type
-        text = pa.types.is_string(typ) or pa.types.is_large_string(typ) or pa.types.is_string_view(typ)
-        messages = pa.types.is_list(typ) or pa.types.is_large_list(typ)
-        ok = messages if key == "messages" else text or (key in ("chosen", "rejected") and messages)
-        if not ok:
-            allowed = "a list of {role, content} structs" if key == "messages" else "string"
-            problems.append(f"column {field.name!r} (key {key!r}) has type {typ}; allowed: {allowed}")
-    if problems:
-        raise ConfigError(problems, path)
 
 
 def open_source(path: str | Path, kind: str, columns: Mapping[str, str] | None = None) -> RowSource:
