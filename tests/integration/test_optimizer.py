@@ -6,9 +6,6 @@ the rank program: one tiny megatron GPT, one global batch, 3 steps, the gradient
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,18 +14,13 @@ import torch
 from slurm_align.config.memory_plan import plan_model
 from slurm_align.config.run import ParallelConfig
 from tests.programs.optimizer_worker import MODEL, WAYS
+from tests.support.layout_runs import mpirun as run_ranks
 
 WORKER = Path(__file__).parents[1] / "programs" / "optimizer_worker.py"
-ROOT = WORKER.parents[2]
 
 
 def mpirun(n: int, *args: str, timeout: int = 240) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, str(WORKER), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    run_ranks(n, *args, timeout=timeout, program=WORKER)
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -23,13 +23,7 @@ WORKER = Path(__file__).parents[1] / "programs" / "packing_worker.py"
 
 
 def mpirun(n: int, *args: str, timeout: int = 300):
-    import tests.support.layout_runs as tmp  # the module whose mpirun reads WORKER
-    old = tmp.WORKER
-    tmp.WORKER = WORKER
-    try:
-        return _mpirun(n, *args, timeout=timeout)
-    finally:
-        tmp.WORKER = old
+    return _mpirun(n, *args, timeout=timeout, program=WORKER)
 
 
 # -- the partition ---------------------------------------------------------------------------------

@@ -26,10 +26,11 @@ LAYOUTS = ((2, 1), (1, 2))
 """(TP, PP) of the 2-rank layouts."""
 
 
-def mpirun(n: int, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def mpirun(n: int, *args: str, timeout: int = 120, program: Path = WORKER) -> subprocess.CompletedProcess:
+    """`n` real MPI ranks of a test program (default models_worker.py) from the repo root."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
                OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, str(WORKER), *args]
+    cmd = ["mpirun", "--oversubscribe", "-n", str(n), sys.executable, str(program), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
