@@ -4,9 +4,9 @@
 #   weak SFT policy -> red-team prompts -> responses -> critique + revision by the judge (revise)
 #   -> SFT on the revisions -> sampled pairs -> AI preference labels (label) -> DPO
 # and the same pipeline without feedback (--random-labels: random revisions and labels), the control.
-# The judge is a small model trained here (examples/judge_tiny.yaml) on the rule's verdicts of pairs
-# of the SFT policy's own samples on prompts of its own (none of the red-team or held-out prompts)
-# and of the rule's corruptions, so the feedback is a model's, not the rule's.
+# The judge is a small model trained here (examples/judge_tiny.yaml) on the rule's verdicts of the
+# right answer against the SFT policy's own wrong samples on prompts of its own (none of the red-team
+# or held-out prompts) and of the rule's corruptions, so the feedback is a model's, not the rule's.
 # Usage (repo root): bash examples/cai_tiny.sh [RUNS_DIR] [PROFILE]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,7 @@ mkdir -p "$runs"
     --samples "$runs/judge-samples/generate" --rule-pairs 2000
 [[ -e "$runs/judge-model/checkpoints/sft" ]] || "$sa" train sft examples/judge_tiny.yaml --profile "$profile" \
     --run-dir "$runs/judge-model" --follow data.train_path="$runs/judge-data/judge_train.jsonl" \
-    data.val_path="$runs/judge-data/judge_val.jsonl"
+    data.val_path="$runs/judge-data/judge_val.jsonl" trainer.num_steps=2000
 judge=(judge.model.init_checkpoint="$runs/judge-model/checkpoints/sft")
 
 # 1. red-team prompts (the task's training prompts) -> 8 responses each from the SFT policy (T 0.7)

@@ -6,18 +6,17 @@ different corrupted ones; pairs the rule ties are not drawn.
 
 Those corruptions miss the commonest error of the CAI example's policy (a sorted answer with one
 wrong digit): a judge trained on them alone judged the policy's own pairs near chance
-(docs/cai.md). So the CAI example's judge also trains on pairs of the policy's own samples
-(`policy_pair_rows`: each pair of a prompt's distinct samples, and the right answer against each
-wrong sample), on prompts of their own (`judge_prompt_rows`: none of the task's training,
-red-team or held-out prompts), labelled by the rule: the rule labels the judge's training set
-only; the pipeline's feedback is the trained judge's.
+(docs/cai.md). So the CAI example's judge also trains on the policy's own samples
+(`policy_pair_rows`: the right answer against each wrong sample), on prompts of their own
+(`judge_prompt_rows`: none of the task's training, red-team or held-out prompts), labelled by
+the rule: the rule labels the judge's training set only; the pipeline's feedback is the trained
+judge's.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from itertools import combinations
 from pathlib import Path
 
 from slurm_align.data import synthetic
@@ -62,19 +61,19 @@ def fits(row: dict, max_seq_len: int = 32) -> bool:
 
 def policy_pair_rows(samples: dict[str, list[str]], rng: random.Random,
                      template: str = "pairwise_compact") -> list[dict]:
-    """SFT rows of the rule's verdicts on pairs of a policy's own samples (label.read_samples'
-    prompt -> responses): every pair of a prompt's distinct responses, and the right answer
-    against each wrong one, in a random order; pairs the rule ties and rows that do not fit the
-    judge's context are left out."""
+    """SFT rows of the rule's verdicts on a policy's own samples (label.read_samples' prompt ->
+    responses): the right answer against each distinct wrong response, in a random order; rows that
+    do not fit the judge's context are left out. Only right-against-wrong pairs: revisions need the
+    right answer picked among near misses, and a judge trained on every pair of samples (wrong
+    against wrong too, judged by the rule's partial credit) picked it less often (docs/cai.md)."""
     tpl = JudgeTemplate.get(template)
     rows = []
     for prompt, responses in samples.items():
-        distinct = list(dict.fromkeys([*responses, target(prompt)]))
-        for a, b in combinations(distinct, 2):
-            if partial(a, prompt) == partial(b, prompt):
+        right = target(prompt)
+        for wrong in dict.fromkeys(responses):
+            if wrong == right:
                 continue
-            if rng.random() < 0.5:
-                a, b = b, a
+            a, b = (right, wrong) if rng.random() < 0.5 else (wrong, right)
             row = {"input": pairwise_prompt(tpl, SORT_PRINCIPLE, prompt, a, b), "output": rule_verdict(prompt, a, b)}
             if fits(row):
                 rows.append(row)

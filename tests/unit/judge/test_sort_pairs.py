@@ -1,5 +1,5 @@
 """The sort judge's training pairs drawn from a policy's own samples (judge/sort_pairs.py): labelled
-by the rule, the right answer against each wrong sample, ties and rows over the context left out;
+by the rule, the right answer against each wrong sample, rows over the context left out;
 its prompts avoid the files named."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ def test_policy_pairs_are_the_rules_verdicts_on_the_samples_and_the_right_answer
         a, b = rest.removesuffix("?").split("|")
         assert r["output"] == ("A" if partial(a, prompt + "=") > partial(b, prompt + "=") else "B")
         seen.add(frozenset((a, b)))
-    # 41672: {12466, 21467} and the right 12467 -> 3 pairs; 90: only the right answer -> none
-    assert seen == {frozenset(p) for p in (("12466", "12467"), ("12466", "21467"), ("12467", "21467"))}
+    # 41672: the right 12467 against 12466 and 21467; 90: only the right answer -> none
+    assert seen == {frozenset(p) for p in (("12466", "12467"), ("12467", "21467"))}
     wide = "\ufffd" * 9          # 27 bytes: over the judge's 32-token context with the prompt and the answer
     assert policy_pair_rows({"41672=": [wide]}, random.Random(0)) == []
 
