@@ -25,8 +25,10 @@ generate: token ids in and out (skip_tokenizer_init: the byte tokenizer of the s
 works as an HF one does); one vLLM SamplingParams per prompt with its seed (vLLM draws each seeded
 request from its own generator, so a sample's tokens do not depend on its batch); EOS and the
 one-token stop sequences are `stop_token_ids` with `ignore_eos` (the HF config's eos is not ours);
-longer stop sequences are cut by the multi-turn loop (conversations.stop_cut), as for
-TensorRT-LLM. Log-probs: logprobs_mode="processed_logprobs" is log_softmax(logits / temperature)
+longer stop sequences end a sample inside the engine too, through vLLM's scheduler extended with
+a token-sequence check (vllm_scheduler.py: vLLM's `stop` strings need a tokenizer it loads), so
+no token is generated past a multi-turn model turn's stop sequence.
+Log-probs: logprobs_mode="processed_logprobs" is log_softmax(logits / temperature)
 (temperature 1 when greedy), the distribution the trainer recomputes (params.logprob_temperature);
 vLLM's "processed" also renormalizes over the top-k/top-p set, which ours does not (before
 top-k/top-p), so with top_k > 0 or top_p < 1 no log-probs are returned (None; the config refuses
@@ -66,6 +68,10 @@ from slurm_align.models.hf.config import hf_config_dict
 
 SUPPORTED = ">=0.32,<0.33"
 WORKER_EXTENSION = "slurm_align.generation.vllm_worker.WeightLoader"
+# vllm_scheduler.py's names (that module imports vLLM, so not imported here; a test checks the copies)
+SCHEDULER = "slurm_align.generation.vllm_scheduler.make_scheduler"
+STOP_SEQUENCES_ARG = "stop_token_sequences"
+SEQUENCE_STOP_REASON = "stop_token_sequence"
 # HF model_type -> the vLLM architecture of it (vllm/model_executor/models/registry.py).
 VLLM_ARCHS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -167,7 +173,7 @@ class VllmEngine:
                         max_model_len=self.shape.max_seq_len, max_num_seqs=self.options.max_num_seqs,
                         enforce_eager=self.options.enforce_eager, enable_prefix_caching=False,
                         logprobs_mode=LOGPROBS_MODE, worker_extension_cls=WORKER_EXTENSION, generation_config="vllm",
-                        **kwargs)
+                        scheduler_cls=SCHEDULER, **kwargs)
 
     def _cpu_kv_bytes(self, itemsize: int) -> int:
         if self.options.cpu_kv_cache_mib is not None:
@@ -204,13 +210,17 @@ class VllmEngine:
         vllm = import_vllm()
         want_lp = params.return_logprobs and params.top_k == 0 and params.top_p == 1.0
         stop = native_stop_ids(params) or None
+        # the longer stop sequences: vllm_scheduler's check (one-token ones are stop_token_ids)
+        longer = [list(q) for q in params.stop_token_sequences if len(q) > 1]
+        extra = {STOP_SEQUENCES_ARG: longer} if longer else None
         per_sample = [vllm.SamplingParams(max_tokens=params.max_new_tokens, seed=int(s), temperature=params.temperature,
                                           top_k=params.top_k, top_p=params.top_p, ignore_eos=True,
-                                          stop_token_ids=stop, logprobs=0 if want_lp else None, detokenize=False)
+                                          stop_token_ids=stop, logprobs=0 if want_lp else None, detokenize=False,
+                                          extra_args=extra)
                       for s in batch.seeds.tolist()]
         token_prompts = [{"prompt_token_ids": p.reshape(-1).tolist()} for p in prompts]
         results = self._llm.generate(token_prompts, sampling_params=per_sample, use_tqdm=False)
-        return collect_outputs(results, params, want_lp)
+        return collect_outputs(results, params, want_lp, sequence_stop=SEQUENCE_STOP_REASON)
 
 
 def _shutdown_keeping_world(llm: Any) -> None:
