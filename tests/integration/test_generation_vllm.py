@@ -76,3 +76,7 @@ def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path, mode):
     assert all(g < LOGPROB_TOL for g in gaps.values()), gaps
     evals = [m for m in metrics(tmp_path / "run") if "val/score" in m]
     assert [m["step"] for m in evals] == eval_steps   # greedy evaluation runs on the vLLM engine too
+    if mode.endswith("tp2"):   # the replica's requester hosts vLLM and its TP worker 1; the other rank no vLLM
+        logs = tmp_path / "run" / "logs" / ("generator" if mode.startswith("disaggregated") else "actor")
+        assert "Worker_TP1" in (logs / "rank0.log").read_text()
+        assert "non-default args" not in (logs / "rank1.log").read_text()   # vLLM's LLM() logs its settings
