@@ -228,7 +228,7 @@ class VllmEngine:
     def free(self) -> None:
         """Shut the LLM down (weights and KV cache); the next refit creates it again."""
         if self._llm is not None:
-            _shutdown_keeping_world(self._llm)
+            _shutdown_keeping_world(self._llm, in_process=self.tp_size == 1)
             self._llm = None
         self.asleep = False
         if torch.cuda.is_available():
@@ -275,17 +275,21 @@ def check_tensor_parallel(shape: GptShape, tp: int, on_gpu: bool) -> None:
                               f"key/value heads (num_query_groups={kv})")
 
 
-def _shutdown_keeping_world(llm: Any) -> None:
+def _shutdown_keeping_world(llm: Any, in_process: bool = True) -> None:
     """Shut an in-process LLM down without destroying the rank's own torch.distributed world.
     In process, vLLM adopts the default process group the rank already has (its TP/PP groups are
     made inside it), and its engine core's shutdown (cleanup_dist_env_and_memory) would destroy
-    that default group too, or fail on groups the rank has already destroyed at its exit."""
+    that default group too, or fail on groups the rank has already destroyed at its exit.
+    Not `in_process` (TP > 1, the mp executor): vLLM's groups live in its worker processes, which
+    the executor's shutdown ends; this process's vLLM groups (another, in-process engine's) stay."""
     # Deferred: vLLM is an optional extra (import_vllm).
     import torch.distributed as dist
     from vllm.distributed import parallel_state
     from vllm.v1.engine import core
 
     def release_own_groups() -> None:
+        if not in_process:
+            return
         if dist.is_initialized():
             parallel_state.destroy_model_parallel()
             if parallel_state._WORLD is not None:
