@@ -8,8 +8,14 @@ tokens, both distributions renormalised over those K:
     loss = kd_weight * KL + sft_weight * NLL(response tokens)     (losses/registry.py KDOptions)
 
 Renormalising over the K ids makes the loss blind to the mass outside them (for teacher and
-student alike), which is what top-K storage allows; the student's full-vocabulary log-softmax
-(TP-gathered) is taken first, so the softmax over K equals softmax_K of its logits.
+student alike): the student's mass outside the teacher's K ids is free to grow, and does
+(tests/integration/test_offline_distillation.py measured a student keeping 17% of its mass on
+the teacher's top-8, where the teacher keeps 98%; its greedy answers are fine, its samples are
+not). With `rest_mass` the KL is over K+1 classes, the K ids and the rest of the vocabulary,
+none renormalised (q_rest = 1 - sum_k exp(teacher log-prob_k), from the stored values; p_rest the
+student's mass outside the K ids), so the student matches how much mass the teacher leaves
+outside them too. The student's full-vocabulary log-softmax (TP-gathered) is taken first, so
+the softmax over K equals softmax_K of its logits.
 
 Data: generate's rows ({"prompt_ids", "response_ids", "topk_ids", "topk_logprobs"}), from one
 JSONL/parquet file or generate's output folder of shard_*.jsonl files; the token ids are used as
@@ -107,12 +113,25 @@ class DistillDataset:
                 "topk_ids": ids, "topk_logprobs": lps}
 
 
-def topk_forward_kl(student_logp: torch.Tensor, topk_ids: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+def topk_forward_kl(student_logp: torch.Tensor, topk_ids: torch.Tensor, teacher_logp: torch.Tensor,
+                    rest_mass: bool = False) -> torch.Tensor:
     """Per position [...]: KL(q || p) over the teacher's K ids, both renormalised over them.
-    `student_logp` [..., V] (any normalisation), `topk_ids`, `teacher_logp` [..., K]."""
+    `student_logp` [..., V] (any normalisation), `topk_ids`, `teacher_logp` [..., K].
+    rest_mass: over K+1 classes instead, the K ids and the rest of the vocabulary, unrenormalised:
+    `student_logp` must then be normalised over the vocabulary (a log-softmax) and `teacher_logp`
+    are the teacher's full-vocabulary log-probs as generate stores them."""
     s = student_logp.gather(-1, topk_ids)
-    log_p = s - torch.logsumexp(s, -1, keepdim=True)
-    log_q = teacher_logp - torch.logsumexp(teacher_logp, -1, keepdim=True)
+    if rest_mass:
+        # the student's rest: logsumexp over the ids outside the K (exact, no 1 - sum cancellation)
+        outside = student_logp.scatter(-1, topk_ids, float("-inf"))
+        log_p = torch.cat([s, torch.logsumexp(outside, -1, keepdim=True)], -1)
+        # the teacher's rest: 1 - its K probabilities (stored values only), floored so that a
+        # teacher whose K ids hold all the mass (to float precision) adds no term, not a NaN
+        rest = (1 - teacher_logp.exp().sum(-1, keepdim=True)).clamp(min=1e-12)
+        log_q = torch.cat([teacher_logp, rest.log()], -1)
+    else:
+        log_p = s - torch.logsumexp(s, -1, keepdim=True)
+        log_q = teacher_logp - torch.logsumexp(teacher_logp, -1, keepdim=True)
     return (log_q.exp() * (log_q - log_p)).sum(-1)
 
 
@@ -135,7 +154,7 @@ class KD(Loss):
         width = logp.shape[1]
         mask = mb["mask"][:, :width].to(logp.device)
         ids = mb["topk_ids"][:, :width].to(logp.device)
-        kl = topk_forward_kl(logp, ids, mb["topk_logprobs"][:, :width].to(logp.device))
+        kl = topk_forward_kl(logp, ids, mb["topk_logprobs"][:, :width].to(logp.device), self.options.rest_mass)
         nll = -self.token_logprobs(output, mb)[:, :width] if self.options.sft_weight else torch.zeros_like(kl)
         kl_sum, nll_sum = (kl * mask).sum(), (nll * mask).sum()
         loss_sum = self.options.kd_weight * kl_sum + self.options.sft_weight * nll_sum

@@ -59,7 +59,7 @@ def test_the_loss_is_the_renormalised_top_k_forward_kl_plus_the_sft_term(pctx, t
     mb = ds.batch([0, 1, 2])
     mb["real"], mb["norm"] = torch.ones(3), 7.0
     logits = torch.randn(3, mb["tokens"].shape[1], V, generator=g, dtype=torch.float64)
-    opts = KDOptions(kd_weight=0.7, sft_weight=0.3)
+    opts = KDOptions(kd_weight=0.7, sft_weight=0.3, rest_mass=False)
     loss, sums = KD(opts, type("M", (), {"vocab_size": V}))(logits.float().requires_grad_(), mb)
 
     want_kl = want_nll = 0.0
@@ -79,6 +79,38 @@ def test_the_loss_is_the_renormalised_top_k_forward_kl_plus_the_sft_term(pctx, t
     assert float(sums["nll_sum"]) == pytest.approx(want_nll, rel=1e-5)
     assert float(loss) * 7.0 == pytest.approx(0.7 * want_kl + 0.3 * want_nll, rel=1e-5)
     assert want_kl > 0.1, "the test's distributions differ"
+
+
+def test_with_rest_mass_the_kl_is_over_the_k_ids_and_the_rest_unrenormalised(pctx, tmp_path: Path):
+    """Teacher rows from a real distribution's top-K (as generate stores them); the KL over K+1
+    classes by hand in float64: the K probabilities as they are, plus 1 - their sum (the teacher)
+    and the student's mass on every other id."""
+    g = torch.Generator().manual_seed(1)
+    V, rows = 260, []
+    for p, m in [(3, 4), (4, 3)]:
+        teacher = torch.log_softmax(torch.randn(m, V, generator=g, dtype=torch.float64) * 3, -1)
+        vals, ids = teacher.topk(K, -1)
+        rows.append({"prompt_ids": torch.randint(0, V, (p,), generator=g).tolist(),
+                     "response_ids": torch.randint(0, V, (m,), generator=g).tolist(), "topk_ids": ids.tolist(),
+                     "topk_logprobs": vals.tolist()})
+    ds = DistillDataset(write_rows(tmp_path / "kd.jsonl", rows), build_tokenizer(RunConfig(
+        algorithm="kd", model=TEACHER).model), 32)
+    mb = ds.batch([0, 1])
+    mb["real"], mb["norm"] = torch.ones(2), 1.0
+    logits = torch.randn(2, mb["tokens"].shape[1], V, generator=g, dtype=torch.float64)
+    _, sums = KD(KDOptions(rest_mass=True), type("M", (), {"vocab_size": V}))(logits.float(), mb)
+    want = renormalised = 0.0
+    for j, r in enumerate(rows):
+        p = len(r["prompt_ids"])
+        for t in range(len(r["response_ids"])):
+            student = torch.log_softmax(logits[j, p - 1 + t], -1)
+            ids, q = r["topk_ids"][t], [math.exp(v) for v in r["topk_logprobs"][t]]
+            s = [math.exp(float(student[i])) for i in ids]
+            q_rest, s_rest = 1 - sum(q), sum(math.exp(float(student[i])) for i in range(V) if i not in ids)
+            want += sum(a * math.log(a / b) for a, b in zip(q, s)) + q_rest * math.log(q_rest / s_rest)
+            renormalised += sum(a / sum(q) * math.log(a / sum(q) / (b / sum(s))) for a, b in zip(q, s))
+    assert float(sums["kl_sum"]) == pytest.approx(want, rel=1e-5)
+    assert abs(want - renormalised) > 0.1, "the test tells the two losses apart"
 
 
 def test_rows_without_top_k_or_with_mismatched_lengths_are_refused_by_row(tmp_path: Path):
