@@ -71,7 +71,7 @@ def same_samples(rows: list[dict], out: Path) -> tuple[Path, Path]:
     sft_data.write_text("".join(json.dumps(text(r)) + "\n" for r in kept))
     kd_ds, sft_ds = DistillDataset(kd_data, tok, 32), SFTDataset(sft_data, tok, 32)
     assert len(kd_ds) == len(sft_ds) == len(kept)
-    assert all(kd_ds.items[i] == sft_ds.items[i] for i in range(len(kept))), "the students train on the same tokens"
+    assert all(kd_ds.item(i) == sft_ds.items[i] for i in range(len(kept))), "the students train on the same tokens"
     return kd_data, sft_data
 
 
