@@ -15,7 +15,7 @@ from slurm_align.config.errors import ConfigError
 from slurm_align.slurm.commands import parse_after
 from slurm_align.slurm.executor import HetjobExecutor
 from slurm_align.slurm.launch import resolve_input_paths
-from slurm_align.slurm.pipeline import RECORD, _resolve, load_pipeline, submit_pipeline
+from slurm_align.slurm.pipeline import RECORD, _resolve, load_pipeline, stage_profile, submit_pipeline
 
 EXAMPLES = REPO_ROOT / "examples"
 
@@ -105,3 +105,33 @@ def test_after_becomes_an_afterok_dependency_that_cancels_on_failure(tmp_path):
     assert command == ["sbatch", "--dependency=afterok:12:13", "--kill-on-invalid-dep=yes", str(tmp_path / "x")]
     assert HetjobExecutor(tmp_path, "#!/bin/bash\n")._make_submission_command(tmp_path / "x") == \
         ["sbatch", str(tmp_path / "x")]
+
+
+@pytest.mark.parametrize("override, where, allowed", [
+    ("requeue=maybe", "stages.sft.profile.requeue", "valid boolean"),
+    ("no_such_field=1", "stages.sft.profile.no_such_field", "unknown key"),
+    ("kind=local", "stages.sft.profile.kind", "the pipeline's stages are Slurm jobs of one profile"),
+    ("partition", "stages.sft.profile", "must look like a.b.c=value"),
+])
+def test_a_stage_profile_override_is_checked_and_named(tmp_path, override, where, allowed):
+    spec_path = _write(tmp_path, f"""stages:
+  sft: {{config: {EXAMPLES / 'sft_tiny.yaml'}, profile: [partition=preemptible, "{override}"]}}
+""")
+    spec = load_pipeline(spec_path)
+    with pytest.raises(ConfigError) as err:
+        stage_profile(load_profile("local-slurm"), spec, "sft", spec_path)
+    msg = str(err.value)
+    assert str(spec_path) in msg and where in msg and allowed in msg, msg
+
+
+def test_a_stage_profile_overrides_the_pipelines_for_that_stage_only(tmp_path):
+    spec_path = _write(tmp_path, f"""stages:
+  sft: {{config: {EXAMPLES / 'sft_tiny.yaml'}, profile: [partition=preemptible, requeue=true,
+                                                     components.actor.nodes=1]}}
+  rm: {{config: {EXAMPLES / 'rm_tiny.yaml'}}}
+""")
+    spec, base = load_pipeline(spec_path), load_profile("local-slurm")
+    sft = stage_profile(base, spec, "sft", spec_path)
+    assert (sft.partition, sft.requeue, sft.components["actor"].nodes) == ("preemptible", True, 1)
+    assert stage_profile(base, spec, "rm", spec_path) is base
+    assert (base.partition, base.requeue, base.components["actor"].nodes) == ("debug", False, 2)
