@@ -154,10 +154,10 @@ def test_a_stage_preempted_and_requeued_still_releases_its_dependent(slurm_clust
     log = root / "grpo" / "logs" / "actor" / "rank0.log"
     wait_for(lambda: log.exists() and "holding after step 1 " in log.read_text(), "the first step", job=grpo)
     urgent = _preempt(grpo, tmp_path)
+    after = Job(JobRecord.load(root / "next"))   # pending all along: its end fails the wait at once
     wait_for(lambda: [e for e in events(root / "grpo", "started") if e["restart_count"] == 1],
-             "the requeued start", timeout=300)
+             "the requeued start", timeout=300, job=after)
     assert grpo.wait(timeout_s=300, poll_s=0.5) == "COMPLETED", logs_text(root / "grpo")
-    after = Job(JobRecord.load(root / "next"))
     assert after.wait(timeout_s=300, poll_s=0.5) == "COMPLETED", logs_text(root / "next")
 
     assert [(e["step"], e["count"], e["by"]) for e in events(root / "grpo", "requeued")] == [(1, 1, "TERM")]
