@@ -5,6 +5,7 @@ jobs runs in tests/integration/test_pipeline.py."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,33 @@ def test_a_stage_profile_overrides_the_pipelines_for_that_stage_only(tmp_path):
     assert (sft.partition, sft.requeue, sft.components["actor"].nodes) == ("preemptible", True, 1)
     assert stage_profile(base, spec, "rm", spec_path) is base
     assert (base.partition, base.requeue, base.components["actor"].nodes) == ("debug", False, 2)
+
+
+def test_a_restarted_stage_moves_only_the_dependents_waiting_on_its_failed_job(tmp_path, monkeypatch):
+    """follow_restart's choices (the real move on Slurm: tests/integration/test_restart.py), with a
+    scontrol that records its updates and says job 9 completed: b waits on the failed job 10 and on
+    job 9 (done) and moves onto 20 alone; c, queued after a resume, waits on another job: untouched."""
+    from slurm_align.slurm.launch import JobRecord
+    from slurm_align.slurm.pipeline import PipelineRecord, StageRecord, follow_restart
+
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f"""#!/bin/sh
+if [ "$1" = show ]; then [ "$3" = 9 ] && echo "JobId=9 JobState=COMPLETED" || echo "JobId=$3 JobState=PENDING"
+else echo "$@" >>{calls}; fi
+""")
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    root = tmp_path / "pipe"
+    stages = {"a": ("10", [], []), "b": ("11", ["a"], ["10", "9"]), "c": ("12", ["a"], ["7"]), "d": ("13", [], [])}
+    for name, (job_id, _, after) in stages.items():
+        (root / name).mkdir(parents=True)
+        JobRecord("slurm", job_id, str(root / name), ["actor"], "local-slurm", after=after).save()
+    PipelineRecord("spec.yaml", "local-slurm",
+                   [StageRecord(n, str(root / n), deps, job_id) for n, (job_id, deps, _) in stages.items()]).save(root)
+
+    assert follow_restart(root / "a", "10", "20") == ["stage b (job 11) now waits for job 20"]
+    assert calls.read_text().splitlines() == ["update JobId=11 Dependency=afterok:20"]
+    assert [JobRecord.load(root / n).after for n in "bcd"] == [["20"], ["7"], []]
+    assert [s.job_id for s in PipelineRecord.load(root).stages] == ["20", "11", "12", "13"]
+    assert follow_restart(tmp_path / "not-a-stage", "10", "20") == []
