@@ -1044,8 +1044,6 @@ class RunConfig(StrictModel):
     def _rollout_options_fit(self):
         spec = self.spec
         if not spec.rollout:
-            if self.data.mixture and self.algorithm == "kd":
-                raise ValueError("data.mixture: kd reads one generate job's output (data.train_path), not a mixture")
             return self
         n = self.rl.n_samples_per_prompt
         if n < spec.min_group_size:
