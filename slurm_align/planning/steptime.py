@@ -41,6 +41,7 @@ concurrent components on a shared host (only a component's own ranks are counted
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -105,13 +106,13 @@ class ModelShape:
     def _router(self) -> int:
         return self.hidden * self.experts if self.experts > 1 else 0
 
-    @property
+    @functools.cached_property   # the cost functions read it per token and step
     def matmul_params(self) -> int:
         """Weights one token multiplies through (active experts only, output layer included)."""
         per_layer = self._attention_params() + self.mlp_matrices * self.hidden * self.ffn * self.topk + self._router()
         return self.layers * per_layer + self.hidden * self.output
 
-    @property
+    @functools.cached_property   # the cost functions read it per token and step
     def params(self) -> int:
         """Every weight (all experts, embeddings; norms and biases left out)."""
         mlp = self.mlp_matrices * self.hidden * self.ffn * self.experts
@@ -119,7 +120,7 @@ class ModelShape:
         output = 0 if self.tied else self.hidden * self.output
         return self.layers * per_layer + self.vocab * self.hidden + output + self.position_rows * self.hidden
 
-    @property
+    @functools.cached_property   # the cost functions read it per token and step
     def attention_width(self) -> int:
         return self.heads * self.head_dim
 
@@ -202,19 +203,39 @@ def share(hw: Hardware, busy_ranks: int, cpus_per_task: int) -> float:
 def decode_step_s(shape: ModelShape, contexts: list[int], hw: Hardware, dtype: str, tp: int,
                   rate: float = 1.0) -> float:
     """One decode step of a batch whose sequences hold `contexts` tokens: FLOPs or bytes, the slower."""
-    flops = sum(2.0 * shape.matmul_params + 4.0 * shape.layers * shape.attention_width * c for c in contexts)
-    nbytes = shape.params * DTYPE_BYTES[dtype] + shape.kv_bytes_per_token(DTYPE_BYTES[dtype]) * sum(contexts)
-    return max(flops / (tp * hw.flops(dtype) * rate), nbytes / (tp * hw.memory_bandwidth * rate))
+    return _decode_step_s(shape, len(contexts), sum(contexts), hw.flops(dtype), hw.memory_bandwidth, dtype, tp, rate)
+
+
+def _decode_step_s(shape: ModelShape, live: int, context_tokens: int, peak_flops: float, bandwidth: float,
+                   dtype: str, tp: int, rate: float) -> float:
+    """decode_step_s from the batch's live sequences and their summed context. Its FLOPs and bytes
+    are integers (exact as floats below 2**53), so this equals summing them per sequence."""
+    flops = 2.0 * shape.matmul_params * live + 4.0 * shape.layers * shape.attention_width * context_tokens
+    nbytes = shape.params * DTYPE_BYTES[dtype] + shape.kv_bytes_per_token(DTYPE_BYTES[dtype]) * context_tokens
+    return max(flops / (tp * peak_flops * rate), nbytes / (tp * bandwidth * rate))
 
 
 def batch_generation_s(shape: ModelShape, prompts: list[int], responses: list[int], hw: Hardware, dtype: str,
                        tp: int, rate: float = 1.0) -> float:
     """Prefill of every prompt, then decode steps until the longest response ended (a sequence's
     KV cache is read while it decodes)."""
-    t = sum(shape.forward_flops(p) for p in prompts) / (tp * hw.flops(dtype) * rate)
+    return _batch_generation_s(shape, tuple(prompts), tuple(responses), hw.flops(dtype), hw.memory_bandwidth,
+                               dtype, tp, rate)
+
+
+@functools.lru_cache(maxsize=4096)
+def _batch_generation_s(shape: ModelShape, prompts: tuple[int, ...], responses: tuple[int, ...], peak_flops: float,
+                        bandwidth: float, dtype: str, tp: int, rate: float) -> float:
+    """batch_generation_s on hashable arguments, cached: `plan --advise` costs the same engine
+    batches on many layouts. The live sequences and their summed context are kept step by step
+    (a sequence leaves after its last token) instead of rebuilt per step."""
+    t = sum(shape.forward_flops(p) for p in prompts) / (tp * peak_flops * rate)
+    ending = sorted(zip(responses, prompts))   # by the step after which a sequence stops decoding
+    live, prompt_tokens, gone = len(ending), sum(prompts), 0
     for step in range(max(responses, default=0)):
-        live = [p + step for p, r in zip(prompts, responses) if r > step]
-        t += decode_step_s(shape, live, hw, dtype, tp, rate)
+        while gone < len(ending) and ending[gone][0] <= step:
+            live, prompt_tokens, gone = live - 1, prompt_tokens - ending[gone][1], gone + 1
+        t += _decode_step_s(shape, live, prompt_tokens + step * live, peak_flops, bandwidth, dtype, tp, rate)
     return t
 
 

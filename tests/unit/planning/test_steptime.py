@@ -145,3 +145,16 @@ def test_profile_figures_override_the_defaults():
 
 def test_the_cpu_measurement_is_a_rate():
     assert 1e8 < measure_cpu_flops(n=128, repeats=3) < 1e13
+
+
+def test_a_batch_costs_what_its_decode_steps_cost_one_by_one():
+    # ragged responses (one of 0 tokens): the kept live count and context equal rebuilding the
+    # live sequences at every step; the same batch on TP 2 and a slower memory is another cost
+    shape = ModelShape.of(RunConfig().model)
+    prompts, responses = [5, 9, 2, 7], [4, 0, 11, 4]
+    for tp, mem in ((1, 2e8), (2, 2e8), (1, 1e12)):
+        h = hw(flops=3e8, mem=mem)
+        by_step = sum(shape.forward_flops(p) for p in prompts) / (tp * 3e8)
+        for step in range(11):
+            by_step += decode_step_s(shape, [p + step for p, r in zip(prompts, responses) if r > step], h, "fp32", tp)
+        assert batch_generation_s(shape, prompts, responses, h, "fp32", tp) == pytest.approx(by_step, rel=1e-12)
