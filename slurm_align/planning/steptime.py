@@ -171,6 +171,11 @@ class Costs:
 
     efficiency: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     constant_s: dict[str, float] = field(default_factory=dict)
+    constant_share: float = 1.0
+    """The share of its cores the actor had (steptime.share) where the constants were measured.
+    They are the actor's CPU work outside the modelled phases (Python per step, the rollout
+    store, saves), so at another share they take constant_s x constant_share / share: on a
+    shared host a job of more ranks does the same per-step work on fewer cores each."""
     rebalance_before_wait: float = 0.5
     """Share of rebalance before the log-prob passes (the route and the tokens' alltoall); the rest
     (values and rewards along the route, advantages, the gather) comes after the critic's wait."""
@@ -193,11 +198,27 @@ class StepPrediction:
 
 
 # -- the cost of each phase (ideal: at peak, efficiency 1) -----------------------------------
-def share(hw: Hardware, busy_ranks: int, cpus_per_task: int) -> float:
-    """Fraction of its peak a rank gets: 1, or on a shared host its cores over the busy ranks' cores."""
+def share(hw: Hardware, busy_cores: int) -> float:
+    """Fraction of its peak a rank gets: 1, or on a shared host (the local test cluster, whose
+    'nodes' are processes on this one machine) the host's cores over the cores the job's ranks
+    ask for, when they ask for more than it has (compute divided by the oversubscription)."""
     if hw.host_cores is None:
         return 1.0
-    return min(1.0, hw.host_cores / (busy_ranks * cpus_per_task))
+    return min(1.0, hw.host_cores / busy_cores)
+
+
+def job_cores(run: RunConfig, profile: ClusterProfile) -> int:
+    """The cores every rank of the job asks for (its profile's ranks x cpus_per_task over the run's
+    components).
+    On a shared host they all run at once: the critic scores while the actor generates and
+    trains while the actor trains, the generator generates the next step while the actor trains,
+    and a rank waiting in an MPI collective polls its core rather than giving it up."""
+    return sum(profile.resources(c).ranks * profile.resources(c).cpus_per_task for c in run.components)
+
+
+def actor_share(run: RunConfig, profile: ClusterProfile) -> float:
+    """The share of its peak an actor rank gets (share over the job's cores)."""
+    return share(profile_hardware(profile, "actor"), job_cores(run, profile))
 
 
 def decode_step_s(shape: ModelShape, contexts: list[int], hw: Hardware, dtype: str, tp: int,
@@ -268,14 +289,14 @@ def schedule(durations: list[float], replicas: int, dynamic: bool) -> tuple[floa
 def generation_s(run: RunConfig, profile: ClusterProfile, work: Workload, dtype: str) -> tuple[float, int]:
     """Ideal generation time of the step and the number of engine batches."""
     comp = run.engine_component
-    par, res = run.parallel(comp), profile.resources(comp)
+    par = run.parallel(comp)
     hw = profile_hardware(profile, comp)
     if comp == "generator":
         replicas, tp = par.data_parallel, par.tensor_parallel
     else:
         replicas = par.data_parallel * (par.pipeline_parallel if run.switches.refold else 1)
         tp = par.tensor_parallel
-    rate = share(hw, par.world_size, res.cpus_per_task)
+    rate = share(hw, job_cores(run, profile))
     shape = ModelShape.of(run.model)
     batches = engine_batches(run, work)
     durations = [batch_generation_s(shape, [work.prompt(i) for i in b], [work.response(i) for i in b],
@@ -324,9 +345,9 @@ def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype:
     returned apart as `grad_reduce` (it runs at the link's speed, not at a compute efficiency)."""
     out: dict[str, float] = {}
     lengths = work.lengths()
-    a_par, a_res = run.actor, profile.resources("actor")
+    a_par = run.actor
     a_hw = profile_hardware(profile, "actor")
-    a_rate = share(a_hw, a_par.world_size, a_res.cpus_per_task)
+    a_rate = share(a_hw, job_cores(run, profile))
     shape = ModelShape.of(run.model)
     wbytes = DTYPE_BYTES[dtype]
     mb = run.ppo.train_micro_batch_size
@@ -355,9 +376,9 @@ def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype:
     dp_group = a_par.data_parallel * a_par.tensor_parallel * a_par.pipeline_parallel
     out["grad_reduce"] = grad_reduce_s(shape, a_par, link_bandwidth(profile, "actor", dp_group), optimizer_steps(run))
     if "critic" in run.components:
-        c_par, c_res = run.critic, profile.resources("critic")
+        c_par = run.critic
         c_hw = profile_hardware(profile, "critic")
-        c_rate = share(c_hw, c_par.world_size, c_res.cpus_per_task)
+        c_rate = share(c_hw, job_cores(run, profile))
         c_shape = ModelShape.of(run.critic_model_config, value_head=True)
         models = (1 if run.critic_trains else 0) + (1 if run.reward.use_model else 0)
         out["critic_infer"] = forward_pass_s(c_shape, c_par, lengths, c_hw, dtype, mb, c_rate, passes=float(models))
@@ -387,15 +408,16 @@ def step_model_flops(run: RunConfig, work: Workload) -> dict[str, float]:
     return out
 
 
-def phase_times(ideal: dict[str, float], costs: Costs) -> dict[str, float]:
-    """Ideal times at the phases' efficiencies; the gradient all-reduces join their training phase."""
+def phase_times(ideal: dict[str, float], costs: Costs, share: float = 1.0) -> dict[str, float]:
+    """Ideal times at the phases' efficiencies; the gradient all-reduces join their training phase;
+    the constant phases at the actor's `share` of its cores (Costs.constant_share)."""
     out = {p: t / costs.eff(p) for p, t in ideal.items() if p in MODELLED}
     if "train" in out:
         out["train"] += ideal.get("grad_reduce", 0.0)
     if "critic_train" in out:
         out["critic_train"] += ideal.get("critic_grad_reduce", 0.0)
     for p in CONSTANT_PHASES:
-        out[p] = costs.constant_s.get(p, 0.0)
+        out[p] = costs.constant_s.get(p, 0.0) * costs.constant_share / share
     return out
 
 
@@ -453,7 +475,7 @@ def predict(run: RunConfig, profile: ClusterProfile, *, costs: Costs | None = No
     work = work or Workload.default(run)
     if work.samples != run.rollouts_per_step:
         work = work.with_samples(run.rollouts_per_step)
-    times = phase_times(ideal_phases(run, profile, work, dtype), costs)
+    times = phase_times(ideal_phases(run, profile, work, dtype), costs, actor_share(run, profile))
     step, phases, crit = combine(times, engine_batches=len(engine_batches(run, work)),
                                  disaggregated=run.rollout.mode == "disaggregated",
                                  max_off_policy_steps=run.rollout.max_off_policy_steps,
