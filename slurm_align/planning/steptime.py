@@ -33,10 +33,16 @@ trains; the second critic_wait is the critic's update time beyond the actor's. D
 generator generates the next step while the actor trains (max_off_policy_steps >= 1): the step
 is the slower of the two; on-policy (0) their sum.
 
+On a shared host (the local test cluster: its 'nodes' are processes on this one machine) every
+rank of every component asks for its cores at once, so each phase runs at share = host cores /
+the job's cores (when below 1): compute divided by the oversubscription. The constant phases are
+the actor's CPU work too, so they move with that share from the calibration's to the predicted.
+
 Known to be wrong: TP/PP activation traffic, the optimizer step, Python overheads per call (on
 small models these dominate; the calibration folds them into the efficiencies, so a fitted
-efficiency transfers best to layouts of the same model), memory-bound training, contention of
-concurrent components on a shared host (only a component's own ranks are counted).
+efficiency transfers best to layouts of the same model), memory-bound training, and on a shared
+host the other jobs' load (not known before submitting) and the waits of ranks that the
+scheduler runs at different times (a collective waits for its last rank; more ranks, longer).
 """
 
 from __future__ import annotations
