@@ -8,12 +8,21 @@ tokens, both distributions renormalised over those K:
     loss = kd_weight * KL + sft_weight * NLL(response tokens)     (losses/registry.py KDOptions)
 
 Renormalising over the K ids makes the loss blind to the mass outside them (for teacher and
-student alike), which is what top-K storage allows; the student's full-vocabulary log-softmax
-(TP-gathered) is taken first, so the softmax over K equals softmax_K of its logits.
+student alike): the student's mass outside the teacher's K ids is free to grow, and does
+(tests/integration/test_offline_distillation.py measured a student keeping 17% of its mass on
+the teacher's top-8, where the teacher keeps 98%; its greedy answers are fine, its samples are
+not). With `rest_mass` the KL is over K+1 classes, the K ids and the rest of the vocabulary,
+none renormalised (q_rest = 1 - sum_k exp(teacher log-prob_k), from the stored values; p_rest the
+student's mass outside the K ids), so the student matches how much mass the teacher leaves
+outside them too. The student's full-vocabulary log-softmax (TP-gathered) is taken first, so
+the softmax over K equals softmax_K of its logits.
 
 Data: generate's rows ({"prompt_ids", "response_ids", "topk_ids", "topk_logprobs"}), from one
-JSONL/parquet file or generate's output folder of shard_*.jsonl files; the token ids are used as
-stored (no re-tokenisation), cut to max_len with their top-K.
+data file (any format of data/sources.py), generate's output folder of shard_*.jsonl files, or a
+data.mixture of them; the token ids are used as stored (no re-tokenisation), cut to max_len with
+their top-K. Rows are read and checked when first used (as the other data sets read theirs,
+data/jsonl.LazyRows): a rank reads its own share, and a bad row is an error naming its file and
+line when it is read.
 """
 
 from __future__ import annotations
@@ -28,78 +37,108 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from slurm_align.config.errors import ConfigError
 from slurm_align.data.datasets import Sequence, pad, response_mask
-from slurm_align.data.sources import records
+from slurm_align.data.mixture import Mixture, MixtureSpec
+from slurm_align.data.sources import open_source
 from slurm_align.losses.base import Loss
 from slurm_align.losses.registry import KDOptions
 from slurm_align.models.forward import per_sequence
 
 KEYS = ("prompt_ids", "response_ids", "topk_ids", "topk_logprobs")
+KIND = "distillation"
 
 
-def _rows(path: Path, columns: Mapping[str, str] | None) -> list[tuple[str, Any]]:
-    """(where: 'FILE line N' or 'FILE row N', record) of a data file, or of generate's shard folder in shard order."""
-    files = sorted(path.glob("shard_*.jsonl")) if path.is_dir() and not (path / "state.json").exists() else [path]
-    if not files:
-        raise ConfigError(["distillation data: a folder without shard_*.jsonl files (slurm-align generate's output) "
-                           "or datasets' state.json"], path)
-    out = []
-    for f in files:
-        unit, found = records(f, "distillation", columns)
-        out += [(f"{f} {unit} {n}", obj) for n, obj in found]
-    return out
+class _Rows:
+    """Positions of a data file or of generate's shard folder (its files in shard order): row i
+    read on use, with its file and where it is in it ('line N')."""
+
+    def __init__(self, path: Path, columns: Mapping[str, str] | None):
+        shards = path.is_dir() and not (path / "state.json").exists()
+        files = sorted(path.glob("shard_*.jsonl")) if shards else [path]
+        if not files:
+            raise ConfigError(["distillation data: a folder without shard_*.jsonl files (slurm-align generate's "
+                               "output) or datasets' state.json"], path)
+        self.sources = [open_source(f, KIND, columns) for f in files]
+        self.starts = np.cumsum([0] + [len(src) for src in self.sources])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, i: int) -> tuple[Path, str, Any]:
+        f = int(np.searchsorted(self.starts, i, side="right")) - 1
+        src, k = self.sources[f], i - int(self.starts[f])
+        return src.path, f"{src.unit} {src.number(k)}", src.record(k)
+
+
+class _Mixed:
+    """data.mixture's positions (data/mixture.py Mixture) over one _Rows per source."""
+
+    def __init__(self, spec: MixtureSpec, columns: Mapping[str, str] | None):
+        self.parts = [_Rows(Path(p), cols or columns) for p, _, cols in spec.sources]
+        self.mix = Mixture([len(part) for part in self.parts], [w for _, w, _ in spec.sources], spec.seed, spec.length)
+
+    def __len__(self) -> int:
+        return len(self.mix)
+
+    def __getitem__(self, j: int) -> tuple[Path, str, Any]:
+        return self.parts[int(self.mix.source[j])][int(self.mix.row[j])]
 
 
 class DistillDataset:
     """Teacher-labelled responses: batch() gives tokens, lengths, the response mask and, aligned
     with the mask ([n, s-1]: position p predicts token p+1), "topk_ids" [n, s-1, K] and
-    "topk_logprobs" [n, s-1, K] (0 off the response)."""
+    "topk_logprobs" [n, s-1, K] (0 off the response). `path`: a data file, generate's output
+    folder, or a data/mixture.py MixtureSpec. K is the first row's; every row must have it."""
 
-    def __init__(self, path: str | Path, tok, max_len: int, columns: Mapping[str, str] | None = None):
-        self.pad_id = tok.pad_id
-        self.items: list[Sequence] = []
-        self.topk: list[tuple[np.ndarray, np.ndarray]] = []
-        problems: list[str] = []
+    def __init__(self, path: Any, tok, max_len: int, columns: Mapping[str, str] | None = None):
+        self.pad_id, self.max_len = tok.pad_id, max_len
+        self.path = Path(getattr(path, "path", path))
+        self.rows: _Rows | _Mixed = _Mixed(path, columns) if isinstance(path, MixtureSpec) else _Rows(path, columns)
+        if not len(self.rows):
+            raise ConfigError(["distillation data: no rows"], self.path)
+        self._items: dict[int, tuple[Sequence, np.ndarray, np.ndarray]] = {}
         self.k = 0
-        for where, obj in _rows(Path(path), columns):
-            missing = [k for k in KEYS if not isinstance(obj, dict) or obj.get(k) is None]
-            if missing:
-                found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
-                problems.append(f"{where}: no {missing} (found {found}); write the data with "
-                                "`slurm-align generate --top-k-logprobs K`")
-                continue
-            prompt, resp = list(obj["prompt_ids"]), list(obj["response_ids"])
-            ids, lps = np.asarray(obj["topk_ids"], dtype=np.int64), np.asarray(obj["topk_logprobs"], dtype=np.float32)
-            k = ids.shape[1] if ids.ndim == 2 else -1
-            if ids.shape != lps.shape or ids.ndim != 2 or len(ids) != len(resp) or not prompt:
-                problems.append(f"{where}: topk_ids {ids.shape} and topk_logprobs {lps.shape} must both be "
-                                f"[len(response_ids)={len(resp)}, K], with a non-empty prompt")
-                continue
-            if self.k and k != self.k:
-                problems.append(f"{where}: K={k}, other rows have K={self.k} (one generate job's output)")
-                continue
-            self.k = k
-            keep = max(0, min(len(resp), max_len - len(prompt)))
-            self.items.append(Sequence(prompt + resp[:keep], len(prompt)))
-            self.topk.append((ids[:keep], lps[:keep]))
-            if len(problems) >= 20:
-                break
-        if problems or not self.items:
-            raise ConfigError(problems[:20] or ["distillation data: no rows"], path)
+        self.k = int(self._item(0)[1].shape[1])   # the first row sets K (and a wrong file fails now)
+
+    def _item(self, i: int) -> tuple[Sequence, np.ndarray, np.ndarray]:
+        """Row i as (its tokens cut to max_len, its top-K ids, its top-K log-probs), read and checked once."""
+        got = self._items.get(i)
+        if got is not None:
+            return got
+        path, where, obj = self.rows[i]
+        missing = [k for k in KEYS if not isinstance(obj, dict) or obj.get(k) is None]
+        if missing:
+            found = sorted(obj) if isinstance(obj, dict) else type(obj).__name__
+            raise ConfigError([f"{where}: no {missing} (found {found}); write the data with "
+                               "`slurm-align generate --top-k-logprobs K`"], path)
+        prompt, resp = list(obj["prompt_ids"]), list(obj["response_ids"])
+        ids, lps = np.asarray(obj["topk_ids"], dtype=np.int64), np.asarray(obj["topk_logprobs"], dtype=np.float32)
+        if ids.shape != lps.shape or ids.ndim != 2 or len(ids) != len(resp) or not prompt:
+            raise ConfigError([f"{where}: topk_ids {ids.shape} and topk_logprobs {lps.shape} must both be "
+                               f"[len(response_ids)={len(resp)}, K], with a non-empty prompt"], path)
+        if self.k and ids.shape[1] != self.k:
+            raise ConfigError([f"{where}: K={ids.shape[1]}, the first row has K={self.k} (one generate job's "
+                               "output)"], path)
+        keep = max(0, min(len(resp), self.max_len - len(prompt)))
+        got = self._items[i] = (Sequence(prompt + resp[:keep], len(prompt)), ids[:keep], lps[:keep])
+        return got
+
+    def item(self, i: int) -> Sequence:
+        return self._item(i)[0]
 
     def __len__(self) -> int:
-        return len(self.items)
+        return len(self.rows)
 
     def item_tokens(self, indices: list[int]) -> np.ndarray:
-        return np.asarray([len(self.items[i].ids) for i in indices], dtype=np.int64)
+        return np.asarray([len(self.item(i).ids) for i in indices], dtype=np.int64)
 
     def batch(self, indices: list[int]) -> dict:
-        seqs = [self.items[i] for i in indices]
+        got = [self._item(i) for i in indices]
+        seqs = [s for s, _, _ in got]
         tokens, lengths = pad([s.ids for s in seqs], self.pad_id)
         width = tokens.shape[1] - 1
         ids = torch.zeros(len(seqs), width, self.k, dtype=torch.int64)
         lps = torch.zeros(len(seqs), width, self.k, dtype=torch.float32)
-        for j, (s, i) in enumerate(zip(seqs, indices)):
-            tid, tlp = self.topk[i]
+        for j, (s, tid, tlp) in enumerate(got):
             a = s.prompt_len - 1     # position a predicts the first response token
             ids[j, a:a + len(tid)] = torch.from_numpy(tid)
             lps[j, a:a + len(tlp)] = torch.from_numpy(tlp)
@@ -107,12 +146,25 @@ class DistillDataset:
                 "topk_ids": ids, "topk_logprobs": lps}
 
 
-def topk_forward_kl(student_logp: torch.Tensor, topk_ids: torch.Tensor, teacher_logp: torch.Tensor) -> torch.Tensor:
+def topk_forward_kl(student_logp: torch.Tensor, topk_ids: torch.Tensor, teacher_logp: torch.Tensor,
+                    rest_mass: bool = False) -> torch.Tensor:
     """Per position [...]: KL(q || p) over the teacher's K ids, both renormalised over them.
-    `student_logp` [..., V] (any normalisation), `topk_ids`, `teacher_logp` [..., K]."""
+    `student_logp` [..., V] (any normalisation), `topk_ids`, `teacher_logp` [..., K].
+    rest_mass: over K+1 classes instead, the K ids and the rest of the vocabulary, unrenormalised:
+    `student_logp` must then be normalised over the vocabulary (a log-softmax) and `teacher_logp`
+    are the teacher's full-vocabulary log-probs as generate stores them."""
     s = student_logp.gather(-1, topk_ids)
-    log_p = s - torch.logsumexp(s, -1, keepdim=True)
-    log_q = teacher_logp - torch.logsumexp(teacher_logp, -1, keepdim=True)
+    if rest_mass:
+        # the student's rest: logsumexp over the ids outside the K (exact, no 1 - sum cancellation)
+        outside = student_logp.scatter(-1, topk_ids, float("-inf"))
+        log_p = torch.cat([s, torch.logsumexp(outside, -1, keepdim=True)], -1)
+        # the teacher's rest: 1 - its K probabilities (stored values only), floored so that a
+        # teacher whose K ids hold all the mass (to float precision) adds no term, not a NaN
+        rest = (1 - teacher_logp.exp().sum(-1, keepdim=True)).clamp(min=1e-12)
+        log_q = torch.cat([teacher_logp, rest.log()], -1)
+    else:
+        log_p = s - torch.logsumexp(s, -1, keepdim=True)
+        log_q = teacher_logp - torch.logsumexp(teacher_logp, -1, keepdim=True)
     return (log_q.exp() * (log_q - log_p)).sum(-1)
 
 
@@ -135,7 +187,7 @@ class KD(Loss):
         width = logp.shape[1]
         mask = mb["mask"][:, :width].to(logp.device)
         ids = mb["topk_ids"][:, :width].to(logp.device)
-        kl = topk_forward_kl(logp, ids, mb["topk_logprobs"][:, :width].to(logp.device))
+        kl = topk_forward_kl(logp, ids, mb["topk_logprobs"][:, :width].to(logp.device), self.options.rest_mass)
         nll = -self.token_logprobs(output, mb)[:, :width] if self.options.sft_weight else torch.zeros_like(kl)
         kl_sum, nll_sum = (kl * mask).sum(), (nll * mask).sum()
         loss_sum = self.options.kd_weight * kl_sum + self.options.sft_weight * nll_sum

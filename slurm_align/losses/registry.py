@@ -181,14 +181,21 @@ class KTOOptions(StrictModel):
 
 class KDOptions(StrictModel):
     """Offline knowledge distillation on a teacher's stored top-K log-probs (losses/distill.py):
-    kd_weight * KL(teacher || student) over the top-K, both renormalised over those K tokens,
-    plus sft_weight * the response tokens' negative log-likelihood; both averaged over response
-    tokens."""
+    kd_weight * KL(teacher || student) over the top-K, both renormalised over those K tokens
+    (or over the K tokens and the rest: rest_mass), plus sft_weight * the response tokens'
+    negative log-likelihood; both averaged over response tokens."""
 
     kd_weight: float = Field(1.0, ge=0)
     """Weight of the top-K forward KL. Default 1."""
     sft_weight: float = Field(0.0, ge=0)
     """Weight of the SFT term (NLL of the stored response). Default 0 (off)."""
+    rest_mass: bool = False
+    """Add a (K+1)-th class, the mass outside the teacher's K ids (1 - the K stored
+    probabilities; the student's over the rest of the vocabulary), instead of renormalising over
+    the K: the student then also matches how much mass the teacher leaves outside them. Without
+    it the loss is blind to the student's mass outside the K ids, which can grow freely (measured
+    on the sort task: a student kept 17% of its mass on the teacher's top-8, the teacher 98%;
+    docs/algorithms/distillation.md). Default false (the renormalised top-K KL)."""
 
     @model_validator(mode="after")
     def _something_trains(self):

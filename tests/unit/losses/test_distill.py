@@ -59,7 +59,7 @@ def test_the_loss_is_the_renormalised_top_k_forward_kl_plus_the_sft_term(pctx, t
     mb = ds.batch([0, 1, 2])
     mb["real"], mb["norm"] = torch.ones(3), 7.0
     logits = torch.randn(3, mb["tokens"].shape[1], V, generator=g, dtype=torch.float64)
-    opts = KDOptions(kd_weight=0.7, sft_weight=0.3)
+    opts = KDOptions(kd_weight=0.7, sft_weight=0.3, rest_mass=False)
     loss, sums = KD(opts, type("M", (), {"vocab_size": V}))(logits.float().requires_grad_(), mb)
 
     want_kl = want_nll = 0.0
@@ -81,15 +81,81 @@ def test_the_loss_is_the_renormalised_top_k_forward_kl_plus_the_sft_term(pctx, t
     assert want_kl > 0.1, "the test's distributions differ"
 
 
+def test_with_rest_mass_the_kl_is_over_the_k_ids_and_the_rest_unrenormalised(pctx, tmp_path: Path):
+    """Teacher rows from a real distribution's top-K (as generate stores them); the KL over K+1
+    classes by hand in float64: the K probabilities as they are, plus 1 - their sum (the teacher)
+    and the student's mass on every other id."""
+    g = torch.Generator().manual_seed(1)
+    V, rows = 260, []
+    for p, m in [(3, 4), (4, 3)]:
+        teacher = torch.log_softmax(torch.randn(m, V, generator=g, dtype=torch.float64) * 3, -1)
+        vals, ids = teacher.topk(K, -1)
+        rows.append({"prompt_ids": torch.randint(0, V, (p,), generator=g).tolist(),
+                     "response_ids": torch.randint(0, V, (m,), generator=g).tolist(), "topk_ids": ids.tolist(),
+                     "topk_logprobs": vals.tolist()})
+    ds = DistillDataset(write_rows(tmp_path / "kd.jsonl", rows), build_tokenizer(RunConfig(
+        algorithm="kd", model=TEACHER).model), 32)
+    mb = ds.batch([0, 1])
+    mb["real"], mb["norm"] = torch.ones(2), 1.0
+    logits = torch.randn(2, mb["tokens"].shape[1], V, generator=g, dtype=torch.float64)
+    _, sums = KD(KDOptions(rest_mass=True), type("M", (), {"vocab_size": V}))(logits.float(), mb)
+    want = renormalised = 0.0
+    for j, r in enumerate(rows):
+        p = len(r["prompt_ids"])
+        for t in range(len(r["response_ids"])):
+            student = torch.log_softmax(logits[j, p - 1 + t], -1)
+            ids, q = r["topk_ids"][t], [math.exp(v) for v in r["topk_logprobs"][t]]
+            s = [math.exp(float(student[i])) for i in ids]
+            q_rest, s_rest = 1 - sum(q), sum(math.exp(float(student[i])) for i in range(V) if i not in ids)
+            want += sum(a * math.log(a / b) for a, b in zip(q, s)) + q_rest * math.log(q_rest / s_rest)
+            renormalised += sum(a / sum(q) * math.log(a / sum(q) / (b / sum(s))) for a, b in zip(q, s))
+    assert float(sums["kl_sum"]) == pytest.approx(want, rel=1e-5)
+    assert abs(want - renormalised) > 0.1, "the test tells the two losses apart"
+
+
 def test_rows_without_top_k_or_with_mismatched_lengths_are_refused_by_row(tmp_path: Path):
     tok = build_tokenizer(RunConfig(algorithm="kd", model=TEACHER).model)
     good = {"prompt_ids": [1, 2], "response_ids": [3, 4], "topk_ids": [[3, 5], [4, 6]],
             "topk_logprobs": [[-0.1, -2.0], [-0.2, -3.0]]}
-    bad = write_rows(tmp_path / "bad.jsonl", [good, {**good, "topk_ids": None}, {**good, "topk_ids": [[3, 5]]}])
-    with pytest.raises(ConfigError, match=r"line 2: no \['topk_ids'\](?s:.*)line 3: topk_ids \(1, 2\)"):
-        DistillDataset(bad, tok, 32)
+    bad = write_rows(tmp_path / "bad.jsonl", [good, {**good, "topk_ids": None}, {**good, "topk_ids": [[3, 5]]},
+                                              {**good, "topk_ids": [[3], [4]], "topk_logprobs": [[-0.1], [-0.2]]}])
+    ds = DistillDataset(bad, tok, 32)   # rows are read when used: each bad one is named then
+    assert ds.batch([0])["topk_ids"].shape == (1, 3, 2)
+    for i, message in ((1, r"bad.jsonl: line 2: no \['topk_ids'\]"), (2, r"bad.jsonl: line 3: topk_ids \(1, 2\)"),
+                       (3, r"bad.jsonl: line 4: K=1, the first row has K=2")):
+        with pytest.raises(ConfigError, match=message):
+            ds.batch([0, i])
+    with pytest.raises(ConfigError, match=r"bad.jsonl: line 1: no \['topk_ids'\]"):
+        DistillDataset(write_rows(tmp_path / "bad.jsonl", [{**good, "topk_ids": None}]), tok, 32)
     with pytest.raises(ValueError, match="nothing would train"):
         loss_spec("kd").parse_options({"kd_weight": 0})
+
+
+def test_generate_shards_and_a_mixture_of_them_are_read_lazily_row_by_row(tmp_path: Path):
+    """generate's shard folder: its files in shard order, a row read only when used; data.mixture
+    (a MixtureSpec) of a folder and a file: the mixture's positions (data/mixture.py)."""
+    from slurm_align.data.mixture import Mixture, MixtureSpec
+
+    tok = build_tokenizer(RunConfig(algorithm="kd", model=TEACHER).model)
+    def row(n: int) -> dict:
+        return {"prompt_ids": [1, n], "response_ids": [n], "topk_ids": [[n, 7]], "topk_logprobs": [[-0.1, -2.0]]}
+    out = tmp_path / "generate"
+    out.mkdir()
+    for shard, ns in ((1, [13, 14]), (0, [10, 11, 12])):
+        write_rows(out / f"shard_{shard:05d}.jsonl", [row(n) for n in ns])
+    ds = DistillDataset(out, tok, 32)
+    assert len(ds) == 5 and [ds.item(i).ids[1] for i in range(5)] == [10, 11, 12, 13, 14]
+    fresh = DistillDataset(out, tok, 32)
+    fresh.batch([3])
+    assert [src.reads for src in fresh.rows.sources] == [1, 1], "the first row (K) and the one used"
+
+    other = write_rows(tmp_path / "other.jsonl", [row(20 + n) for n in range(4)])
+    spec = MixtureSpec([(out, 0.5, None), (other, 0.5, None)], seed=3, length=12)
+    mixed = DistillDataset(spec, tok, 32)
+    mix = Mixture([5, 4], [0.5, 0.5], 3, 12)
+    want = [[10, 11, 12, 13, 14], [20, 21, 22, 23]]
+    assert [mixed.item(j).ids[1] for j in range(12)] == [want[s][r] for s, r in zip(mix.source, mix.row)]
+    assert mixed.batch([0, 5])["topk_ids"][:, 1, 0].tolist() == [mixed.item(0).ids[1], mixed.item(5).ids[1]]
 
 
 def teacher_rows(teacher, pctx, ds: SFTDataset) -> list[dict]:
