@@ -27,6 +27,15 @@ rollouts per step at 1 node), step time predicted vs measured at 2 / 4 actor nod
              the actor's share: PPO -22% / -6% (critic_infer +5% / +4%, was -30% / -58%), GRPO
              -44% / -44%; plan_time_error_max=0.445 plan_phase_error_max=0.892 (GRPO's generate
              at 4 nodes, -89%)
+  2026-12-06, --steps 6 again, with this file's load lines (load average 24 -> 39 over PPO's
+             sweep, 39 -> 21 over GRPO's; loop 0.33 s after): own ranks only: PPO -39% / -41%,
+             GRPO +17% / -73%, plan_time_error_max=0.730 plan_phase_error_max=3.699; every rank
+             counted: PPO -12% / +4%, GRPO +17% / -69%, plan_time_error_max=0.694
+             plan_phase_error_max=3.699 (GRPO's log-probs at 2 nodes, +370%: its 1-node
+             calibration measured them 4.7x slower than the 2-node run at the same work per rank).
+             PPO's phases alone: max error 0.742 -> 0.663 in the first pair, 0.929 -> 1.576 in this
+             one (the critic's passes, which here slowed by less than their work grew, while the
+             first pair's slowed by the core share: +5% / +4% predicted there, +84% / +158% here)
 The goals are not met here: per-call overheads (Python, HTTP, MPI polling) dominate these tiny
 models, other sessions' load (2-4x between steps) is not known before submitting, and the ranks
 of a point wait for each other in every collective, longer the more ranks the scheduler spreads
