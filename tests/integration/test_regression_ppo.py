@@ -10,6 +10,16 @@ The regression RM is trained here (examples/rm_tiny.yaml with loss 'regression',
 HelpSteer2-format rows built from the task's preference pairs (tests/support/helpsteer.py).
 
 Minutes of reward-model and PPO training: opt-in with SLURM_ALIGN_REGRESSION_PPO=1.
+
+Measured (this host, loaded; the test as written, twice with the same numbers): it does NOT hold,
+so it is marked xfail(strict): the RM's correctness attribute is too weak to drive PPO on this
+task. The RM (300 steps) reaches held-out val MSE 1.03 on correctness (labels 0 or 4), 0.10 on
+verbosity. PPO raises the reward it optimises (the RM's correctness: mean 2.75 over steps 1-5,
+3.71 over steps 26-30) while held-out exact accuracy falls from 0.268 to 0.011 (pooled end; 10
+prompts wrong -> right, 523 right -> wrong) and answers shorten (6.4 characters at
+step 0, 3.8 to 4.8 over steps 20-30): the
+RM is gamed, as the Bradley-Terry RM is without the task's rule reward (tests/integration/
+test_ppo.py: -0.234). The twin (weight -1) falls to 0.000 (answers of 1 character).
 """
 
 from __future__ import annotations
@@ -66,10 +76,16 @@ def ppo_run(sft: Path, rm: Path, weights: str) -> list[str]:
 
 
 @pytest.mark.timeout(3600)
+@pytest.mark.xfail(strict=True, reason="measured: PPO games the regression RM's correctness attribute and held-out "
+                   "exact accuracy falls 0.268 -> 0.011 (module docstring)")
 def test_ppo_on_the_regression_rms_weighted_attributes_raises_held_out_accuracy(
         tmp_path: Path, sft_checkpoint: Path, regression_rm: Path):
     good = launch_learning(tmp_path / "good", ppo_run(sft_checkpoint, regression_rm, WEIGHTS))
     twin = launch_learning(tmp_path / "twin", ppo_run(sft_checkpoint, regression_rm, TWIN_WEIGHTS))
     verdict = learning.verdict("regression_ppo", good, twin)
+    window = range(1, 1 + EVAL_INTERVAL), range(PPO_STEPS - EVAL_INTERVAL + 1, PPO_STEPS + 1)
+    for name, run_dir in (("run", good), ("twin", twin)):   # what PPO optimised: the RM's weighted attributes
+        first, last = (learning.step_rewards(run_dir, w).mean() for w in window)
+        print(f"{name}: mean reward of steps {list(window[0])}: {first:.3f}, of steps {list(window[1])}: {last:.3f}")
     print(verdict)
     verdict.check()

@@ -77,7 +77,11 @@ def test_labelling_writes_the_reward_models_attributes_and_the_conditioned_input
 SYNTH = REPO_ROOT / "examples" / "synthetic"
 STEER_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 260, "max_seq_len": 80}
 """The attribute string (about 50 bytes) does not fit the task's usual 32 positions."""
-RM_STEPS, STEER_SFT_STEPS = 150, 900
+RM_STEPS, STEER_SFT_STEPS = 300, 800
+STEER_SFT_TRAINING = {"lr_decay_style": "cosine", "lr_decay_steps": STEER_SFT_STEPS, "min_lr": 1e-4}
+"""Measured (one run, loaded host): at a constant LR 3e-3 the gap swung between 17 and 25 points
+from step 500 to 900; decayed to 1e-4 (cosine) it reached 42 points in 600 steps (0.439 vs 0.014),
+86 in 1,000."""
 MAX_NEW = 12
 GAP = 0.30
 """The issue's claim: conditioned on correctness 4 versus 0, held-out exact accuracy differs by
@@ -135,7 +139,9 @@ def rm_labels(steer_world, tmp_path_factory: pytest.TempPathFactory) -> tuple[At
 def steered_gap(pctx, ds: AttributeDataset, labels: torch.Tensor, folder: Path) -> PairedCounts:
     """Attribute-conditioned SFT on the labelled rows, then the held-out outcomes conditioned on
     correctness 0 (before) and 4 (after), paired by prompt."""
-    sft = Trainer(steer_run("sft", write_labelled(ds, NAMES, labels, folder / "labelled.jsonl")), pctx, folder / "sft")
+    folder.mkdir(parents=True)
+    sft = Trainer(steer_run("sft", write_labelled(ds, NAMES, labels, folder / "labelled.jsonl"),
+                            training=STEER_SFT_TRAINING), pctx, folder / "sft")
     for step in range(STEER_SFT_STEPS):
         sft.train_step(step)
     prompts = [json.loads(line)["prompt"] for line in (SYNTH / "prompts_val.jsonl").read_text().splitlines()]
