@@ -31,7 +31,7 @@ from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.models.worker import ModelWorker
 from slurm_align.rewards import sort
 from tests.support.helpsteer import ATTRIBUTES, helpsteer_rows
-from tests.support.learning import ALPHA, VERDICT_PREFIX
+from tests.support.learning import ALPHA, TWIN_ALPHA, VERDICT_PREFIX
 from tests.support.single_rank import single_rank_world
 
 NAMES = ATTRIBUTES   # ["correctness", "verbosity"]
@@ -156,7 +156,12 @@ def test_steerlm_conditioned_on_correctness_4_beats_0_by_30_points_and_a_shuffle
     greedy answers to the 2,000 held-out prompts conditioned on correctness 4 and on 0 (the same
     verbosity) differ by at least GAP in exact accuracy, and by an exact McNemar test on the
     prompts whose outcome differs (p < ALPHA). The broken twin trains on the same labels shuffled
-    across rows (the attributes say nothing about their row): it does not reach the gap."""
+    across rows (the attributes say nothing about their row): it does not reach the gap, nor a
+    significant difference (p > TWIN_ALPHA).
+
+    Measured (this host, load average ~70, 550 s; opt-in for that): correctness 4: 0.830,
+    correctness 0: 0.0145 (1,636 prompts right only at 4, 5 only at 0, p < 1e-300); the twin
+    0.3085 vs 0.3095 (25 vs 27, p = 0.66)."""
     ds, labels = rm_labels
     steered = steered_gap(steer_world, ds, labels, tmp_path / "run")
     shuffled = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))]
@@ -167,4 +172,4 @@ def test_steerlm_conditioned_on_correctness_4_beats_0_by_30_points_and_a_shuffle
     print(VERDICT_PREFIX + json.dumps(record), flush=True)
     assert steered.n == 2000
     assert steered.p_better < ALPHA and steered.acc_after - steered.acc_before >= GAP, steered
-    assert twin.acc_after - twin.acc_before < GAP, twin
+    assert twin.acc_after - twin.acc_before < GAP and twin.p_better > TWIN_ALPHA, twin
