@@ -41,7 +41,7 @@ GRPO = "tests/integration/test_grpo.py::test_raises_heldout_accuracy_and_its_bro
 TESTS = {
     "grpo": f"{GRPO}[grpo]",
     "rloo": f"{GRPO}[rloo]",
-    "reinforce_pp": f"{GRPO}[reinforce_pp]",
+    "reinforce_pp_bf16": f"{GRPO}[reinforce_pp_bf16]",
     "rejection_sampling": f"{GRPO}[rejection_sampling]",
     "grpo_lora": f"{GRPO}[grpo_lora]",
     "grpo_async": "tests/integration/test_grpo.py::"

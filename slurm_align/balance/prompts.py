@@ -121,6 +121,14 @@ class PromptServer:
             self._thread.start()
 
     @property
+    def remaining(self) -> int:
+        """Root only: prompts not handed out yet (0 once every one has gone to a worker)."""
+        if self._rank != self._root:
+            raise RuntimeError(f"PromptServer.remaining is known on the root (rank {self._root}) only, "
+                               f"not on rank {self._rank}")
+        return len(self._order) - self._cursor   # an int read: atomic, no lock needed
+
+    @property
     def wait_times(self) -> list[float]:
         """Seconds this worker waited for each batch (phase prompt_wait)."""
         return self._timed.wait_times

@@ -187,6 +187,12 @@ class ModelConfig(StrictModel):
             raise ValueError("rope_scaling needs position_embedding='rope'")
         if self.num_experts is not None and self.moe_router_topk > self.num_experts:
             raise ValueError(f"moe_router_topk={self.moe_router_topk} must be <= num_experts={self.num_experts}")
+        if self.num_experts is not None and self.moe_router_topk == 1 and self.moe_norm_topk_prob:
+            # softmax over one logit is 1.0 for every token: the router would get no gradient
+            # (megatron-core refuses it when the model is built, after the job started)
+            raise ValueError("moe_router_topk=1 with moe_norm_topk_prob=true gives every token the weight 1.0 "
+                             "and the router no gradient: set moe_norm_topk_prob=false (softmax over all "
+                             "experts) or moe_router_topk >= 2")
         if self.lora is not None and self.num_experts is not None:
             experts = [t for t in self.lora.targets if t in ("fc1", "fc2")]
             if experts:

@@ -10,6 +10,7 @@ import argparse
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -131,6 +132,49 @@ def follow(channel: CommandChannel, worker: Executes) -> None:
             return
 
 
+def serve_or_follow(server: CriticServer | None, channel: CommandChannel, worker: Executes,
+                    on_exit: list | None, name: str, shape: str) -> None:
+    """A served component's ranks until shutdown: rank 0 (given its server) starts it, serves and
+    stops it; the others follow rank 0's commands. `name` and `shape` make rank 0's banner."""
+    if server is None:
+        follow(channel, worker)
+        return
+    server.start()
+    if on_exit is not None:
+        on_exit.append(server.stop)   # a TERM exit stops tritonserver too (it would keep the port)
+    print(f"{name}: serving on {server.host}:{server.port} ({shape})", flush=True)
+    try:
+        serve(server, channel, worker)
+    finally:
+        server.stop()
+
+
+def component_main(kind: str, run_dir: str | Path, run_component: Callable[..., int]) -> int:
+    """A component's process: its run's config, MPI, its kind's preemption role (the served kinds
+    'survive': USR2 ignored, the actor decides when to stop; Slurm's preemption TERM: serve on
+    until the actor stopped), then `run_component(run, rd, env, on_exit)`."""
+    rd = RunDir(Path(run_dir))
+    run = load_run_config(rd.config)
+    env = init_distributed()
+    on_exit = enter_role(kind, rd)
+    try:
+        return run_component(run, rd, env, on_exit)
+    except BaseException:
+        # The other ranks wait for rank 0's next command (or rank 0 for their part of a
+        # collective) forever: print why, then take the whole component down at once.
+        traceback.print_exc()
+        sys.stderr.flush()
+        env.comm.Abort(1)
+        raise
+
+
+def component_cli(description: str, main: Callable[[str], int], argv: list[str] | None) -> int:
+    """`python -m <component module> --run-dir DIR`: what the job script runs."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
+    return main(ap.parse_args(argv).run_dir)
+
+
 def resume_step(rd: RunDir) -> int | None:
     """The step of the actor's newest complete checkpoint: a resumed PPO run redoes the steps
     after it, so the critic takes its value model from that step and drops later spans."""
@@ -160,21 +204,7 @@ def restore(worker: CriticWorker, rd: RunDir, step: int, pctx) -> None:
 
 
 def main(run_dir: str | Path) -> int:
-    rd = RunDir(Path(run_dir))
-    run = load_run_config(rd.config)
-    env = init_distributed()
-    # its kind's role, 'survives': USR2 ignored (the actor decides when to stop and saves the
-    # critic); Slurm's preemption TERM: serve on until the actor stopped
-    on_exit = enter_role("critic", rd)
-    try:
-        return run_critic(run, rd, env, on_exit)
-    except BaseException:
-        # The other ranks wait for rank 0's next command (or rank 0 for their part of a
-        # collective) forever: print why, then take the whole component down at once.
-        traceback.print_exc()
-        sys.stderr.flush()
-        env.comm.Abort(1)
-        raise
+    return component_main("critic", run_dir, run_critic)
 
 
 def run_critic(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) -> int:
@@ -192,21 +222,12 @@ def run_critic(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) -> 
     channel = CommandChannel(env.comm)
     tracer = Tracer(rd.root, "critic", env.rank, resume_from_step=None if resumed is None else resumed + 1)
     worker = TracedWorker(worker, tracer)
-    if env.rank == 0:
-        mcfg = run.critic_model_config
-        server = CriticServer.for_run(rd, bind_host(run), run.critic_server.port,
-                                      ServerLimits(max_seq_len=mcfg.max_seq_len, vocab_size=mcfg.vocab_size))
-        server.start()
-        if on_exit is not None:
-            on_exit.append(server.stop)   # a TERM exit stops tritonserver too (it would keep the port)
-        print(f"critic: serving on {server.host}:{server.port} ({env.world_size} ranks, "
-              f"TP={pctx.tp_size} PP={pctx.pp_size} DP={pctx.dp_size})", flush=True)
-        try:
-            serve(server, channel, worker)
-        finally:
-            server.stop()
-    else:
-        follow(channel, worker)
+    mcfg = run.critic_model_config
+    server = CriticServer.for_run(rd, bind_host(run), run.critic_server.port,
+                                  ServerLimits(max_seq_len=mcfg.max_seq_len, vocab_size=mcfg.vocab_size)) \
+        if env.rank == 0 else None
+    serve_or_follow(server, channel, worker, on_exit, "critic", f"{env.world_size} ranks, "
+                    f"TP={pctx.tp_size} PP={pctx.pp_size} DP={pctx.dp_size}")
     tracer.close()
     print(f"critic rank {env.rank}: shut down after {swap.swaps} model swaps", flush=True)
     pctx.destroy()
@@ -214,9 +235,7 @@ def run_critic(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) -> 
 
 
 def cli(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="slurm-align critic component (value + reward over PyTriton)")
-    ap.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
-    return main(ap.parse_args(argv).run_dir)
+    return component_cli("slurm-align critic component (value + reward over PyTriton)", main, argv)
 
 
 if __name__ == "__main__":

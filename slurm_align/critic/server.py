@@ -99,8 +99,8 @@ class RefusalLog:
     log): the count since the last line, and the peers connected to the server's port then.
     Triton does not hand the requester's address to the model, so these are the candidates."""
 
-    def __init__(self, port_of, interval_s: float = 10.0):
-        self.port_of, self.interval_s = port_of, interval_s
+    def __init__(self, port_of, interval_s: float = 10.0, component: str = "critic"):
+        self.port_of, self.interval_s, self.component = port_of, interval_s, component
         self._lock = threading.Lock()
         self._last, self._suppressed = -float("inf"), 0
 
@@ -111,7 +111,7 @@ class RefusalLog:
                 self._suppressed += 1
                 return
             self._last, more, self._suppressed = now, self._suppressed, 0
-        print(f"critic: refused a {endpoint} request ({why}); peers connected now: "
+        print(f"{self.component}: refused a {endpoint} request ({why}); peers connected now: "
               f"{', '.join(connected_peers(self.port_of())) or 'none'}"
               + (f"; {more} more refusals since the last line" if more else ""), file=sys.stderr, flush=True)
 
@@ -173,9 +173,9 @@ def pick_port(host: str, port: int) -> int:
         return s.getsockname()[1]
 
 
-def refusal(endpoint: str, why: str) -> P.CriticAuthError:
+def refusal(endpoint: str, why: str, component: str = "critic") -> P.CriticAuthError:
     return P.CriticAuthError(f"{endpoint}: refused: {why} (header {P.SECRET_HEADER}); "
-                             "only this run's actor may call its critic")
+                             f"only this run's actor may call its {component}")
 
 
 class CriticServer:
@@ -194,7 +194,7 @@ class CriticServer:
         self._secret = secret.encode()
         self.checkpoint_dir = Path(checkpoint_dir)
         self.run_dir = run_dir
-        self.refusals = RefusalLog(lambda: self.port)
+        self.refusals = RefusalLog(lambda: self.port, component=component)
         self.commands: queue.Queue[PendingCommand] = queue.Queue()
         self._triton = None
         self.restarts = 0
@@ -333,7 +333,7 @@ class CriticServer:
         for r in requests:
             why = self._refused(endpoint, r)
             if why:
-                raise refusal(endpoint, why)
+                raise refusal(endpoint, why, self.component)
 
     def _checkpoint_target(self, name: str) -> str:
         """The name, once sure that writing it (and the worker's `<stem>/` folder beside it)
@@ -391,7 +391,7 @@ class CriticServer:
         why = [self._refused(P.INFER, r) for r in requests]
         served = [w is None for w in why]
         if not any(served):
-            raise refusal(P.INFER, why[0])
+            raise refusal(P.INFER, why[0], self.component)
         lim = self.limits
         tokens, lengths = [], []
         for r, ok in zip(requests, served):

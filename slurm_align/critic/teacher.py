@@ -14,9 +14,7 @@ sample's reward (algorithms/policy_gradient.teacher_scores).
 
 from __future__ import annotations
 
-import argparse
 import sys
-import traceback
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -24,20 +22,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from slurm_align.config import load_run_config
 from slurm_align.config.run import RunConfig
 from slurm_align.critic.channel import Command, CommandChannel
-from slurm_align.critic.main import TracedWorker, follow, load_reward_weights, serve
+from slurm_align.critic.main import TracedWorker, component_cli, component_main, load_reward_weights, serve_or_follow
 from slurm_align.critic.server import CriticServer, ServerLimits
 from slurm_align.models.forward import forward_logprobs
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.packing import Batching
-from slurm_align.parallel.bootstrap import init_distributed
 from slurm_align.parallel.layout import initialize_model_parallel
 from slurm_align.profiling.timers import Tracer
 from slurm_align.rundir import RunDir
 from slurm_align.slurm.hetenv import service_host
-from slurm_align.slurm.preemption import enter_role
 
 COMPONENT = "teacher"
 
@@ -127,45 +122,23 @@ def run_teacher(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) ->
     channel = CommandChannel(env.comm)
     tracer = Tracer(rd.root, COMPONENT, env.rank)
     worker = TracedWorker(TeacherWorker(chunks, pctx, env.comm, mcfg.vocab_size), tracer)  # type: ignore[arg-type]
-    if env.rank == 0:
-        # port 0: a free port (a fixed critic_server.port is the critic's, which may share the node)
-        server = CriticServer.for_run(rd, service_host(COMPONENT, run.critic_server.bind_host), 0,
-                                      ServerLimits(max_seq_len=mcfg.max_seq_len, vocab_size=mcfg.vocab_size),
-                                      component=COMPONENT)
-        server.start()
-        if on_exit is not None:
-            on_exit.append(server.stop)
-        print(f"teacher: serving on {server.host}:{server.port} ({env.world_size} ranks, "
-              f"TP={pctx.tp_size} PP={pctx.pp_size} DP={pctx.dp_size})", flush=True)
-        try:
-            serve(server, channel, worker)
-        finally:
-            server.stop()
-    else:
-        follow(channel, worker)
+    # port 0: a free port (a fixed critic_server.port is the critic's, which may share the node)
+    server = CriticServer.for_run(rd, service_host(COMPONENT, run.critic_server.bind_host), 0,
+                                  ServerLimits(max_seq_len=mcfg.max_seq_len, vocab_size=mcfg.vocab_size),
+                                  component=COMPONENT) if env.rank == 0 else None
+    serve_or_follow(server, channel, worker, on_exit, COMPONENT, f"{env.world_size} ranks, "
+                    f"TP={pctx.tp_size} PP={pctx.pp_size} DP={pctx.dp_size}")
     tracer.close()
     pctx.destroy()
     return 0
 
 
 def main(run_dir: str | Path) -> int:
-    rd = RunDir(Path(run_dir))
-    run = load_run_config(rd.config)
-    env = init_distributed()
-    on_exit = enter_role(COMPONENT, rd)   # 'survives': serves on after a TERM until the actor stopped
-    try:
-        return run_teacher(run, rd, env, on_exit)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        env.comm.Abort(1)
-        raise
+    return component_main(COMPONENT, run_dir, run_teacher)
 
 
 def cli(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="slurm-align teacher component (on-policy distillation over PyTriton)")
-    ap.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
-    return main(ap.parse_args(argv).run_dir)
+    return component_cli("slurm-align teacher component (on-policy distillation over PyTriton)", main, argv)
 
 
 if __name__ == "__main__":

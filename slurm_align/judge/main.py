@@ -8,25 +8,19 @@ The judge's model is `judge.model` of the run config (its own size and parallel 
 
 from __future__ import annotations
 
-import argparse
-import sys
-import traceback
 from pathlib import Path
 
 import torch
 
-from slurm_align.config import load_run_config
 from slurm_align.config.run import RunConfig
 from slurm_align.critic.channel import Command, CommandChannel
-from slurm_align.critic.main import follow, serve
+from slurm_align.critic.main import component_cli, component_main, serve_or_follow
 from slurm_align.critic.server import ServerLimits
 from slurm_align.judge.model import JudgeModel
 from slurm_align.judge.server import JudgeServer
-from slurm_align.parallel.bootstrap import init_distributed
 from slurm_align.parallel.layout import initialize_model_parallel
 from slurm_align.rundir import RunDir
 from slurm_align.slurm.hetenv import service_host
-from slurm_align.slurm.preemption import enter_role
 
 
 class JudgeWorker:
@@ -51,39 +45,17 @@ def run_judge(run: RunConfig, rd: RunDir, env, on_exit: list | None = None) -> i
     pctx = initialize_model_parallel(env, jcfg.tensor_parallel, jcfg.pipeline_parallel)
     worker = JudgeWorker(JudgeModel.load(jcfg.model, pctx, seed=run.seed))
     channel = CommandChannel(env.comm)
-    if env.rank == 0:
-        server = JudgeServer.for_judge(rd, service_host("judge", run.critic_server.bind_host), jcfg.port,
-                                       ServerLimits(max_seq_len=jcfg.model.max_seq_len,
-                                                    vocab_size=jcfg.model.vocab_size), worker.model)
-        server.start()
-        if on_exit is not None:   # a surviving rank's exit after a TERM stops the server first
-            on_exit.append(server.stop)
-        print(f"judge: serving on {server.host}:{server.port} ({env.world_size} ranks)", flush=True)
-        try:
-            serve(server, channel, worker)
-        finally:
-            server.stop()
-    else:
-        follow(channel, worker)
+    server = JudgeServer.for_judge(rd, service_host("judge", run.critic_server.bind_host), jcfg.port,
+                                   ServerLimits(max_seq_len=jcfg.model.max_seq_len, vocab_size=jcfg.model.vocab_size),
+                                   worker.model) if env.rank == 0 else None
+    serve_or_follow(server, channel, worker, on_exit, "judge", f"{env.world_size} ranks")
     pctx.destroy()
     return 0
 
 
 def main(run_dir: str | Path) -> int:
-    rd = RunDir(Path(run_dir))
-    run = load_run_config(rd.config)
-    env = init_distributed()
-    on_exit = enter_role("judge", rd)   # 'survives': serves on after a TERM until the actor stopped
-    try:
-        return run_judge(run, rd, env, on_exit)
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        env.comm.Abort(1)
-        raise
+    return component_main("judge", run_dir, run_judge)
 
 
 def cli(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="slurm-align judge component (AI feedback over PyTriton)")
-    ap.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
-    return main(ap.parse_args(argv).run_dir)
+    return component_cli("slurm-align judge component (AI feedback over PyTriton)", main, argv)

@@ -164,6 +164,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         where = f"{r['component']} rank {r['rank']}" if r.get("component") else "the job"
         out.print(f"restart {r['count'] if r['retry'] else '-'}: job {r['job_id']} failed at step {r['failed_step']} "
                   f"({where}: {r['why'] or 'unknown'}); {r['reason']}", highlight=False)
+        for line in r.get("dependents") or []:   # a pipeline stage's dependents, moved onto the new job
+            out.print(f"  {line}", highlight=False)
     if st.pending_reasons:
         out.print(f"waiting: Slurm's reason {', '.join(sorted(set(st.pending_reasons)))}", highlight=False)
     if st.state == job_state.STOPPED:

@@ -19,7 +19,10 @@ complete checkpoint as a requeued one does. Each decision, retried or not, is on
 RUN_DIR/restarts.jsonl (count, job ids, component, rank, reason, failed step, nodes), which
 `slurm-align status` shows; job.json then names the new job, so `status`, `cancel` and
 `Job.wait` follow it. The failed job's exit codes, first_failure, hang reports and launcher log
-are moved aside first, so that the pending new job is not read as failed.
+are moved aside first, so that the pending new job is not read as failed. A job that is a
+pipeline's stage (slurm/pipeline.py) takes its dependents along: their `afterok` is moved onto
+the new job while the failed one still runs (once it ends FAILED, Slurm would cancel them), and
+pipeline.json records the new id.
 
 A node lost together with the batch script's own node kills the script too: no epilogue runs.
 Slurm requeues such a job itself where the profile has `requeue: true` (NODE_FAIL, counted in
@@ -42,6 +45,7 @@ import yaml
 from slurm_align.profiling.watchdog import HUNG_EXIT_CODE, heartbeat_path, read_hang_reports
 from slurm_align.rundir import RunDir, write_atomic
 from slurm_align.slurm.launch import JobRecord
+from slurm_align.slurm.pipeline import follow_restart
 from slurm_align.slurm.status import RESTARTS, FailedRank, first_failure, read_restarts
 
 _SRUN_NODE_TASK = re.compile(r"srun: error: (\S+): tasks? (\d+)(?:-(\d+))?: (.+)")
@@ -65,6 +69,8 @@ class Restart:
     count: int = 0
     """Restarts of this submission so far, this one included when retried."""
     new_job_id: str | None = None
+    dependents: list[str] = field(default_factory=list)
+    """A pipeline stage's dependents moved onto the new job (or why one was not)."""
     time: float = field(default_factory=time.time)
 
 
@@ -214,6 +220,8 @@ def restart(run_dir: Path) -> Restart | None:
         else:
             entry.new_job_id = done.stdout.strip().split(";")[0]
             entry.reason += f"; new job {entry.new_job_id} excludes {','.join(nodes) or 'no node'}"
+            # Before this job ends: its end as FAILED would make Slurm cancel them.
+            entry.dependents = follow_restart(rd.root, job_id, entry.new_job_id, env=_submit_env())
     _append(rd, entry)
     if entry.new_job_id is not None:   # after the line: whoever follows job.json finds the reason
         record.job_id, record.after = entry.new_job_id, []

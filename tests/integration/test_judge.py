@@ -106,7 +106,7 @@ def test_judge_component_answers_its_run_with_its_models_log_probs_and_refuses_s
         assert status == 403 and "restricted" in text, (path, status, text)
     assert judge["proc"].proc.poll() is None, judge["proc"].log_text()   # the shutdown was refused
     assert client.answer_logprobs(PROMPTS, PAIRWISE_ANSWERS) == served
-    assert "critic: refused a judge_" in judge["proc"].log_text()
+    assert "judge: refused a judge_" in judge["proc"].log_text()   # named as the judge, not the critic
     client.shutdown()   # the run's own shutdown is served
     assert judge["proc"].proc.wait(timeout=60) == 0, judge["proc"].log_text()
 

@@ -42,23 +42,44 @@ def check_exact(name: str, mine: list[int], dataset: np.ndarray, extra: dict | N
 
 def run_dynamic(name: str, n: int, batch: int, *, stuck_rank: int | None = None, order=None,
                 prefetch: bool = True):
-    """`stuck_rank` holds its first batch until every other rank has run out of work: a worker
-    as slow as that, whatever the load on the machine (a 10x sleep lost to a loaded host's
-    scheduler once: a "fast" rank starved as long as the slow one)."""
-    waits = []
+    """`stuck_rank` takes its first batch before any other rank starts, then holds it until every
+    other rank has run out of work: a worker as slow as that, whatever the load on the machine (a
+    10x sleep lost to a loaded host's scheduler once: a "fast" rank starved as long as the slow
+    one). Two non-blocking barriers on `side` order it: `first` (the stuck rank holds a batch) and
+    `drained` (the others got nothing more). The root is a worker too and cannot leave batches()
+    before the stuck rank is done, so it joins `drained` from on_wait once the server has handed
+    out its last prompt, not after its loop (that waited for the stuck rank: a deadlock)."""
+    waits: list[float] = []
+    stuck = stuck_rank is not None and stuck_rank != rank   # an "other" rank of a stuck scenario
+    drained: list = []
+
+    def on_wait(dt: float) -> None:
+        waits.append(dt)
+        if stuck and rank == 0 and not drained and server.remaining == 0:
+            drained.append(side.Ibarrier())
+
+    def spin(req) -> None:   # wait without blocking in MPI beside the server thread (prompts.py)
+        while not req.Test():
+            time.sleep(0.01)
+
     kw = {"order": order} if order is not None else {"num_prompts": n}
-    others_done = side.Ibarrier() if stuck_rank == rank else None   # completes when the others post theirs
-    with PromptServer(comm, requester=True, on_wait=waits.append, **kw) as server:
+    server = PromptServer(comm, requester=True, on_wait=on_wait, **kw)
+    with server:
+        if stuck:
+            spin(side.Ibarrier())   # `first`: the stuck rank holds its first batch
         mine = []
         for chunk in server.batches(batch, prefetch=prefetch):
             assert 1 <= len(chunk) <= batch, (name, chunk)
             mine += chunk.tolist()
-            while others_done is not None and not others_done.Test():
-                time.sleep(0.01)
-        done = side.Ibarrier() if stuck_rank is not None and stuck_rank != rank else None
+            if stuck_rank == rank and not drained:
+                side.Ibarrier()   # `first`
+                drained.append(side.Ibarrier())
+                spin(drained[0])
+        if stuck and not drained:
+            drained.append(side.Ibarrier())
         assert len(server.wait_times) == len(waits) >= 1 and all(w >= 0 for w in waits)
-    if done is not None:
-        done.Wait()
+    if drained:
+        spin(drained[0])
     dataset = np.arange(n) if order is None else np.asarray(order)
     return check_exact(name, mine, dataset, {"requests": comm.gather(len(waits), root=0)})
 
@@ -120,11 +141,11 @@ def main() -> None:
     shuffled = np.random.default_rng(0).permutation(np.repeat(np.arange(20), 2))  # duplicates in the set
     run_dynamic("shuffled_order_with_repeats", len(shuffled), 3, order=shuffled)
     # A stuck worker (rank 1) holds its first batch until the others ran out of work: it ends with
-    # at most that batch and the one it asked for ahead (prefetch), the others with the rest.
+    # that batch and at most the one it asked for ahead (prefetch), the others with the rest.
     every = run_dynamic("stuck_worker", 60, 2, stuck_rank=1 if size > 1 else None)
     if rank == 0 and size > 1:
         counts = [len(p) for p in every]
-        assert counts[1] <= 2 * 2 and sum(counts) - counts[1] >= 60 - 2 * 2, f"per rank {counts}"
+        assert 2 <= counts[1] <= 2 * 2 and sum(counts) - counts[1] >= 60 - 2 * 2, f"per rank {counts}"
 
     # Only some ranks request (others would be TP peers): the server still drains completely.
     requester = rank % 2 == 0

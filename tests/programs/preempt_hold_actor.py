@@ -5,6 +5,9 @@ run cannot finish first. Without RUN_DIR/test_hold it is the stock actor.
     test_hold = "stop"   hold after each job's first step until the job script wrote
                          RUN_DIR/stop_requested (Slurm's USR2: time limit or scancel)
     test_hold = "<N>"    hold after step N until killed
+    test_hold = "term-after"  hold after the first step of each job's first start
+                         (SLURM_RESTART_COUNT 0) until this rank got SIGTERM (a stage of a
+                         pipeline preempted between steps, GRPO too: no critic needed)
     test_hold = "term"   hold in the first step of each job's first start (SLURM_RESTART_COUNT 0),
                          before the critic's values are read, until this rank got SIGTERM; the
                          step then goes on, its critic requests after the TERM (Slurm's
@@ -38,6 +41,12 @@ def after_step_with_hold(self, step, *, last, saved, save):
             if time.monotonic() > deadline:
                 raise RuntimeError(f"test hold ({mode}) after step {step}: nothing came in {HOLD_CEILING_S} s")
             time.sleep(0.1)
+    if (not last and first and mode == "term-after"
+            and os.environ.get("SLURM_RESTART_COUNT", "0") == "0"):
+        if self.rank == 0:
+            print(f"test: holding after step {step} until SIGTERM", flush=True)   # tests wait for this line
+        if not _term.wait(HOLD_CEILING_S):
+            raise RuntimeError(f"test hold (term-after) after step {step}: no SIGTERM came in {HOLD_CEILING_S} s")
     return _after_step(self, step, last=last, saved=saved, save=save)
 
 

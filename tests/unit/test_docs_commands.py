@@ -175,3 +175,15 @@ def test_every_benchmark_is_on_the_performance_page():
     scripts = sorted(p.name for p in (REPO_ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
     assert len(scripts) > 10
     assert [s for s in scripts if f"`{s}`" not in page] == [], "benchmarks missing from docs/performance.md"
+
+
+def test_every_opt_in_switch_is_listed():
+    """A test skipped unless SLURM_ALIGN_<NAME>=1 is in tests/README.md's table of opt-in runs (which
+    docs/testing.md includes): a run nobody can find is a run nobody makes."""
+    table = (REPO_ROOT / "tests" / "README.md").read_text().split("## Opt-in runs", 1)[-1]
+    # read with no default: a switch (a setting with a default, e.g. a step count, is not one);
+    # conftest.py's CPU report takes a file name and is described below the table
+    switches = {m for path in (REPO_ROOT / "tests").rglob("*.py") if path.name != "conftest.py"
+                for m in re.findall(r"""environ\.get\(["'](SLURM_ALIGN_[A-Z0-9_]+)["']\)""", path.read_text())}
+    assert "SLURM_ALIGN_CAI" in switches and len(switches) >= 5, switches
+    assert sorted(s for s in switches if f"`{s}`" not in table) == [], "opt-in switches missing from tests/README.md"

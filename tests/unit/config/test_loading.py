@@ -76,6 +76,9 @@ BAD_INPUTS = [
      ["rollout_correction.mode='token_truncate'", "generation.engine='vllm'", "top_k=0"]),
     ("grace longer than the time limit", dict(profile="local-slurm", profile_set=["time=2", "signal_grace_s=300"]),
      ["signal_grace_s=300", "time='2'", "120 s"]),
+    ("MoE top-1 routing normalised over one expert (the router gets no gradient)",
+     dict(overrides=["model.num_experts=4", "model.moe_router_topk=1"]),
+     ["model", "moe_router_topk=1", "moe_norm_topk_prob=true", "moe_norm_topk_prob=false"]),
     ("negative preemption grace", dict(profile="local-slurm", profile_set=["preempt_grace_s=-5"]),
      ["preempt_grace_s", "-5", "greater than or equal to 0"]),
 ]
