@@ -159,7 +159,7 @@ def test_steerlm_conditioned_on_correctness_4_beats_0_by_30_points_and_a_shuffle
     across rows (the attributes say nothing about their row): it does not reach the gap, nor a
     significant difference (p > TWIN_ALPHA).
 
-    Measured (this host, load average ~70, 550 s; opt-in for that): correctness 4: 0.830,
+    Measured (this host, load average 20 to 70, 310 to 550 s; opt-in for that): correctness 4: 0.830,
     correctness 0: 0.0145 (1,636 prompts right only at 4, 5 only at 0, p < 1e-300); the twin
     0.3085 vs 0.3095 (25 vs 27, p = 0.66)."""
     ds, labels = rm_labels
