@@ -8,7 +8,7 @@
 Each engine call generates one turn for every live conversation, at most the turn budget
 (environment.max_turn_tokens, default generation.max_new_tokens) and what is left of the total
 budget (environment.max_total_tokens, default model.max_seq_len less the prompt). A turn ends
-at EOS or at the first stop sequence (environment.stop_sequences): the torch engines stop at a
+at EOS or at the first stop sequence (environment.stop_sequences): the torch engines and vLLM stop at a
 stop sequence's tokens, and the turn is cut by text after the token that completes one (exact
 for any tokenization and for engines without stop sequences; tokens past it are dropped, not
 trained). Then the environment steps every live conversation at once (its step_batch: the
@@ -97,8 +97,9 @@ def stop_cut(tokenizer, tokens: Sequence[int], stops: Sequence[str]) -> int | No
 
 
 def stop_token_ids(tokenizer, stops: Sequence[str]) -> tuple[tuple[int, ...], ...]:
-    """The stop sequences as token ids, the engines' SamplingParams.stop_token_sequences (one-token
-    ones end a turn inside TensorRT-LLM and vLLM; longer ones are cut here, stop_cut)."""
+    """The stop sequences as token ids, the engines' SamplingParams.stop_token_sequences (they end a
+    turn inside the torch engines and vLLM; inside TensorRT-LLM only one-token ones, longer ones
+    are cut here, stop_cut)."""
     return tuple(tuple(ids) for ids in (tokenizer.encode(s) for s in stops) if ids)
 
 

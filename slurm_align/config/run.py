@@ -887,7 +887,7 @@ class RunConfig(StrictModel):
     generator: ParallelConfig = ParallelConfig()
     """Parallel layout of the generator component (rollout.mode 'disaggregated'), whatever the
     actor's: data_parallel replicas of tensor_parallel consecutive ranks each (TP > 1 only with
-    generation.engine 'trtllm', one LLM per replica; the torch engines generate at TP 1)."""
+    generation.engine 'trtllm' or 'vllm', one LLM per replica; the torch engines generate at TP 1)."""
     data: DataConfig = DataConfig()
     """Datasets."""
     generation: GenerationConfig = GenerationConfig()
@@ -1110,17 +1110,17 @@ class RunConfig(StrictModel):
                                  "(the trainer's stages are gathered before they are streamed); give the ranks as "
                                  "generator.data_parallel")
             if g.tensor_parallel != 1 and engine == "vllm":
-                # TP > 1 would be vLLM's external_launcher executor, one worker per rank over the
-                # replica's process group: not built (docs/generation.md)
-                raise ValueError(f"generator.tensor_parallel={g.tensor_parallel} with generation.engine='vllm': "
-                                 "vLLM runs inside each rank's process at TP 1 here (its multi-rank executor inside "
-                                 "a Slurm step, external_launcher, is not built), so a replica's ranks would repeat "
-                                 "each other's work; give them as generator.data_parallel (TP > 1 is "
-                                 "generation.engine 'trtllm')")
-            if g.tensor_parallel != 1 and engine != "trtllm":
+                # one vLLM per replica with TP worker processes of its own (generation/vllm_engine.py)
+                tp, m = g.tensor_parallel, self.model
+                if m.num_attention_heads % tp or (m.query_groups % tp and tp % m.query_groups):
+                    raise ValueError(f"generator.tensor_parallel={tp} with generation.engine='vllm': it must divide "
+                                     f"num_attention_heads={m.num_attention_heads} and divide or be a multiple of "
+                                     f"the key/value heads (num_query_groups={m.query_groups})")
+            if g.tensor_parallel != 1 and engine not in ("trtllm", "vllm"):
                 raise ValueError(f"generator.tensor_parallel={g.tensor_parallel} with generation.engine={engine!r}: "
                                  "the torch engines compute at TP 1, so a replica's ranks would repeat each other's "
-                                 "work; give them as generator.data_parallel (TP > 1 is generation.engine 'trtllm')")
+                                 "work; give them as generator.data_parallel (TP > 1 is generation.engine 'trtllm' "
+                                 "or 'vllm')")
             if engine == "trtllm" and self.rollout.record_weight_digests:
                 raise ValueError("rollout.record_weight_digests with generation.engine='trtllm': the weights live in "
                                  "TensorRT-LLM's worker processes, which give none back to hash; record them with "

@@ -36,8 +36,8 @@ ENGINES = ("torch", "naive", "trtllm", "vllm")
 def make_engine(kind: str, shape: GptShape, device: torch.device | str = "cpu", layout: Any = None,
                 **options: Any) -> Engine:
     """An engine by GenerationConfig.engine name on `device`. `layout` (a GenerationLayout) is
-    where this rank generates: the torch engines and vLLM compute at TP 1 (refit hands them the
-    whole model); TensorRT-LLM builds this replica's TP shard from it (without one: TP 1).
+    where this rank generates: the torch engines compute at TP 1 (refit hands them the whole
+    model); TensorRT-LLM and vLLM run one engine per replica at its TP (without one: TP 1).
     `options`: the engine's own settings (TrtllmOptions, VllmOptions)."""
     if kind == "torch":
         return KVCacheEngine(shape, device)
@@ -47,8 +47,8 @@ def make_engine(kind: str, shape: GptShape, device: torch.device | str = "cpu", 
         if layout is None:
             return TrtllmEngine(shape, device, **options)
         return TrtllmEngine.for_layout(shape, layout, device=device, **options)
-    if kind == "vllm":  # like the torch engines: the whole model on every rank of the layout
-        return VllmEngine(shape, device, **options)
+    if kind == "vllm":  # TP 1: every rank its own; TP > 1: the replica's requester hosts it
+        return VllmEngine(shape, device, layout=layout, **options)
     raise GenerationError(f"generation engine {kind!r}: allowed {ENGINES}")
 
 

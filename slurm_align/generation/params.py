@@ -37,9 +37,10 @@ class SamplingParams:
     """Stop a sample when it emits this token (kept in the response); None never stops early."""
     stop_token_sequences: tuple[tuple[int, ...], ...] = ()
     """Also stop a sample (is_end, the sequence kept) once its response ends with one of these
-    token sequences: a multi-turn environment's stop strings, tokenized. The torch engines stop
-    there; TensorRT-LLM at the one-token ones (trtllm_engine.native_stop_ids) and past longer
-    ones, and the caller's cut by text (conversations.stop_cut) is exact either way."""
+    token sequences: a multi-turn environment's stop strings, tokenized. The torch engines and
+    vLLM (vllm_scheduler.py) stop there; TensorRT-LLM at the one-token ones
+    (trtllm_engine.native_stop_ids) and past longer ones, and the caller's cut by text
+    (conversations.stop_cut) is exact either way."""
     pad_id: int = 0
     """Fills response_tokens past each sample's length."""
     seed: int = 0

