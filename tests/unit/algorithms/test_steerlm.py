@@ -6,22 +6,35 @@ conditioned input, and load as SFT data."""
 from __future__ import annotations
 
 import json
+import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 
 from slurm_align import REPO_ROOT
 from slurm_align.algorithms.steerlm import condition, predict_attributes, render_attributes, write_labelled
-from slurm_align.config.run import ModelConfig
-from slurm_align.data.datasets import SFTDataset
+from slurm_align.algorithms.trainer import Trainer
+from slurm_align.analysis.significance import PairedCounts, paired_counts
+from slurm_align.config.run import ModelConfig, RunConfig
+from slurm_align.data.datasets import SFTDataset, encode_prompt
+from slurm_align.generation import GptShape
+from slurm_align.generation.params import SamplingParams
+from slurm_align.generation.refit import refit_from_training
+from slurm_align.generation.torch_engine import KVCacheEngine
 from slurm_align.losses.regression import AttributeDataset
 from slurm_align.models.forward import forward_values, last_token_values
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.models.worker import ModelWorker
+from slurm_align.rewards import sort
+from tests.support.helpsteer import ATTRIBUTES, helpsteer_rows
+from tests.support.learning import ALPHA, TWIN_ALPHA, VERDICT_PREFIX
 from tests.support.single_rank import single_rank_world
 
-NAMES = ["correctness", "verbosity"]
+NAMES = ATTRIBUTES   # ["correctness", "verbosity"]
 
 
 def test_the_attribute_format_rounds_and_clamps_to_the_0_4_scale():
@@ -58,3 +71,105 @@ def test_labelling_writes_the_reward_models_attributes_and_the_conditioned_input
                             w["input"]), w["input"]
         assert w["input"] == condition(row["input"], NAMES, p)
     assert len(SFTDataset(out, tok, 64)) == 40
+
+
+# --- SteerLM end to end on the sort task (opt-in) ------------------------------------------------
+SYNTH = REPO_ROOT / "examples" / "synthetic"
+STEER_MODEL = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "vocab_size": 260, "max_seq_len": 80}
+"""The attribute string (about 50 bytes) does not fit the task's usual 32 positions."""
+RM_STEPS, STEER_SFT_STEPS = 300, 800
+STEER_SFT_TRAINING = {"lr_decay_style": "cosine", "lr_decay_steps": STEER_SFT_STEPS, "min_lr": 1e-4}
+"""Measured (one run, loaded host): at a constant LR 3e-3 the gap swung between 17 and 25 points
+from step 500 to 900; decayed to 1e-4 (cosine) it reached 42 points in 600 steps (0.439 vs 0.014),
+86 in 1,000."""
+MAX_NEW = 12
+GAP = 0.30
+"""The issue's claim: conditioned on correctness 4 versus 0, held-out exact accuracy differs by
+at least 30 points."""
+
+
+def sorted_and_copied(pair: dict) -> list[str]:
+    """Per prompt the sorted answer (correctness 4) and the prompt's digits as given (0: what a
+    model that copies writes)."""
+    return [sort.target(pair["prompt"]), pair["prompt"].removesuffix("=")]
+
+
+def steer_run(algorithm: str, train: Path, val: Path | None = None, **over) -> RunConfig:
+    cfg = {"algorithm": algorithm, "model": STEER_MODEL, "seed": 7, "data": {"train_path": train, "val_path": val},
+           "trainer": {"global_batch_size": 32, "micro_batch_size": 32, "lr": 3e-3, "num_steps": 1}}
+    return RunConfig(**{**cfg, **over})
+
+
+def held_out_exact(trainer: Trainer, prompts: list[str], correctness: int) -> np.ndarray:
+    """Per held-out prompt, 1 where the greedy answer to the prompt conditioned on `correctness`
+    (and on the verbosity of a full-length answer, the same whatever the correctness) is exactly
+    the sorted digits, scored by the task's rule on the plain prompt."""
+    tok = build_tokenizer(trainer.run.model)
+    engine = KVCacheEngine(GptShape.from_model_config(trainer.run.model))
+    refit_from_training(engine, trainer.chunks, trainer.pctx, refold=False)
+    ids = [torch.tensor(encode_prompt(tok, condition(p, NAMES, [correctness, min(4.0, (len(p) - 1) / 2)]),
+                                      STEER_MODEL["max_seq_len"])) for p in prompts]
+    out = engine.generate(ids, SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, eos_id=tok.eos_id))
+    answers = [tok.decode([t for t in r.tolist() if t != tok.eos_id]) for r in out.responses()]
+    return np.array([int(sort.exact(a, p)) for a, p in zip(answers, prompts)])
+
+
+@pytest.fixture(scope="module")
+def steer_world() -> Iterator:
+    with single_rank_world() as (_, pctx):
+        yield pctx
+
+
+@pytest.fixture(scope="module")
+def rm_labels(steer_world, tmp_path_factory: pytest.TempPathFactory) -> tuple[AttributeDataset, torch.Tensor]:
+    """The regression reward model (correctness, verbosity) trained on HelpSteer2-format rows of
+    the task (tests/support/helpsteer.py: the sorted and the copied answer per prompt), and its
+    predicted attributes of every training row (SteerLM's labelling step)."""
+    folder = tmp_path_factory.mktemp("steerlm")
+    train = helpsteer_rows(SYNTH / "pref_train.jsonl", folder / "helpsteer_train.jsonl", sorted_and_copied)
+    run = steer_run("rm", train, model={**STEER_MODEL, "num_labels": 2},
+                    loss={"name": "regression", "options": {"attributes": NAMES}})
+    rm = Trainer(run, steer_world, folder / "rm")
+    for step in range(RM_STEPS):
+        rm.train_step(step)
+    ds = AttributeDataset(train, build_tokenizer(run.model), STEER_MODEL["max_seq_len"], NAMES, require_labels=False)
+    return ds, predict_attributes(rm.worker, ds)
+
+
+def steered_gap(pctx, ds: AttributeDataset, labels: torch.Tensor, folder: Path) -> PairedCounts:
+    """Attribute-conditioned SFT on the labelled rows, then the held-out outcomes conditioned on
+    correctness 0 (before) and 4 (after), paired by prompt."""
+    folder.mkdir(parents=True)
+    sft = Trainer(steer_run("sft", write_labelled(ds, NAMES, labels, folder / "labelled.jsonl"),
+                            training=STEER_SFT_TRAINING), pctx, folder / "sft")
+    for step in range(STEER_SFT_STEPS):
+        sft.train_step(step)
+    prompts = [json.loads(line)["prompt"] for line in (SYNTH / "prompts_val.jsonl").read_text().splitlines()]
+    return paired_counts(held_out_exact(sft, prompts, 0), held_out_exact(sft, prompts, 4))
+
+
+@pytest.mark.skipif(os.environ.get("SLURM_ALIGN_STEERLM") != "1",
+                    reason="minutes of reward-model and SFT training: set SLURM_ALIGN_STEERLM=1")
+def test_steerlm_conditioned_on_correctness_4_beats_0_by_30_points_and_a_shuffled_twin_does_not(
+        steer_world, rm_labels, tmp_path: Path):
+    """SteerLM end to end: a regression RM labels the rows, SFT conditions on its attributes,
+    greedy answers to the 2,000 held-out prompts conditioned on correctness 4 and on 0 (the same
+    verbosity) differ by at least GAP in exact accuracy, and by an exact McNemar test on the
+    prompts whose outcome differs (p < ALPHA). The broken twin trains on the same labels shuffled
+    across rows (the attributes say nothing about their row): it does not reach the gap, nor a
+    significant difference (p > TWIN_ALPHA).
+
+    Measured (this host, load average 20 to 70, 310 to 550 s; opt-in for that): correctness 4: 0.830,
+    correctness 0: 0.0145 (1,636 prompts right only at 4, 5 only at 0, p < 1e-300); the twin
+    0.3085 vs 0.3095 (25 vs 27, p = 0.66)."""
+    ds, labels = rm_labels
+    steered = steered_gap(steer_world, ds, labels, tmp_path / "run")
+    shuffled = labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(0))]
+    twin = steered_gap(steer_world, ds, shuffled, tmp_path / "twin")
+    record = {"name": "steerlm", "rm_steps": RM_STEPS, "sft_steps": STEER_SFT_STEPS,
+              **{k: {"n": c.n, "acc0": c.acc_before, "acc4": c.acc_after, "b": c.b, "c": c.c, "p_better": c.p_better}
+                 for k, c in (("steered", steered), ("twin", twin))}}
+    print(VERDICT_PREFIX + json.dumps(record), flush=True)
+    assert steered.n == 2000
+    assert steered.p_better < ALPHA and steered.acc_after - steered.acc_before >= GAP, steered
+    assert twin.acc_after - twin.acc_before < GAP and twin.p_better > TWIN_ALPHA, twin
