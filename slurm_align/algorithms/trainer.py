@@ -22,7 +22,7 @@ from slurm_align.config.errors import ConfigError
 from slurm_align.config.run import RunConfig
 from slurm_align.data.datasets import DataOrder
 from slurm_align.data.mixture import training_data
-from slurm_align.models.checkpoint import AsyncCheckpointWriter
+from slurm_align.models.checkpoint import AsyncCheckpointWriter, find_latest
 from slurm_align.models.lora import lora_base
 from slurm_align.models.packing import run_batching
 from slurm_align.models.retention import apply_retention
@@ -32,6 +32,7 @@ from slurm_align.profiling.device import ProfilerWindow
 from slurm_align.profiling.metrics import MetricsLogger
 from slurm_align.profiling.watchdog import Watchdog
 from slurm_align.rundir import RunDir
+from slurm_align.slurm.preemption import StopPoint
 
 
 class Trainer:
@@ -68,6 +69,7 @@ class Trainer:
         self.order = DataOrder(len(self.train_ds), tc.global_batch_size, run.seed)
         self.ckpt_root = RunDir(self.run_dir).checkpoints(self.name)
         self.step = 0
+        self._saved_step: int | None = None   # the step of the newest save (under way or committed)
         self.writer = AsyncCheckpointWriter() if run.checkpointing.async_save else None
 
     @property
@@ -88,6 +90,7 @@ class Trainer:
 
     # --- the loop ---------------------------------------------------------------
     def save(self) -> Path:
+        self._saved_step = self.step
         # on_commit: once committed on every rank (the commit's last barrier), older ones may go
         return self.worker.save(self.ckpt_root, self.step,
                                 {"consumed_samples": self.step * self.run.trainer.global_batch_size,
@@ -95,6 +98,14 @@ class Trainer:
                                  **lora_base(self.run.model, self.run.seed, self.worker.init_checkpoint)},
                                 writer=self.writer, on_commit=lambda: apply_retention(
                                     self.run.checkpointing, self.ckpt_root, self.metrics.path))
+
+    def save_and_wait(self) -> None:
+        """This step's checkpoint committed before returning (a stop for preemption): saved now
+        unless its (background) save is under way, then the writer joined."""
+        if self._saved_step != self.step:
+            self.save()
+        if self.writer is not None:
+            self.writer.wait()
 
     def resume(self) -> bool:
         found = self.worker.resume(self.ckpt_root)
@@ -110,9 +121,13 @@ class Trainer:
         if self.rank == 0:
             self.console.print(text, highlight=False)
 
-    def fit(self) -> dict:
+    def fit(self, stop: StopPoint | None = None) -> dict:
+        """Train to trainer.num_steps, or until `stop` (preemption: train_main's) ends the run
+        early after a saved step."""
         tc = self.run.trainer
-        self.resume()
+        resumed = self.resume()
+        if stop is not None:
+            stop.resumed(self.step + 1, find_latest(self.ckpt_root) if resumed else None)
         timeout = self.run.fault_tolerance.hang_timeout_s
         watchdog = Watchdog(timeout, RunDir(self.run_dir).logs / "actor", self.rank).start() if timeout else None
         trace = Path(self.run_dir) / "profile" / f"actor_rank{self.rank}.json"
@@ -125,6 +140,8 @@ class Trainer:
             while self.step < tc.num_steps:
                 if watchdog is not None:   # the phase a hang report names
                     watchdog.enter("step", self.step + 1)
+                if stop is not None:
+                    stop.step_begins()
                 window.step_begins(self.step + 1)
                 t0 = time.perf_counter()
                 metrics = self.train_step(self.step)
@@ -138,11 +155,18 @@ class Trainer:
                 self.metrics.log(record)
                 progress.update(task, advance=1, description=" ".join(
                     f"{k}={v:.4g}" for k, v in record.items() if k not in ("step", "step_time_s")))
-                if (tc.save_interval and self.step % tc.save_interval == 0) or self.step == tc.num_steps:
+                saved = bool((tc.save_interval and self.step % tc.save_interval == 0) or self.step == tc.num_steps)
+                if saved:
                     self.save()
                 if watchdog is not None:   # a step (and its save) ended: progress
                     watchdog.progress("step", self.step)
                 last = record
+                # A stop commits its step before stopped_step is written: with async_save a write
+                # of this step under way counts as not saved yet (save_and_wait joins it).
+                if stop is not None and stop.after_step(self.step, last=self.step == tc.num_steps,
+                                                        saved=saved and self.writer is None,
+                                                        save=lambda _: self.save_and_wait()):
+                    break
         window.close()
         if self.writer is not None:   # the last checkpoint is committed before the run ends
             self.writer.wait()

@@ -211,8 +211,10 @@ def enter_role(component: str, rd: RunDir) -> list[Callable[[], None]]:
 class StopPoint:
     """Install in the actor before the run starts; call `after_step` after every step."""
 
-    def __init__(self, comm, rd: RunDir, grace_s: float | None = None):
+    def __init__(self, comm, rd: RunDir, grace_s: float | None = None, checkpoints: Path | None = None):
         self.comm, self.rd = comm, rd
+        # where a TERM's give-up finds the newest checkpoint: the actor's, or a trainer's (sft, rm, ...)
+        self.checkpoints = rd.checkpoints("actor") if checkpoints is None else checkpoints
         self.rank = comm.Get_rank()
         self.grace_s = preempt_grace_s() if grace_s is None else grace_s
         self._signalled = False
@@ -276,7 +278,7 @@ class StopPoint:
             if self._stopping:
                 return
             self._stopping = True
-            latest = find_latest(self.rd.checkpoints("actor"))
+            latest = find_latest(self.checkpoints)
             step = int(latest.name.split("_")[-1]) if latest is not None else 0
             write_atomic(self.rd.stopped_by, "TERM\n")
             write_atomic(self.rd.stopped_step, f"{step}\n")   # last: the script and the critic read it
@@ -356,5 +358,5 @@ class StopPoint:
             write_atomic(self.rd.stopped_by, "TERM\n" if why == 2 else "warning\n")
             write_atomic(self.rd.stopped_step, f"{step}\n")   # last: the script and the critic read it
             record_event(self.rd, "saved", step=step, by="TERM" if why == 2 else "warning")
-            print(f"stopped for preemption at step {step}: actor and critic saved", flush=True)
+            print(f"stopped for preemption at step {step}: saved", flush=True)
         return True

@@ -48,6 +48,23 @@ def test_sft_learns_and_resume_continues_identically(tmp_path: Path):
         assert abs(ra["loss"] - rb["loss"]) <= 1e-5 * max(1.0, abs(ra["loss"])), (ra, rb)
         assert abs(ra["grad_norm"] - rb["grad_norm"]) <= 1e-4 * ra["grad_norm"], (ra, rb)
 
+    # Stopped for preemption (the job script's USR2 warning is RUN_DIR/stop_requested; Slurm's
+    # TERM takes the same stop point): the trainer ends after its step 1, saved, and says so
+    # (stopped_step, which the job script requeues on); the restart continues as a did.
+    run_c = make_run(tmp_path / "c", "sft_tiny.yaml",
+                     [*ONE_RANK, "trainer.num_steps=40", "trainer.save_interval=20"])
+    (run_c / "stop_requested").write_text("0\n")
+    assert [r["step"] for r in train(run_c)] == [1]
+    assert (run_c / "stopped_step").read_text().strip() == "1"
+    assert (run_c / "stopped_by").read_text().strip() == "warning"
+    assert (run_c / "checkpoints" / "sft" / "iter_0000001" / "manifest.json").is_file()
+    for name in ("stop_requested", "stopped_step", "stopped_by"):   # as the requeued job script does
+        (run_c / name).unlink()
+    c = train(run_c)
+    assert [r["step"] for r in c] == list(range(1, 41))
+    for ra, rc in zip(a[1:], c[1:]):
+        assert abs(ra["loss"] - rc["loss"]) <= 1e-5 * max(1.0, abs(ra["loss"])), (ra, rc)
+
 
 def test_reward_model_accuracy_well_above_chance(tmp_path: Path):
     # 80 steps: half the rejected answers are not shuffles but near misses (a digit dropped or
