@@ -61,6 +61,10 @@ EXAMPLES: dict[tuple[str, ...], tuple[str, ...]] = {
         "slurm-align revise runs/cai/responses/generate --config examples/cai_tiny.yaml "
         "--out runs/cai/revisions.jsonl judge.model.init_checkpoint=runs/cai/judge-model/checkpoints/sft",
     ),
+    ("steerlm-label",): (
+        "slurm-align steerlm-label runs/steerlm/rm/checkpoints/rm --data examples/synthetic/sft_train.jsonl "
+        "--out runs/steerlm/labelled.jsonl",
+    ),
     ("generate",): (
         "slurm-align generate runs/tiny/ppo/checkpoints/actor --data examples/synthetic/prompts.jsonl "
         "--profile local --samples 4 --top-k-logprobs 8",

@@ -8,12 +8,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from slurm_align import REPO_ROOT
 from slurm_align.algorithms.steerlm import condition, predict_attributes, render_attributes, write_labelled
@@ -173,3 +176,71 @@ def test_steerlm_conditioned_on_correctness_4_beats_0_by_30_points_and_a_shuffle
     assert steered.n == 2000
     assert steered.p_better < ALPHA and steered.acc_after - steered.acc_before >= GAP, steered
     assert twin.acc_after - twin.acc_before < GAP and twin.p_better > TWIN_ALPHA, twin
+
+
+# --- `slurm-align steerlm-label` (algorithms/steerlm_commands.py) --------------------------------
+LABEL_MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 260, "max_seq_len": 32}
+
+
+def regression_rm_run(folder: Path, **model) -> RunConfig:
+    train = helpsteer_rows(SYNTH / "pref_val.jsonl", folder / "helpsteer.jsonl", sorted_and_copied)
+    return RunConfig(algorithm="rm", seed=3, model={**LABEL_MODEL, "num_labels": 2, **model},
+                     data={"train_path": train}, loss={"name": "regression", "options": {"attributes": NAMES}},
+                     trainer={"global_batch_size": 16, "micro_batch_size": 16, "lr": 1e-2, "num_steps": 5})
+
+
+def write_run_config(run: RunConfig, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False))
+
+
+def test_steerlm_label_command_writes_what_the_trained_regression_rm_predicts(tmp_path: Path):
+    """A 5-step regression reward model saved as a run; `slurm-align steerlm-label` (its own
+    process) on 40 SFT rows writes exactly the attributes the trained model predicts in this
+    process (not a fresh model's: it loads the checkpoint, the run's attribute names)."""
+    run = regression_rm_run(tmp_path)
+    run_dir = tmp_path / "rm_run"
+    write_run_config(run, run_dir)
+    src = tmp_path / "sft.jsonl"
+    rows = [json.loads(line) for line in (SYNTH / "sft_val.jsonl").read_text().splitlines()][:40]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with single_rank_world() as (_, pctx):
+        rm = Trainer(run, pctx, run_dir)
+        for step in range(5):
+            rm.train_step(step)
+        rm.step = 5
+        rm.save()
+        ds = AttributeDataset(src, build_tokenizer(run.model), LABEL_MODEL["max_seq_len"], NAMES, require_labels=False)
+        expected = predict_attributes(rm.worker, ds)
+    out = tmp_path / "labelled" / "rows.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "slurm_align.cli", "steerlm-label",
+                           str(run_dir / "checkpoints" / "rm"), "--data", str(src), "--out", str(out),
+                           "--batch-size", "16"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(written) == 40
+    got = torch.tensor([[w[n] for n in NAMES] for w in written])
+    assert torch.allclose(got, expected, atol=1e-5), (got[:3], expected[:3])
+    for row, w, p in zip(rows, written, expected.tolist()):
+        assert w["output"] == row["output"] and w["input"] == condition(row["input"], NAMES, p)
+
+
+def test_steerlm_label_refuses_a_missing_checkpoint_a_scalar_rm_and_missing_data(tmp_path: Path, capsys):
+    from slurm_align.algorithms.steerlm_commands import rm_config
+    from slurm_align.cli import main
+    from slurm_align.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        rm_config(tmp_path / "nowhere", None, [])
+    scalar = RunConfig(algorithm="rm", model={**LABEL_MODEL, "num_labels": 1},
+                       data={"train_path": SYNTH / "pref_val.jsonl"})
+    write_run_config(scalar, tmp_path / "bt")
+    (tmp_path / "bt" / "checkpoints" / "rm").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"field 'loss.name': got '\w+'.*regression.*model.num_labels=1"):
+        rm_config(tmp_path / "bt" / "checkpoints" / "rm", None, [])
+    write_run_config(regression_rm_run(tmp_path), tmp_path / "two")
+    (tmp_path / "two" / "checkpoints" / "rm").mkdir(parents=True)
+    assert main(["steerlm-label", str(tmp_path / "two" / "checkpoints" / "rm"), "--data", str(tmp_path / "none.jsonl"),
+                 "--out", str(tmp_path / "out.jsonl")]) == 2
+    assert "field '--data'" in capsys.readouterr().err
