@@ -50,6 +50,8 @@ EXAMPLES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("eval",): (
         "slurm-align eval runs/tiny/ppo/checkpoints/actor --data examples/synthetic/prompts_val.jsonl "
         "--profile local --samples 8 --temperature 1.0",
+        "slurm-align eval runs/steerlm/sft/checkpoints/sft --config examples/grpo_tiny.yaml "
+        "--data examples/synthetic/prompts_val.jsonl --attributes correctness=4,verbosity=2 model.max_seq_len=80",
     ),
     ("label",): (
         "slurm-align label runs/cai/responses/generate --config examples/cai_tiny.yaml --out runs/cai/labels.jsonl "

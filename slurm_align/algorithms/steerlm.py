@@ -10,7 +10,7 @@ attribute order, e.g. `3142=<attributes>correctness:4,verbosity:2</attributes>`.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -33,6 +33,12 @@ def render_attributes(names: Sequence[str], values: Sequence[float]) -> str:
 def condition(prompt: str, names: Sequence[str], values: Sequence[float]) -> str:
     """The prompt as the attribute-conditioned model sees it."""
     return prompt + render_attributes(names, values)
+
+
+def prompt_suffix(attributes: Mapping[str, float]) -> str:
+    """What generation conditioned on `attributes` (eval.attributes) appends to every prompt;
+    nothing for none."""
+    return render_attributes(list(attributes), list(attributes.values())) if attributes else ""
 
 
 @torch.no_grad()

@@ -22,6 +22,7 @@ from slurm_align import REPO_ROOT
 from slurm_align.algorithms.steerlm import condition, predict_attributes, render_attributes, write_labelled
 from slurm_align.algorithms.trainer import Trainer
 from slurm_align.analysis.significance import PairedCounts, paired_counts
+from slurm_align.config.errors import ConfigError
 from slurm_align.config.run import ModelConfig, RunConfig
 from slurm_align.data.datasets import SFTDataset, encode_prompt
 from slurm_align.generation import GptShape
@@ -229,7 +230,7 @@ def test_steerlm_label_command_writes_what_the_trained_regression_rm_predicts(tm
 def test_steerlm_label_refuses_a_missing_checkpoint_a_scalar_rm_and_missing_data(tmp_path: Path, capsys):
     from slurm_align.algorithms.steerlm_commands import rm_config
     from slurm_align.cli import main
-    from slurm_align.config.errors import ConfigError
+
 
     with pytest.raises(ConfigError, match="no such checkpoint"):
         rm_config(tmp_path / "nowhere", None, [])
@@ -244,3 +245,36 @@ def test_steerlm_label_refuses_a_missing_checkpoint_a_scalar_rm_and_missing_data
     assert main(["steerlm-label", str(tmp_path / "two" / "checkpoints" / "rm"), "--data", str(tmp_path / "none.jsonl"),
                  "--out", str(tmp_path / "out.jsonl")]) == 2
     assert "field '--data'" in capsys.readouterr().err
+
+
+# --- generation conditioned on chosen attributes (eval.attributes, --attributes) -----------------
+def test_eval_and_generate_with_attributes_give_the_engine_conditioned_prompts_and_the_scorer_plain_ones(
+        tmp_path: Path):
+    """`slurm-align eval/generate ... --attributes correctness=4,verbosity=2`: the prompts the
+    engine generates from are each prompt with the attributes rendered (in the given order), the
+    rows the scorer reads keep the plain prompt; without the flag the prompts are plain."""
+    from slurm_align.algorithms.commands import attribute_overrides, eval_overrides
+    from slurm_align.algorithms.evaluation import EvalSet
+    from slurm_align.algorithms.generate import prompt_dataset
+    from slurm_align.cli import build_parser
+    from slurm_align.config import load_run_config
+
+    data = SYNTH / "prompts_val.jsonl"
+    plain = [json.loads(line)["prompt"] for line in data.read_text().splitlines()[:5]]
+    common = ["eval", str(tmp_path), "--data", str(data), "--config", str(REPO_ROOT / "examples/grpo_tiny.yaml")]
+    for flag, values in (([], None), (["--attributes", "verbosity=2,correctness=4"], {"verbosity": 2.0,
+                                                                                       "correctness": 4.0})):
+        args = build_parser().parse_args([*common, *flag])
+        args.overrides = ["model.max_seq_len=80", "eval.num_prompts=5"]
+        run = load_run_config(*eval_overrides(args.model, args))
+        tok = build_tokenizer(run.model)
+        evalset = EvalSet.from_run(run, tok)
+        assert evalset is not None and dict(run.eval.attributes) == (values or {})
+        want = [p if values is None else condition(p, list(values), list(values.values())) for p in plain]
+        assert [list(ids) for ids in evalset.prompts] == [encode_prompt(tok, w, 80) for w in want]
+        assert [r["prompt"] for r in evalset.rows] == plain
+        generated = prompt_dataset(run, data, tok)
+        assert [list(generated.token_arrays()[i]) for i in range(5)] == [encode_prompt(tok, w, 80) for w in want]
+    assert want[0] == plain[0] + "<attributes>verbosity:2,correctness:4</attributes>"
+    with pytest.raises(ConfigError, match=r"--attributes.*'correctness' is not name=number"):
+        attribute_overrides("verbosity=2,correctness")
