@@ -25,6 +25,7 @@ from slurm_align.analysis.significance import PairedCounts, paired_counts
 from slurm_align.config.errors import ConfigError
 from slurm_align.config.run import ModelConfig, RunConfig
 from slurm_align.data.datasets import SFTDataset, encode_prompt
+from slurm_align.data.helpsteer import ATTRIBUTES, helpsteer_rows, sorted_and_copied
 from slurm_align.generation import GptShape
 from slurm_align.generation.params import SamplingParams
 from slurm_align.generation.refit import refit_from_training
@@ -34,7 +35,6 @@ from slurm_align.models.forward import forward_values, last_token_values
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.models.worker import ModelWorker
 from slurm_align.rewards import sort
-from tests.support.helpsteer import ATTRIBUTES, helpsteer_rows
 from tests.support.learning import ALPHA, TWIN_ALPHA, VERDICT_PREFIX
 from tests.support.single_rank import single_rank_world
 
@@ -92,12 +92,6 @@ GAP = 0.30
 at least 30 points."""
 
 
-def sorted_and_copied(pair: dict) -> list[str]:
-    """Per prompt the sorted answer (correctness 4) and the prompt's digits as given (0: what a
-    model that copies writes)."""
-    return [sort.target(pair["prompt"]), pair["prompt"].removesuffix("=")]
-
-
 def steer_run(algorithm: str, train: Path, val: Path | None = None, **over) -> RunConfig:
     cfg = {"algorithm": algorithm, "model": STEER_MODEL, "seed": 7, "data": {"train_path": train, "val_path": val},
            "trainer": {"global_batch_size": 32, "micro_batch_size": 32, "lr": 3e-3, "num_steps": 1}}
@@ -127,7 +121,7 @@ def steer_world() -> Iterator:
 @pytest.fixture(scope="module")
 def rm_labels(steer_world, tmp_path_factory: pytest.TempPathFactory) -> tuple[AttributeDataset, torch.Tensor]:
     """The regression reward model (correctness, verbosity) trained on HelpSteer2-format rows of
-    the task (tests/support/helpsteer.py: the sorted and the copied answer per prompt), and its
+    the task (slurm_align/data/helpsteer.py: the sorted and the copied answer per prompt), and its
     predicted attributes of every training row (SteerLM's labelling step)."""
     folder = tmp_path_factory.mktemp("steerlm")
     train = helpsteer_rows(SYNTH / "pref_train.jsonl", folder / "helpsteer_train.jsonl", sorted_and_copied)
