@@ -18,6 +18,7 @@ import torch
 from slurm_align.losses.regression import AttributeDataset
 from slurm_align.models.forward import last_token_values, per_sequence
 from slurm_align.models.worker import ModelWorker
+from slurm_align.rundir import write_atomic
 
 OPEN, CLOSE = "<attributes>", "</attributes>"
 SCALE = (0, 4)
@@ -64,5 +65,5 @@ def write_labelled(ds: AttributeDataset, names: Sequence[str], predictions: torc
             raise ValueError(f"line {row.line}: SteerLM labelling takes plain {{input, output}} rows")
         lines.append(json.dumps({**row.extra, "input": condition(row.data["input"], names, pred),
                                  "output": row.data["output"], **dict(zip(names, pred))}))
-    path.write_text("".join(line + "\n" for line in lines))
+    write_atomic(path, "".join(line + "\n" for line in lines))   # a reader never sees part of it
     return path

@@ -72,7 +72,6 @@ def cmd_steerlm_label(args: argparse.Namespace) -> int:
     finally:
         pctx.destroy()
         shutdown_distributed(env)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     write_labelled(ds, names, predictions, args.out)
     print(f"steerlm-label: {len(ds)} rows labelled with {', '.join(names)} -> {args.out}")
     return 0
