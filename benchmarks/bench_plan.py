@@ -12,15 +12,35 @@ plan is not part of this branch: n/a). Goals: <= 0.15, <= 0.25, <= 0.15.
 
     PYTHONPATH=$PWD python benchmarks/bench_plan.py [--steps 5] [--algorithms ppo,grpo] [--out DIR]
 
-Measured on this project's 2-core machine shared with other jobs (2026-12-04; tiny models, 16-32
+Measured on this project's 2-core machine shared with other sessions (tiny models, 16-32
 rollouts per step at 1 node), step time predicted vs measured at 2 / 4 actor nodes:
-  --steps 4: PPO +68% / +19% (its 1-node calibration point was slower than the 2-node point:
-             noise), GRPO -0% / +2%; plan_time_error_max=0.682 plan_phase_error_max=4.707
+  2026-12-04, --steps 4: PPO +68% / +19% (its 1-node calibration point was slower than the 2-node
+             point: noise), GRPO -0% / +2%; plan_time_error_max=0.682 plan_phase_error_max=4.707
              (10^7-step loop 0.95 s)
-  --steps 8, PPO only: +4% / -59% (4 actor + 1 critic ranks on 2 cores are 2.4x slower than the
-             core share predicts); plan_time_error_max=0.591 plan_phase_error_max=0.883 (loop 0.65 s)
+  2026-12-04, --steps 8, PPO only: +4% / -59%; plan_time_error_max=0.591 plan_phase_error_max=0.883
+             (loop 0.65 s)
+  2026-12-06, --steps 6 (load average 26-83 during the sweeps, loop 2-6.6 s against 0.2-0.3 s
+             idle), the same runs predicted by both models:
+             the model counting only a component's own ranks on the shared cores: PPO -47% / -38%,
+             GRPO -44% / -61%; plan_time_error_max=0.606 plan_phase_error_max=0.892
+             every rank of the job counted (critic included) and the constant phases moved with
+             the actor's share: PPO -22% / -6% (critic_infer +5% / +4%, was -30% / -58%), GRPO
+             -44% / -44%; plan_time_error_max=0.445 plan_phase_error_max=0.892 (GRPO's generate
+             at 4 nodes, -89%)
+  2026-12-06, --steps 6 again, with this file's load lines (load average 24 -> 39 over PPO's
+             sweep, 39 -> 21 over GRPO's; loop 0.33 s after): own ranks only: PPO -39% / -41%,
+             GRPO +17% / -73%, plan_time_error_max=0.730 plan_phase_error_max=3.699; every rank
+             counted: PPO -12% / +4%, GRPO +17% / -69%, plan_time_error_max=0.694
+             plan_phase_error_max=3.699 (GRPO's log-probs at 2 nodes, +370%: its 1-node
+             calibration measured them 4.7x slower than the 2-node run at the same work per rank).
+             PPO's phases alone: max error 0.742 -> 0.663 in the first pair, 0.929 -> 1.576 in this
+             one (the critic's passes, which here slowed by less than their work grew, while the
+             first pair's slowed by the core share: +5% / +4% predicted there, +84% / +158% here)
 The goals are not met here: per-call overheads (Python, HTTP, MPI polling) dominate these tiny
-models, and the machine's load varies 2-4x between steps.
+models, other sessions' load (2-4x between steps) is not known before submitting, and the ranks
+of a point wait for each other in every collective, longer the more ranks the scheduler spreads
+over the 2 cores (GRPO's 2 ranks ran 3-5x slower per phase than its 1 rank at the same per-rank
+work, where the core share predicts no change).
 """
 
 from __future__ import annotations
@@ -104,7 +124,11 @@ def main() -> int:
     phases: list[float] = []
     try:
         for algorithm in args.algorithms.split(","):
-            t, p = compare(algorithm, run_sweep(algorithm, args.steps, out))
+            # the host is shared: its load beside each sweep's figures (1-minute load average)
+            before = os.getloadavg()[0]
+            sweep = run_sweep(algorithm, args.steps, out)
+            print(f"{algorithm} sweep: load average {before:.1f} before, {os.getloadavg()[0]:.1f} after")
+            t, p = compare(algorithm, sweep)
             times += t
             phases += p
     finally:

@@ -12,6 +12,7 @@ device memory (`fits`): the profile's gpu_memory_gib, else the accelerator's def
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from slurm_align.config.memory_plan import plan_run
@@ -52,38 +53,70 @@ def _layouts(m: ModelConfig, ranks: int, per_node: int) -> list[ParallelConfig]:
     return out
 
 
-def candidates(run: RunConfig, profile: ClusterProfile, budget: int) -> list[tuple[RunConfig, ClusterProfile]]:
-    """Every split of `budget` nodes over the run's components and every TP/PP/DP per component."""
+def _component_need(run: RunConfig, comp: str) -> float | None:
+    """The memory plan's total per GPU of one component (None: the plan has no such component,
+    e.g. the generator's engine replicas). It depends on that component's layout only."""
+    return next((float(c.total) for c in plan_run(run) if c.name == comp), None)
+
+
+def _options(run: RunConfig, profile: ClusterProfile, budget: int,
+             prune: bool) -> Iterator[tuple[ClusterProfile, list[list[tuple[ParallelConfig, float | None]]]]]:
+    """Per split of `budget` nodes over the run's components (each at least one node): the profile
+    with those node counts and, per component, its layouts with their memory need. With `prune`,
+    a component layout that does not fit its device memory is dropped here, before any layout
+    containing it is built or costed; the order of the rest is kept."""
     comps = list(run.components)
-    out = []
+    need: dict[tuple[str, str], float | None] = {}   # a component's need per layout
     for split in itertools.product(range(1, budget + 1), repeat=len(comps)):
         if sum(split) != budget:
             continue
         resources = dict(profile.components)
-        options: list[list[ParallelConfig]] = []
+        options: list[list[tuple[ParallelConfig, float | None]]] = []
         for comp, nodes in zip(comps, split):
             res = resources[comp].model_copy(update={"nodes": nodes})
             resources[comp] = res
             model = run.critic_model_config if comp == "critic" else run.model
             if comp == "generator":   # the engine replicas: TP 1 unless TensorRT-LLM, no PP
-                options.append([ParallelConfig(data_parallel=res.ranks)])
+                layouts = [ParallelConfig(data_parallel=res.ranks)]
             else:
-                options.append(_layouts(model, res.ranks, res.tasks_per_node))
-        new_profile = profile.model_copy(update={"components": resources})
+                layouts = _layouts(model, res.ranks, res.tasks_per_node)
+            new_profile = profile.model_copy(update={"components": resources})
+            cap = profile_hardware(new_profile, comp).memory_bytes
+            kept = []
+            for par in layouts:
+                key = (comp, par.model_dump_json())
+                if key not in need:
+                    need[key] = _component_need(run.model_copy(update={comp: par}), comp)
+                got = need[key]
+                if not prune or got is None or got <= cap:
+                    kept.append((par, got))
+            options.append(kept)
+        yield profile.model_copy(update={"components": resources}), options
+
+
+def candidates(run: RunConfig, profile: ClusterProfile, budget: int) -> list[tuple[RunConfig, ClusterProfile]]:
+    """Every split of `budget` nodes over the run's components and every TP/PP/DP per component."""
+    comps = list(run.components)
+    out = []
+    for new_profile, options in _options(run, profile, budget, prune=False):
         for layout in itertools.product(*options):
-            out.append((run.model_copy(update=dict(zip(comps, layout))), new_profile))
+            out.append((run.model_copy(update={c: par for c, (par, _) in zip(comps, layout)}), new_profile))
     return out
 
 
 def rank_layouts(run: RunConfig, profile: ClusterProfile, budget: int, *, costs: Costs | None = None,
                  work: Workload | None = None, dtype: str = "fp32", top: int = 5) -> list[LayoutOption]:
-    """The `top` fastest layouts of `budget` nodes that fit in memory, fastest first."""
+    """The `top` fastest layouts of `budget` nodes that fit in memory, fastest first (ties in the
+    order of `candidates`). Each component layout's memory plan is computed once and one that
+    does not fit is pruned before the layouts containing it are costed; what a layout's
+    prediction shares with others (the engine batches' generation) is cached in steptime."""
+    comps = list(run.components)
     ranked = []
-    for cand_run, cand_profile in candidates(run, profile, budget):
-        ok, need = fits(cand_run, cand_profile)
-        if not ok:
-            continue
-        ranked.append(LayoutOption(cand_run, cand_profile, predict(cand_run, cand_profile, costs=costs, work=work,
-                                                                   dtype=dtype), need))
+    for new_profile, options in _options(run, profile, budget, prune=True):
+        for layout in itertools.product(*options):
+            cand = run.model_copy(update={c: par for c, (par, _) in zip(comps, layout)})
+            need = {c: b for c, (_, b) in zip(comps, layout) if b is not None}
+            ranked.append(LayoutOption(cand, new_profile, predict(cand, new_profile, costs=costs, work=work,
+                                                                  dtype=dtype), need))
     ranked.sort(key=lambda o: o.prediction.step_s)
     return ranked[:top]

@@ -36,6 +36,7 @@ from slurm_align.planning.steptime import (
     Costs,
     StepPrediction,
     Workload,
+    actor_share,
     ideal_phases,
     predict,
 )
@@ -87,6 +88,7 @@ def fit(run: RunConfig, profile: ClusterProfile, measured: dict[str, float], wor
             costs.efficiency[phase] = ideal[phase] / got
     for phase in CONSTANT_PHASES:
         costs.constant_s[phase] = measured.get(phase, 0.0)
+    costs.constant_share = actor_share(run, profile)
     return costs
 
 

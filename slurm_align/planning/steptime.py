@@ -33,14 +33,21 @@ trains; the second critic_wait is the critic's update time beyond the actor's. D
 generator generates the next step while the actor trains (max_off_policy_steps >= 1): the step
 is the slower of the two; on-policy (0) their sum.
 
+On a shared host (the local test cluster: its 'nodes' are processes on this one machine) every
+rank of every component asks for its cores at once, so each phase runs at share = host cores /
+the job's cores (when below 1): compute divided by the oversubscription. The constant phases are
+the actor's CPU work too, so they move with that share from the calibration's to the predicted.
+
 Known to be wrong: TP/PP activation traffic, the optimizer step, Python overheads per call (on
 small models these dominate; the calibration folds them into the efficiencies, so a fitted
-efficiency transfers best to layouts of the same model), memory-bound training, contention of
-concurrent components on a shared host (only a component's own ranks are counted).
+efficiency transfers best to layouts of the same model), memory-bound training, and on a shared
+host the other jobs' load (not known before submitting) and the waits of ranks that the
+scheduler runs at different times (a collective waits for its last rank; more ranks, longer).
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -105,13 +112,13 @@ class ModelShape:
     def _router(self) -> int:
         return self.hidden * self.experts if self.experts > 1 else 0
 
-    @property
+    @functools.cached_property   # the cost functions read it per token and step
     def matmul_params(self) -> int:
         """Weights one token multiplies through (active experts only, output layer included)."""
         per_layer = self._attention_params() + self.mlp_matrices * self.hidden * self.ffn * self.topk + self._router()
         return self.layers * per_layer + self.hidden * self.output
 
-    @property
+    @functools.cached_property   # the cost functions read it per token and step
     def params(self) -> int:
         """Every weight (all experts, embeddings; norms and biases left out)."""
         mlp = self.mlp_matrices * self.hidden * self.ffn * self.experts
@@ -119,7 +126,7 @@ class ModelShape:
         output = 0 if self.tied else self.hidden * self.output
         return self.layers * per_layer + self.vocab * self.hidden + output + self.position_rows * self.hidden
 
-    @property
+    @functools.cached_property   # the cost functions read it per token and step
     def attention_width(self) -> int:
         return self.heads * self.head_dim
 
@@ -170,6 +177,11 @@ class Costs:
 
     efficiency: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_EFFICIENCY))
     constant_s: dict[str, float] = field(default_factory=dict)
+    constant_share: float = 1.0
+    """The share of its cores the actor had (steptime.share) where the constants were measured.
+    They are the actor's CPU work outside the modelled phases (Python per step, the rollout
+    store, saves), so at another share they take constant_s x constant_share / share: on a
+    shared host a job of more ranks does the same per-step work on fewer cores each."""
     rebalance_before_wait: float = 0.5
     """Share of rebalance before the log-prob passes (the route and the tokens' alltoall); the rest
     (values and rewards along the route, advantages, the gather) comes after the critic's wait."""
@@ -192,29 +204,65 @@ class StepPrediction:
 
 
 # -- the cost of each phase (ideal: at peak, efficiency 1) -----------------------------------
-def share(hw: Hardware, busy_ranks: int, cpus_per_task: int) -> float:
-    """Fraction of its peak a rank gets: 1, or on a shared host its cores over the busy ranks' cores."""
+def share(hw: Hardware, busy_cores: int) -> float:
+    """Fraction of its peak a rank gets: 1, or on a shared host (the local test cluster, whose
+    'nodes' are processes on this one machine) the host's cores over the cores the job's ranks
+    ask for, when they ask for more than it has (compute divided by the oversubscription)."""
     if hw.host_cores is None:
         return 1.0
-    return min(1.0, hw.host_cores / (busy_ranks * cpus_per_task))
+    return min(1.0, hw.host_cores / busy_cores)
+
+
+def job_cores(run: RunConfig, profile: ClusterProfile) -> int:
+    """The cores every rank of the job asks for (its profile's ranks x cpus_per_task over the run's
+    components).
+    On a shared host they all run at once: the critic scores while the actor generates and
+    trains while the actor trains, the generator generates the next step while the actor trains,
+    and a rank waiting in an MPI collective polls its core rather than giving it up."""
+    return sum(profile.resources(c).ranks * profile.resources(c).cpus_per_task for c in run.components)
+
+
+def actor_share(run: RunConfig, profile: ClusterProfile) -> float:
+    """The share of its peak an actor rank gets (share over the job's cores)."""
+    return share(profile_hardware(profile, "actor"), job_cores(run, profile))
 
 
 def decode_step_s(shape: ModelShape, contexts: list[int], hw: Hardware, dtype: str, tp: int,
                   rate: float = 1.0) -> float:
     """One decode step of a batch whose sequences hold `contexts` tokens: FLOPs or bytes, the slower."""
-    flops = sum(2.0 * shape.matmul_params + 4.0 * shape.layers * shape.attention_width * c for c in contexts)
-    nbytes = shape.params * DTYPE_BYTES[dtype] + shape.kv_bytes_per_token(DTYPE_BYTES[dtype]) * sum(contexts)
-    return max(flops / (tp * hw.flops(dtype) * rate), nbytes / (tp * hw.memory_bandwidth * rate))
+    return _decode_step_s(shape, len(contexts), sum(contexts), hw.flops(dtype), hw.memory_bandwidth, dtype, tp, rate)
+
+
+def _decode_step_s(shape: ModelShape, live: int, context_tokens: int, peak_flops: float, bandwidth: float,
+                   dtype: str, tp: int, rate: float) -> float:
+    """decode_step_s from the batch's live sequences and their summed context. Its FLOPs and bytes
+    are integers (exact as floats below 2**53), so this equals summing them per sequence."""
+    flops = 2.0 * shape.matmul_params * live + 4.0 * shape.layers * shape.attention_width * context_tokens
+    nbytes = shape.params * DTYPE_BYTES[dtype] + shape.kv_bytes_per_token(DTYPE_BYTES[dtype]) * context_tokens
+    return max(flops / (tp * peak_flops * rate), nbytes / (tp * bandwidth * rate))
 
 
 def batch_generation_s(shape: ModelShape, prompts: list[int], responses: list[int], hw: Hardware, dtype: str,
                        tp: int, rate: float = 1.0) -> float:
     """Prefill of every prompt, then decode steps until the longest response ended (a sequence's
     KV cache is read while it decodes)."""
-    t = sum(shape.forward_flops(p) for p in prompts) / (tp * hw.flops(dtype) * rate)
+    return _batch_generation_s(shape, tuple(prompts), tuple(responses), hw.flops(dtype), hw.memory_bandwidth,
+                               dtype, tp, rate)
+
+
+@functools.lru_cache(maxsize=4096)
+def _batch_generation_s(shape: ModelShape, prompts: tuple[int, ...], responses: tuple[int, ...], peak_flops: float,
+                        bandwidth: float, dtype: str, tp: int, rate: float) -> float:
+    """batch_generation_s on hashable arguments, cached: `plan --advise` costs the same engine
+    batches on many layouts. The live sequences and their summed context are kept step by step
+    (a sequence leaves after its last token) instead of rebuilt per step."""
+    t = sum(shape.forward_flops(p) for p in prompts) / (tp * peak_flops * rate)
+    ending = sorted(zip(responses, prompts))   # by the step after which a sequence stops decoding
+    live, prompt_tokens, gone = len(ending), sum(prompts), 0
     for step in range(max(responses, default=0)):
-        live = [p + step for p, r in zip(prompts, responses) if r > step]
-        t += decode_step_s(shape, live, hw, dtype, tp, rate)
+        while gone < len(ending) and ending[gone][0] <= step:
+            live, prompt_tokens, gone = live - 1, prompt_tokens - ending[gone][1], gone + 1
+        t += _decode_step_s(shape, live, prompt_tokens + step * live, peak_flops, bandwidth, dtype, tp, rate)
     return t
 
 
@@ -247,14 +295,14 @@ def schedule(durations: list[float], replicas: int, dynamic: bool) -> tuple[floa
 def generation_s(run: RunConfig, profile: ClusterProfile, work: Workload, dtype: str) -> tuple[float, int]:
     """Ideal generation time of the step and the number of engine batches."""
     comp = run.engine_component
-    par, res = run.parallel(comp), profile.resources(comp)
+    par = run.parallel(comp)
     hw = profile_hardware(profile, comp)
     if comp == "generator":
         replicas, tp = par.data_parallel, par.tensor_parallel
     else:
         replicas = par.data_parallel * (par.pipeline_parallel if run.switches.refold else 1)
         tp = par.tensor_parallel
-    rate = share(hw, par.world_size, res.cpus_per_task)
+    rate = share(hw, job_cores(run, profile))
     shape = ModelShape.of(run.model)
     batches = engine_batches(run, work)
     durations = [batch_generation_s(shape, [work.prompt(i) for i in b], [work.response(i) for i in b],
@@ -303,9 +351,9 @@ def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype:
     returned apart as `grad_reduce` (it runs at the link's speed, not at a compute efficiency)."""
     out: dict[str, float] = {}
     lengths = work.lengths()
-    a_par, a_res = run.actor, profile.resources("actor")
+    a_par = run.actor
     a_hw = profile_hardware(profile, "actor")
-    a_rate = share(a_hw, a_par.world_size, a_res.cpus_per_task)
+    a_rate = share(a_hw, job_cores(run, profile))
     shape = ModelShape.of(run.model)
     wbytes = DTYPE_BYTES[dtype]
     mb = run.ppo.train_micro_batch_size
@@ -334,9 +382,9 @@ def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype:
     dp_group = a_par.data_parallel * a_par.tensor_parallel * a_par.pipeline_parallel
     out["grad_reduce"] = grad_reduce_s(shape, a_par, link_bandwidth(profile, "actor", dp_group), optimizer_steps(run))
     if "critic" in run.components:
-        c_par, c_res = run.critic, profile.resources("critic")
+        c_par = run.critic
         c_hw = profile_hardware(profile, "critic")
-        c_rate = share(c_hw, c_par.world_size, c_res.cpus_per_task)
+        c_rate = share(c_hw, job_cores(run, profile))
         c_shape = ModelShape.of(run.critic_model_config, value_head=True)
         models = (1 if run.critic_trains else 0) + (1 if run.reward.use_model else 0)
         out["critic_infer"] = forward_pass_s(c_shape, c_par, lengths, c_hw, dtype, mb, c_rate, passes=float(models))
@@ -366,15 +414,16 @@ def step_model_flops(run: RunConfig, work: Workload) -> dict[str, float]:
     return out
 
 
-def phase_times(ideal: dict[str, float], costs: Costs) -> dict[str, float]:
-    """Ideal times at the phases' efficiencies; the gradient all-reduces join their training phase."""
+def phase_times(ideal: dict[str, float], costs: Costs, share: float = 1.0) -> dict[str, float]:
+    """Ideal times at the phases' efficiencies; the gradient all-reduces join their training phase;
+    the constant phases at the actor's `share` of its cores (Costs.constant_share)."""
     out = {p: t / costs.eff(p) for p, t in ideal.items() if p in MODELLED}
     if "train" in out:
         out["train"] += ideal.get("grad_reduce", 0.0)
     if "critic_train" in out:
         out["critic_train"] += ideal.get("critic_grad_reduce", 0.0)
     for p in CONSTANT_PHASES:
-        out[p] = costs.constant_s.get(p, 0.0)
+        out[p] = costs.constant_s.get(p, 0.0) * costs.constant_share / share
     return out
 
 
@@ -432,7 +481,7 @@ def predict(run: RunConfig, profile: ClusterProfile, *, costs: Costs | None = No
     work = work or Workload.default(run)
     if work.samples != run.rollouts_per_step:
         work = work.with_samples(run.rollouts_per_step)
-    times = phase_times(ideal_phases(run, profile, work, dtype), costs)
+    times = phase_times(ideal_phases(run, profile, work, dtype), costs, actor_share(run, profile))
     step, phases, crit = combine(times, engine_batches=len(engine_batches(run, work)),
                                  disaggregated=run.rollout.mode == "disaggregated",
                                  max_off_policy_steps=run.rollout.max_off_policy_steps,

@@ -6,7 +6,6 @@ save_id (two synchronous saves differ there too), and manifest.json records its 
 from __future__ import annotations
 
 import json
-import os
 import pickle
 from pathlib import Path
 
@@ -55,8 +54,7 @@ def test_async_checkpoints_equal_the_synchronous_ones(tmp_path):
     assert not list((background / "checkpoints" / "sft").glob("*.tmp"))
 
 
-@pytest.mark.skipif(not os.environ.get("SLURM_ALIGN_ASYNC_PREEMPT"),
-                    reason="end-to-end PPO stop and resume (minutes): set SLURM_ALIGN_ASYNC_PREEMPT=1")
+@pytest.mark.slow
 def test_a_usr2_stop_during_a_background_write_resumes_exactly(ppo_reference, tmp_path):
     """The tiny PPO run of the preemption tests with async_save, on the local profile: the
     actor's background write of step 1 waits for the stop request (tests/programs/

@@ -11,6 +11,7 @@ from slurm_align.config import RunConfig
 from slurm_align.config.memory_plan import plan_run
 from slurm_align.config.profile import ClusterProfile
 from slurm_align.planning.advice import candidates, fits, rank_layouts
+from slurm_align.planning.steptime import predict
 
 RUN = RunConfig(model={"num_layers": 4, "hidden_size": 64, "num_attention_heads": 4})
 
@@ -88,3 +89,30 @@ def test_the_trainers_get_the_memory_plan_and_no_step_to_predict(capsys, tmp_pat
     assert "actor      TOTAL" in capsys.readouterr().out
     assert main(["plan", str(cfg), "--profile", "local-slurm", "--advise", "2"]) == 2
     assert "no rollout step" in capsys.readouterr().err
+
+
+# The ranking of a fixed case (4-layer model, budget 3 nodes of 4 ranks, memory for 60% of the
+# unsplit state), recorded with the first `rank_layouts`, which built and costed every candidate:
+# the pruned and cached ranking must keep it.
+RECORDED_TOP = ["actor 2n tp4 pp1 dp2, critic 1n tp4 pp1 dp1", "actor 2n tp2 pp1 dp4, critic 1n tp4 pp1 dp1",
+                "actor 2n tp4 pp2 dp1, critic 1n tp4 pp1 dp1", "actor 2n tp4 pp1 dp2, critic 1n tp2 pp1 dp2",
+                "actor 2n tp2 pp1 dp4, critic 1n tp2 pp1 dp2", "actor 2n tp4 pp2 dp1, critic 1n tp2 pp1 dp2",
+                "actor 2n tp2 pp2 dp2, critic 1n tp4 pp1 dp1", "actor 2n tp2 pp2 dp2, critic 1n tp2 pp1 dp2",
+                "actor 2n tp2 pp4 dp1, critic 1n tp4 pp1 dp1", "actor 2n tp2 pp4 dp1, critic 1n tp2 pp1 dp2",
+                "actor 2n tp4 pp1 dp2, critic 1n tp2 pp2 dp1", "actor 2n tp2 pp1 dp4, critic 1n tp2 pp2 dp1"]
+
+
+def test_the_pruned_ranking_is_the_ranking_of_every_candidate_costed():
+    tight = profile(memory_gib=max(c.total for c in plan_run(RUN)) * 0.6 / 2**30, per_node=4)
+    got = rank_layouts(RUN, tight, budget=3, top=1000)
+    assert [o.prediction.layout for o in got[:12]] == RECORDED_TOP
+    # the reference: every candidate built, checked whole and costed, stably sorted
+    every = []
+    for run, prof in candidates(RUN, tight, budget=3):
+        ok, need = fits(run, prof)
+        if ok:
+            every.append((predict(run, prof), need))
+    every.sort(key=lambda x: x[0].step_s)
+    assert len(got) == len(every) == 30 < len(candidates(RUN, tight, budget=3))
+    assert [(o.prediction.layout, o.prediction.step_s, o.state_bytes) for o in got] == \
+        [(p.layout, p.step_s, need) for p, need in every]

@@ -3,6 +3,7 @@ response-length distribution from the rollouts."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -130,3 +131,18 @@ def test_sweep_predict_only_prints_the_points_and_submits_nothing(tmp_path, caps
     out = capsys.readouterr().out
     assert "predicted step time" in out and "4 actor node(s)" in out and "actor 4n" in out
     assert not sweep.exists()
+
+
+def test_the_constants_of_a_shared_host_run_move_with_the_jobs_cores(tmp_path, monkeypatch):
+    # the local test cluster on a 1-core host: the actor's rank and the critic's (2 cores asked)
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    shared = ClusterProfile(kind="local", hardware={"accelerator": "cpu", "shared_host": True})
+    synthetic_run(tmp_path / "run", RUN, shared)
+    cal = calibrate(tmp_path / "run", skip_steps=1)
+    assert cal.costs.constant_share == pytest.approx(1 / 2)
+    assert cal.predict().phases["store"] == pytest.approx(0.01, rel=1e-6)   # its own share
+    # 4 actor ranks and the critic: the same per-step work at 1 / 5 of a core instead of 1 / 2
+    four = shared.model_copy(update={"components": {**shared.components, "actor": shared.components["actor"]
+                                                    .model_copy(update={"nodes": 4})}})
+    bigger = cal.predict(RUN.model_copy(update={"actor": RUN.actor.model_copy(update={"data_parallel": 4})}), four)
+    assert bigger.phases["store"] == pytest.approx(0.01 * 5 / 2, rel=1e-6)

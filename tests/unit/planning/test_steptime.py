@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from slurm_align.config import RunConfig
 from slurm_align.config.profile import ClusterProfile, HardwareConfig
 from slurm_align.planning.hardware import Hardware, measure_cpu_flops, resolve
 from slurm_align.planning.steptime import (
+    Costs,
     ModelShape,
+    Workload,
+    actor_share,
     batch_generation_s,
     combine,
     decode_step_s,
     forward_pass_s,
     grad_reduce_s,
+    ideal_phases,
+    job_cores,
+    phase_times,
     predict,
     schedule,
     share,
@@ -91,9 +99,35 @@ def test_gradient_all_reduce_is_a_ring_over_dp():
 
 
 def test_ranks_on_one_shared_host_share_its_cores():
-    assert share(hw(cores=2), busy_ranks=4, cpus_per_task=1) == 0.5
-    assert share(hw(cores=2), busy_ranks=1, cpus_per_task=1) == 1.0
-    assert share(hw(cores=None), busy_ranks=64, cpus_per_task=1) == 1.0
+    assert share(hw(cores=2), busy_cores=4) == 0.5
+    assert share(hw(cores=2), busy_cores=1) == 1.0
+    assert share(hw(cores=None), busy_cores=64) == 1.0
+
+
+def test_every_component_of_the_job_counts_on_a_shared_host(monkeypatch):
+    # the local test cluster: 4 actor ranks and 1 critic rank (of 2 cores each) on one 2-core host
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    run = RunConfig(actor={"data_parallel": 4})
+    prof = ClusterProfile(kind="local", hardware={"accelerator": "cpu", "shared_host": True},
+                          components={"actor": {"nodes": 4, "cpus_per_task": 2}, "critic": {"cpus_per_task": 2}})
+    assert job_cores(run, prof) == 4 * 2 + 1 * 2
+    assert actor_share(run, prof) == 0.2
+    # the critic's passes run at that share too: 2 / 10 of a 2-core rank's peak, not all of it
+    ideal = ideal_phases(run, prof, Workload(8, (10,), (6,)))
+    alone = ideal_phases(run, prof.model_copy(update={"hardware": HardwareConfig(accelerator="cpu")}),
+                         Workload(8, (10,), (6,)))
+    assert ideal["critic_infer"] == pytest.approx(alone["critic_infer"] * 5)
+    assert ideal["logprobs"] == pytest.approx(alone["logprobs"] * 5)
+
+
+def test_constant_phases_are_the_actors_cpu_work_at_its_share():
+    costs = Costs(constant_s={"other": 0.3, "store": 0.1}, constant_share=1.0)
+    assert phase_times({}, costs, share=1.0)["other"] == 0.3
+    # measured with the whole core, predicted at 2 / 5 of it: 5 / 2 times as long
+    got = phase_times({}, costs, share=0.4)
+    assert got["other"] == pytest.approx(0.3 / 0.4) and got["store"] == pytest.approx(0.1 / 0.4)
+    assert phase_times({}, Costs(constant_s={"other": 0.3}, constant_share=0.5), share=0.25)["other"] == \
+        pytest.approx(0.6)
 
 
 BASE = {"refit": 1.0, "generate": 10.0, "rebalance": 2.0, "logprobs": 3.0, "init_logprobs": 3.0,
@@ -145,3 +179,16 @@ def test_profile_figures_override_the_defaults():
 
 def test_the_cpu_measurement_is_a_rate():
     assert 1e8 < measure_cpu_flops(n=128, repeats=3) < 1e13
+
+
+def test_a_batch_costs_what_its_decode_steps_cost_one_by_one():
+    # ragged responses (one of 0 tokens): the kept live count and context equal rebuilding the
+    # live sequences at every step; the same batch on TP 2 and a slower memory is another cost
+    shape = ModelShape.of(RunConfig().model)
+    prompts, responses = [5, 9, 2, 7], [4, 0, 11, 4]
+    for tp, mem in ((1, 2e8), (2, 2e8), (1, 1e12)):
+        h = hw(flops=3e8, mem=mem)
+        by_step = sum(shape.forward_flops(p) for p in prompts) / (tp * 3e8)
+        for step in range(11):
+            by_step += decode_step_s(shape, [p + step for p, r in zip(prompts, responses) if r > step], h, "fp32", tp)
+        assert batch_generation_s(shape, prompts, responses, h, "fp32", tp) == pytest.approx(by_step, rel=1e-12)
