@@ -4,8 +4,9 @@
 #   weak SFT policy -> red-team prompts -> responses -> critique + revision by the judge (revise)
 #   -> SFT on the revisions -> sampled pairs -> AI preference labels (label) -> DPO
 # and the same pipeline without feedback (--random-labels: random revisions and labels), the control.
-# The judge is a small model trained here on the rule's verdicts of training pairs
-# (examples/judge_tiny.yaml), so the feedback is a model's, not the rule's.
+# The judge is a small model trained here (examples/judge_tiny.yaml) on the rule's verdicts of the
+# right answer against the SFT policy's own wrong samples on prompts of its own (none of the red-team
+# or held-out prompts) and of the rule's corruptions, so the feedback is a model's, not the rule's.
 # Usage (repo root): bash examples/cai_tiny.sh [RUNS_DIR] [PROFILE]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,15 +19,22 @@ mkdir -p "$runs"
 # 0. the start: a weak SFT policy (50 steps, as the tests' session policy), and the judge
 [[ -e "$runs/sft/checkpoints/sft" ]] || "$sa" train sft examples/sft_tiny.yaml --profile "$profile" \
     --run-dir "$runs/sft" --follow trainer.num_steps=50 trainer.save_interval=0
-[[ -e "$runs/judge-data" ]] || .venv/bin/python -m slurm_align.judge.sort_pairs "$runs/judge-data"
+#    the judge's data: the policy's samples on the judge's own prompts, each pair labelled by the rule
+[[ -e "$runs/judge-data/judge_prompts.jsonl" ]] || .venv/bin/python -m slurm_align.judge.sort_pairs "$runs/judge-data" \
+    --prompts 2000 --exclude "$synth"/*.jsonl
+[[ -e "$runs/judge-samples/generate" ]] || "$sa" generate "$runs/sft/checkpoints/sft" --config examples/grpo_tiny.yaml \
+    --data "$runs/judge-data/judge_prompts.jsonl" --samples 8 --temperature 1.0 --profile "$profile" \
+    --run-dir "$runs/judge-samples" --follow
+[[ -e "$runs/judge-data/judge_train.jsonl" ]] || .venv/bin/python -m slurm_align.judge.sort_pairs "$runs/judge-data" \
+    --samples "$runs/judge-samples/generate" --rule-pairs 2000
 [[ -e "$runs/judge-model/checkpoints/sft" ]] || "$sa" train sft examples/judge_tiny.yaml --profile "$profile" \
     --run-dir "$runs/judge-model" --follow data.train_path="$runs/judge-data/judge_train.jsonl" \
-    data.val_path="$runs/judge-data/judge_val.jsonl"
+    data.val_path="$runs/judge-data/judge_val.jsonl" trainer.num_steps=2000
 judge=(judge.model.init_checkpoint="$runs/judge-model/checkpoints/sft")
 
-# 1. red-team prompts (the task's training prompts) -> 4 responses each from the SFT policy
+# 1. red-team prompts (the task's training prompts) -> 8 responses each from the SFT policy (T 0.7)
 [[ -e "$runs/responses/generate" ]] || "$sa" generate "$runs/sft/checkpoints/sft" --config examples/grpo_tiny.yaml \
-    --data "$synth/prompts.jsonl" --samples 4 --temperature 1.0 --profile "$profile" --run-dir "$runs/responses" --follow
+    --data "$synth/prompts.jsonl" --samples 8 --temperature 0.7 --profile "$profile" --run-dir "$runs/responses" --follow
 
 for arm in judge control; do
   flag=(); [[ $arm == control ]] && flag=(--random-labels)
@@ -40,14 +48,15 @@ for arm in judge control; do
       trainer.num_steps=40 trainer.lr=1.0e-3 trainer.save_interval=0
   # 5. sampled pairs from the revised policy
   [[ -e "$out/pairs/generate" ]] || "$sa" generate "$out/sft_rev/checkpoints/sft" --config examples/grpo_tiny.yaml \
-      --data "$synth/prompts.jsonl" --samples 4 --temperature 1.0 --profile "$profile" --run-dir "$out/pairs" --follow
+      --data "$synth/prompts.jsonl" --samples 2 --temperature 0.7 --profile "$profile" --run-dir "$out/pairs" --follow
   # 6. AI preference labels from the judge (control: a coin)
   "$sa" label "$out/pairs/generate" --config examples/cai_tiny.yaml --out "$out/labels.jsonl" "${flag[@]}" "${judge[@]}"
-  # 7. DPO on them, gently (a small lr and few steps: DPO over-optimises tiny policies fast)
+  # 7. DPO on them with RPO's SFT term on the chosen answer, lr 1e-4 (the preference tests' settings:
+  #    the preference term alone lowers a tiny policy's accuracy here, tests/integration/test_preference_learning.py)
   [[ -e "$out/dpo/checkpoints/dpo" ]] || "$sa" train dpo examples/dpo_tiny.yaml --profile "$profile" \
       --run-dir "$out/dpo" --follow model.init_checkpoint="$out/sft_rev/checkpoints/sft" \
       data.train_path="$out/labels.jsonl" data.val_path="$out/labels.jsonl" \
-      trainer.num_steps=30 trainer.lr=2.0e-4 trainer.save_interval=0
+      trainer.num_steps=30 trainer.lr=1.0e-4 loss.options.sft_weight=1.0 trainer.save_interval=0
 done
 
 # held-out exact accuracy (greedy, 2,000 prompts never trained on) of each policy

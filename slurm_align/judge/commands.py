@@ -66,7 +66,7 @@ def _run(args) -> int:
             if args.command == "label":
                 rows = L.label(samples, judge, template, run.judge.principles, min_margin=args.min_margin)
             else:
-                rows = L.revise(samples, judge, template, run.judge.principles)
+                rows = L.revise(samples, judge, template, run.judge.principles, min_margin=args.min_margin)
     L._write(args.out, rows)
     print(f"{args.command}: {len(rows)} rows from {len(samples)} prompts -> {args.out}")
     return 0
@@ -86,9 +86,9 @@ def register(sub) -> None:
                        help="no feedback, the control of an RLAIF experiment: label picks the chosen response "
                             "by a seeded coin, revise keeps a random response; no judge is asked")
         p.add_argument("--seed", type=int, default=0, help="seed of --random-labels")
-        if name == "label":
-            p.add_argument("--min-margin", type=float, default=0.0,
-                           help="leave out pairs whose p(chosen) is below 0.5 + this")
+        p.add_argument("--min-margin", type=float, default=0.0,
+                       help="label: leave out pairs whose p(chosen) is below 0.5 + this; revise: leave out "
+                            "prompts whose revision wins with a mean probability below 0.5 + this")
         p.add_argument("overrides", nargs="*", help="config overrides a.b=c")
         p.set_defaults(func=_run, command=name)
 

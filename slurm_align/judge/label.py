@@ -11,8 +11,10 @@ with prompt and response works), grouped by prompt.
 - revise: self-critique and revision against the principles, for models too small to write a
   critique: each response is critiqued by the judge (its pairwise wins against the prompt's other
   responses), and the revision is the response the critique ranks first; written as SFT rows
-  {"input", "output", "judge_wins"}. A prompt whose responses all tie keeps none. Its control
-  (`random_choice`) takes a random response of each prompt, no judge asked.
+  {"input", "output", "judge_wins"}. A prompt whose responses all tie keeps none, nor (with
+  `min_margin`) one whose revision wins its comparisons with a mean probability below
+  0.5 + min_margin: a small judge's confident picks are right more often (docs/cai.md). Its
+  control (`random_choice`) takes a random response of each prompt, no judge asked.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def label(samples: dict[str, list[str]], judge: Judge | None, template: JudgeTem
 
 
 def revise(samples: dict[str, list[str]], judge: Judge | None, template: JudgeTemplate,
-           principles: Sequence[str], *, random_choice: bool = False, seed: int = 0) -> list[dict]:
+           principles: Sequence[str], *, random_choice: bool = False, seed: int = 0,
+           min_margin: float = 0.0) -> list[dict]:
     """`random_choice`: the no-feedback control, a seeded random response of each prompt."""
     if random_choice:
         rng = random.Random(seed)
@@ -102,5 +105,7 @@ def revise(samples: dict[str, list[str]], judge: Judge | None, template: JudgeTe
         if len(distinct) == 1 or np.ptp(w) == 0:
             continue
         best = int(np.argmax(w))
+        if w[best] / (len(distinct) - 1) < 0.5 + min_margin:
+            continue
         rows.append({"input": prompt, "output": distinct[best], "judge_wins": float(w[best])})
     return rows

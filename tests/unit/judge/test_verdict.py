@@ -66,3 +66,10 @@ def test_label_and_revise_pick_what_the_judge_prefers_and_the_controls_ignore_it
     chosen = {r["chosen"] for s in range(20) for r in label(samples, None, tpl, ["sorted"], random_labels=True, seed=s)}
     assert chosen == {"1379", "3179", "25", "52"}                 # a coin: both sides get chosen
     assert len(revise(samples, None, tpl, ["sorted"], random_choice=True)) == 3
+
+
+def test_revise_keeps_only_revisions_the_judge_prefers_by_the_margin_asked():
+    tpl = JudgeTemplate.get("pairwise_compact")
+    samples = {"7391=": ["3179", "1379"], "52=": ["25", "52"]}
+    assert len(revise(samples, RuleJudge(), tpl, ["sorted"], min_margin=0.35)) == 2   # wins 0.9 >= 0.85
+    assert revise(samples, RuleJudge(), tpl, ["sorted"], min_margin=0.45) == []       # 0.9 < 0.95
