@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.text import Text
 
 from slurm_align.algorithms import commands as algorithm_commands
+from slurm_align.algorithms import steerlm_commands
 from slurm_align.analysis import commands as analysis_commands
 from slurm_align.cli_help import add_examples
 from slurm_align.config import commands as config_commands
@@ -28,7 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "step-time breakdowns and scaling sweeps.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for area in (slurm_commands, algorithm_commands, analysis_commands, hf_commands, config_commands,
-                 planning_commands, judge_commands):
+                 planning_commands, judge_commands, steerlm_commands):
         area.register(sub)   # each area owns its subcommands
     add_examples(parser)   # one example per command (cli_help.py), at the end of its --help
     return parser

@@ -50,6 +50,8 @@ EXAMPLES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("eval",): (
         "slurm-align eval runs/tiny/ppo/checkpoints/actor --data examples/synthetic/prompts_val.jsonl "
         "--profile local --samples 8 --temperature 1.0",
+        "slurm-align eval runs/steerlm/sft/checkpoints/sft --config examples/grpo_tiny.yaml "
+        "--data examples/synthetic/prompts_val.jsonl --attributes correctness=4,verbosity=2 model.max_seq_len=80",
     ),
     ("label",): (
         "slurm-align label runs/cai/responses/generate --config examples/cai_tiny.yaml --out runs/cai/labels.jsonl "
@@ -60,6 +62,10 @@ EXAMPLES: dict[tuple[str, ...], tuple[str, ...]] = {
     ("revise",): (
         "slurm-align revise runs/cai/responses/generate --config examples/cai_tiny.yaml "
         "--out runs/cai/revisions.jsonl judge.model.init_checkpoint=runs/cai/judge-model/checkpoints/sft",
+    ),
+    ("steerlm-label",): (
+        "slurm-align steerlm-label runs/steerlm/rm/checkpoints/rm --data examples/synthetic/sft_train.jsonl "
+        "--out runs/steerlm/labelled.jsonl",
     ),
     ("generate",): (
         "slurm-align generate runs/tiny/ppo/checkpoints/actor --data examples/synthetic/prompts.jsonl "

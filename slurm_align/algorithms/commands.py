@@ -75,13 +75,33 @@ def model_overrides(model: Path, config: Path | None, flag: str = "MODEL") -> tu
     return Path(config), [*where, "eval.standalone=true", "run_dir=null"]
 
 
+def attribute_overrides(text: str | None) -> list[str]:
+    """`--attributes correctness=4,verbosity=2` as the overrides of eval.attributes (SteerLM:
+    generate conditioned on those values), in the order given."""
+    if not text:
+        return []
+    out = []
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if not sep or not name.strip() or number is None:
+            raise ConfigError.at("--attributes", text, f"{item!r} is not name=number; give e.g. "
+                                 "correctness=4,verbosity=2 (the regression reward model's attribute names)")
+        out.append(f"eval.attributes.{name.strip()}={number}")
+    return ["eval.attributes={}", *out]
+
+
 def eval_overrides(model: Path, args: argparse.Namespace) -> tuple[Path, list[str]]:
     """The config to start from and the overrides that make it an evaluation job of `model`."""
     config, where = model_overrides(model, args.config)
     sampled = [f"eval.samples={args.samples}"] + ([f"eval.temperature={args.temperature}"]
                                                   if args.temperature is not None else [])
     engine = [f"generation.engine={args.engine}"] if args.engine else []
-    return config, [*where, f"eval.val_path={args.data}", "eval.interval=1", *sampled, *engine, *args.overrides]
+    return config, [*where, f"eval.val_path={args.data}", "eval.interval=1", *sampled, *engine,
+                    *attribute_overrides(args.attributes), *args.overrides]
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -128,7 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out, err = Console(), Console(stderr=True)
     config, where = model_overrides(args.model, args.config)
     engine = [f"generation.engine={args.engine}"] if args.engine else []
-    run = load_run_config(config, [*where, *engine, *args.overrides])
+    run = load_run_config(config, [*where, *engine, *attribute_overrides(args.attributes), *args.overrides])
     if not run.spec.rollout:
         raise ConfigError.at("algorithm", run.algorithm, "slurm-align generate takes a rollout run's config (ppo, "
                              "grpo, ...): it generates with the run's engine settings (generation.*)")
@@ -155,6 +175,9 @@ def standalone_parser(sub, name: str, help_text: str, *, data: str, samples: str
     p.add_argument("--samples", type=int, default=1, help=samples)
     p.add_argument("--temperature", type=float, default=temperature, help="sampling temperature (0: greedy)")
     p.add_argument("--engine", default=None, help="generation engine (torch, naive, vllm, trtllm)")
+    p.add_argument("--attributes", default=None, metavar="NAME=V,...",
+                   help="SteerLM: condition every prompt on these attribute values, e.g. correctness=4,verbosity=2 "
+                        "(eval.attributes; the format attribute-conditioned SFT trained on)")
     return p
 
 

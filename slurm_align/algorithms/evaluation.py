@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from slurm_align.algorithms.rollout_collector import sample_seed
+from slurm_align.algorithms.steerlm import prompt_suffix
 from slurm_align.balance.replica import open_prompt_source, replica_batches
 from slurm_align.config.run import RunConfig
 from slurm_align.data.datasets import PromptDataset
@@ -131,7 +132,7 @@ class EvalSet:
         # RunConfig: eval.interval needs eval.val_path and a scorer
         assert ev.val_path is not None and scorer is not None, "checked by RunConfig"
         dataset = PromptDataset(ev.val_path, tokenizer, run.model.max_seq_len, run.data.columns,
-                                reserve=run.generation.max_new_tokens)
+                                reserve=run.generation.max_new_tokens, suffix=prompt_suffix(ev.attributes))
         rows, prompts = dataset.fields(), dataset.token_arrays()
         if ev.num_prompts:
             rows, prompts = rows[: ev.num_prompts], prompts[: ev.num_prompts]

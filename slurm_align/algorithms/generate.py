@@ -166,13 +166,21 @@ def generate_shards(engine, policy: list, pctx, comm, *, prompts: Sequence[np.nd
     return pending
 
 
+def prompt_dataset(run, data: Path, tokenizer):
+    """The prompts as the engine gets them: conditioned on eval.attributes (SteerLM) when set."""
+    from slurm_align.algorithms.steerlm import prompt_suffix
+    from slurm_align.data.datasets import PromptDataset
+
+    return PromptDataset(data, tokenizer, run.model.max_seq_len, run.data.columns,
+                         suffix=prompt_suffix(run.eval.attributes))
+
+
 def run_generate(run, rd, env, data: Path, spec: GenerateSpec) -> list[int]:
     """The job's body on every rank (launchers/generate.py): load, refit, generate the pending shards."""
     from slurm_align.algorithms.standalone import load_standalone_actor
-    from slurm_align.data.datasets import PromptDataset
 
     actor = load_standalone_actor(run, env)
-    dataset = PromptDataset(data, actor.tokenizer, run.model.max_seq_len, run.data.columns)
+    dataset = prompt_dataset(run, data, actor.tokenizer)
     params = SamplingParams.from_config(run.generation, eos_id=actor.tokenizer.eos_id, pad_id=actor.tokenizer.pad_id)
     wrote = generate_shards(actor.engine, actor.policy, actor.pctx, env.comm, prompts=dataset.token_arrays(),
                             rows=dataset.fields(), out_dir=rd.root / "generate", spec=spec, params=params,

@@ -10,7 +10,7 @@ attribute order, e.g. `3142=<attributes>correctness:4,verbosity:2</attributes>`.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from slurm_align.losses.regression import AttributeDataset
 from slurm_align.models.forward import last_token_values, per_sequence
 from slurm_align.models.worker import ModelWorker
+from slurm_align.rundir import write_atomic
 
 OPEN, CLOSE = "<attributes>", "</attributes>"
 SCALE = (0, 4)
@@ -33,6 +34,12 @@ def render_attributes(names: Sequence[str], values: Sequence[float]) -> str:
 def condition(prompt: str, names: Sequence[str], values: Sequence[float]) -> str:
     """The prompt as the attribute-conditioned model sees it."""
     return prompt + render_attributes(names, values)
+
+
+def prompt_suffix(attributes: Mapping[str, float]) -> str:
+    """What generation conditioned on `attributes` (eval.attributes) appends to every prompt;
+    nothing for none."""
+    return render_attributes(list(attributes), list(attributes.values())) if attributes else ""
 
 
 @torch.no_grad()
@@ -58,5 +65,5 @@ def write_labelled(ds: AttributeDataset, names: Sequence[str], predictions: torc
             raise ValueError(f"line {row.line}: SteerLM labelling takes plain {{input, output}} rows")
         lines.append(json.dumps({**row.extra, "input": condition(row.data["input"], names, pred),
                                  "output": row.data["output"], **dict(zip(names, pred))}))
-    path.write_text("".join(line + "\n" for line in lines))
+    write_atomic(path, "".join(line + "\n" for line in lines))   # a reader never sees part of it
     return path

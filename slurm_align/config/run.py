@@ -556,6 +556,12 @@ class EvalConfig(StrictModel):
     val/majority (algorithms/evaluation.py)."""
     temperature: float = Field(0.0, ge=0.0)
     """Sampling temperature of the answers (0: greedy; samples > 1 needs a temperature above 0)."""
+    attributes: dict[str, float] = Field(default_factory=dict)
+    """SteerLM: generate conditioned on these attribute values, e.g. {correctness: 4, verbosity: 2}:
+    every prompt (evaluation's and `slurm-align generate`'s) gets them rendered in the one format
+    attribute-conditioned SFT trained on (algorithms/steerlm.py: `<attributes>name:value,...</attributes>`
+    after the prompt, in this order, each value rounded and clamped to 0-4). The scorer and the
+    written rows see the prompt as given. Empty: plain prompts."""
     standalone: bool = False
     """This run is the actor component alone over a data set (algorithms/standalone.py): an
     evaluation job (`slurm-align eval`), which evaluates model.init_checkpoint (or model.hf_path)

@@ -323,17 +323,22 @@ class PromptDataset:
     """Prompt token ids (PPO's prompts): plain rows as [BOS] prompt, chat rows rendered; each
     prompt is read and encoded when first used (LazyRows, Encoded). `path`: a data file or a
     data/mixture.py MixtureSpec. A prompt must leave `reserve` tokens (generation.max_new_tokens)
-    of max_len: a longer one is an error naming the file, the row and the column, never cut."""
+    of max_len: a longer one is an error naming the file, the row and the column, never cut.
+    `suffix` is appended to every plain prompt before encoding (SteerLM's rendered attributes,
+    eval.attributes); the rows (fields()) keep the prompt as written, which is what scorers read."""
 
     def __init__(self, path: Any, tok, max_len: int, columns: Mapping[str, str] | None = None,
-                 reserve: int = 0):
+                 reserve: int = 0, suffix: str = ""):
         limit = max_len - reserve
 
         def encode(row: Row) -> list[int]:
             if row.is_chat:
+                if suffix:   # SteerLM's attributes (eval.attributes) condition a plain prompt's text
+                    raise ValueError(f"{row.where}: eval.attributes conditions plain 'prompt' rows, not chat "
+                                     "'messages'")
                 ids = encode_chat_prompt(tok, row.data["messages"], limit + 1)
             else:
-                ids = encode_prompt(tok, row.data["prompt"], limit + 1)
+                ids = encode_prompt(tok, row.data["prompt"] + suffix, limit + 1)
             if len(ids) > limit:
                 raise TooLong(f"{row.where}: the prompt ({'messages' if row.is_chat else repr('prompt')}) has more "
                               f"than {limit} tokens, the most that leaves generation.max_new_tokens={reserve} of "

@@ -7,7 +7,7 @@ changed, the run's end pooled over its last evaluations). The broken twin is the
 the correctness weight negated (it is paid for wrong answers).
 
 The regression RM is trained here (examples/rm_tiny.yaml with loss 'regression', 2 labels) on
-HelpSteer2-format rows built from the task's preference pairs (tests/support/helpsteer.py).
+HelpSteer2-format rows built from the task's preference pairs (slurm_align/data/helpsteer.py).
 
 Minutes of reward-model and PPO training: opt-in with SLURM_ALIGN_REGRESSION_PPO=1.
 
@@ -30,10 +30,10 @@ from pathlib import Path
 import pytest
 
 from slurm_align import REPO_ROOT
+from slurm_align.data.helpsteer import ATTRIBUTES, helpsteer_rows
 from slurm_align.models.checkpoint import find_latest
 from tests.integration.test_ppo import launch_learning
 from tests.support import learning
-from tests.support.helpsteer import ATTRIBUTES, helpsteer_rows
 from tests.support.trainer_runs import make_run, train
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(

@@ -8,19 +8,24 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from slurm_align import REPO_ROOT
 from slurm_align.algorithms.steerlm import condition, predict_attributes, render_attributes, write_labelled
 from slurm_align.algorithms.trainer import Trainer
 from slurm_align.analysis.significance import PairedCounts, paired_counts
+from slurm_align.config.errors import ConfigError
 from slurm_align.config.run import ModelConfig, RunConfig
 from slurm_align.data.datasets import SFTDataset, encode_prompt
+from slurm_align.data.helpsteer import ATTRIBUTES, helpsteer_rows, sorted_and_copied
 from slurm_align.generation import GptShape
 from slurm_align.generation.params import SamplingParams
 from slurm_align.generation.refit import refit_from_training
@@ -30,7 +35,6 @@ from slurm_align.models.forward import forward_values, last_token_values
 from slurm_align.models.tokenizer import build_tokenizer
 from slurm_align.models.worker import ModelWorker
 from slurm_align.rewards import sort
-from tests.support.helpsteer import ATTRIBUTES, helpsteer_rows
 from tests.support.learning import ALPHA, TWIN_ALPHA, VERDICT_PREFIX
 from tests.support.single_rank import single_rank_world
 
@@ -88,12 +92,6 @@ GAP = 0.30
 at least 30 points."""
 
 
-def sorted_and_copied(pair: dict) -> list[str]:
-    """Per prompt the sorted answer (correctness 4) and the prompt's digits as given (0: what a
-    model that copies writes)."""
-    return [sort.target(pair["prompt"]), pair["prompt"].removesuffix("=")]
-
-
 def steer_run(algorithm: str, train: Path, val: Path | None = None, **over) -> RunConfig:
     cfg = {"algorithm": algorithm, "model": STEER_MODEL, "seed": 7, "data": {"train_path": train, "val_path": val},
            "trainer": {"global_batch_size": 32, "micro_batch_size": 32, "lr": 3e-3, "num_steps": 1}}
@@ -123,7 +121,7 @@ def steer_world() -> Iterator:
 @pytest.fixture(scope="module")
 def rm_labels(steer_world, tmp_path_factory: pytest.TempPathFactory) -> tuple[AttributeDataset, torch.Tensor]:
     """The regression reward model (correctness, verbosity) trained on HelpSteer2-format rows of
-    the task (tests/support/helpsteer.py: the sorted and the copied answer per prompt), and its
+    the task (slurm_align/data/helpsteer.py: the sorted and the copied answer per prompt), and its
     predicted attributes of every training row (SteerLM's labelling step)."""
     folder = tmp_path_factory.mktemp("steerlm")
     train = helpsteer_rows(SYNTH / "pref_train.jsonl", folder / "helpsteer_train.jsonl", sorted_and_copied)
@@ -173,3 +171,104 @@ def test_steerlm_conditioned_on_correctness_4_beats_0_by_30_points_and_a_shuffle
     assert steered.n == 2000
     assert steered.p_better < ALPHA and steered.acc_after - steered.acc_before >= GAP, steered
     assert twin.acc_after - twin.acc_before < GAP and twin.p_better > TWIN_ALPHA, twin
+
+
+# --- `slurm-align steerlm-label` (algorithms/steerlm_commands.py) --------------------------------
+LABEL_MODEL = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 260, "max_seq_len": 32}
+
+
+def regression_rm_run(folder: Path, **model) -> RunConfig:
+    train = helpsteer_rows(SYNTH / "pref_val.jsonl", folder / "helpsteer.jsonl", sorted_and_copied)
+    return RunConfig(algorithm="rm", seed=3, model={**LABEL_MODEL, "num_labels": 2, **model},
+                     data={"train_path": train}, loss={"name": "regression", "options": {"attributes": NAMES}},
+                     trainer={"global_batch_size": 16, "micro_batch_size": 16, "lr": 1e-2, "num_steps": 5})
+
+
+def write_run_config(run: RunConfig, run_dir: Path) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False))
+
+
+def test_steerlm_label_command_writes_what_the_trained_regression_rm_predicts(tmp_path: Path):
+    """A 5-step regression reward model saved as a run; `slurm-align steerlm-label` (its own
+    process) on 40 SFT rows writes exactly the attributes the trained model predicts in this
+    process (not a fresh model's: it loads the checkpoint, the run's attribute names)."""
+    run = regression_rm_run(tmp_path)
+    run_dir = tmp_path / "rm_run"
+    write_run_config(run, run_dir)
+    src = tmp_path / "sft.jsonl"
+    rows = [json.loads(line) for line in (SYNTH / "sft_val.jsonl").read_text().splitlines()][:40]
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with single_rank_world() as (_, pctx):
+        rm = Trainer(run, pctx, run_dir)
+        for step in range(5):
+            rm.train_step(step)
+        rm.step = 5
+        rm.save()
+        ds = AttributeDataset(src, build_tokenizer(run.model), LABEL_MODEL["max_seq_len"], NAMES, require_labels=False)
+        expected = predict_attributes(rm.worker, ds)
+    out = tmp_path / "labelled" / "rows.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "slurm_align.cli", "steerlm-label",
+                           str(run_dir / "checkpoints" / "rm"), "--data", str(src), "--out", str(out),
+                           "--batch-size", "16"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    written = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(written) == 40
+    got = torch.tensor([[w[n] for n in NAMES] for w in written])
+    assert torch.allclose(got, expected, atol=1e-5), (got[:3], expected[:3])
+    for row, w, p in zip(rows, written, expected.tolist()):
+        assert w["output"] == row["output"] and w["input"] == condition(row["input"], NAMES, p)
+
+
+def test_steerlm_label_refuses_a_missing_checkpoint_a_scalar_rm_and_missing_data(tmp_path: Path, capsys):
+    from slurm_align.algorithms.steerlm_commands import rm_config
+    from slurm_align.cli import main
+
+
+    with pytest.raises(ConfigError, match="no such checkpoint"):
+        rm_config(tmp_path / "nowhere", None, [])
+    scalar = RunConfig(algorithm="rm", model={**LABEL_MODEL, "num_labels": 1},
+                       data={"train_path": SYNTH / "pref_val.jsonl"})
+    write_run_config(scalar, tmp_path / "bt")
+    (tmp_path / "bt" / "checkpoints" / "rm").mkdir(parents=True)
+    with pytest.raises(ConfigError, match=r"field 'loss.name': got '\w+'.*regression.*model.num_labels=1"):
+        rm_config(tmp_path / "bt" / "checkpoints" / "rm", None, [])
+    write_run_config(regression_rm_run(tmp_path), tmp_path / "two")
+    (tmp_path / "two" / "checkpoints" / "rm").mkdir(parents=True)
+    assert main(["steerlm-label", str(tmp_path / "two" / "checkpoints" / "rm"), "--data", str(tmp_path / "none.jsonl"),
+                 "--out", str(tmp_path / "out.jsonl")]) == 2
+    assert "field '--data'" in capsys.readouterr().err
+
+
+# --- generation conditioned on chosen attributes (eval.attributes, --attributes) -----------------
+def test_eval_and_generate_with_attributes_give_the_engine_conditioned_prompts_and_the_scorer_plain_ones(
+        tmp_path: Path):
+    """`slurm-align eval/generate ... --attributes correctness=4,verbosity=2`: the prompts the
+    engine generates from are each prompt with the attributes rendered (in the given order), the
+    rows the scorer reads keep the plain prompt; without the flag the prompts are plain."""
+    from slurm_align.algorithms.commands import attribute_overrides, eval_overrides
+    from slurm_align.algorithms.evaluation import EvalSet
+    from slurm_align.algorithms.generate import prompt_dataset
+    from slurm_align.cli import build_parser
+    from slurm_align.config import load_run_config
+
+    data = SYNTH / "prompts_val.jsonl"
+    plain = [json.loads(line)["prompt"] for line in data.read_text().splitlines()[:5]]
+    common = ["eval", str(tmp_path), "--data", str(data), "--config", str(REPO_ROOT / "examples/grpo_tiny.yaml")]
+    for flag, values in (([], None), (["--attributes", "verbosity=2,correctness=4"], {"verbosity": 2.0,
+                                                                                       "correctness": 4.0})):
+        args = build_parser().parse_args([*common, *flag])
+        args.overrides = ["model.max_seq_len=80", "eval.num_prompts=5"]
+        run = load_run_config(*eval_overrides(args.model, args))
+        tok = build_tokenizer(run.model)
+        evalset = EvalSet.from_run(run, tok)
+        assert evalset is not None and dict(run.eval.attributes) == (values or {})
+        want = [p if values is None else condition(p, list(values), list(values.values())) for p in plain]
+        assert [list(ids) for ids in evalset.prompts] == [encode_prompt(tok, w, 80) for w in want]
+        assert [r["prompt"] for r in evalset.rows] == plain
+        generated = prompt_dataset(run, data, tok)
+        assert [list(generated.token_arrays()[i]) for i in range(5)] == [encode_prompt(tok, w, 80) for w in want]
+    assert want[0] == plain[0] + "<attributes>verbosity:2,correctness:4</attributes>"
+    with pytest.raises(ConfigError, match=r"--attributes.*'correctness' is not name=number"):
+        attribute_overrides("verbosity=2,correctness")
