@@ -64,6 +64,16 @@ class TrtllmOptions(StrictModel):
     never the node's shared /tmp/ray; keep it short (Ray's socket paths must fit 107 bytes)."""
 
 
+def vllm_tensor_parallel_problem(heads: int, kv_heads: int, tp: int) -> str | None:
+    """Why vLLM cannot shard `heads` attention heads and `kv_heads` key/value heads over `tp`
+    ranks (its attention shards whole heads; KV heads are split, or replicated when TP exceeds
+    them), or None: the config's check and the engine's (generation/vllm_engine.py)."""
+    if heads % tp or (kv_heads % tp and tp % kv_heads):
+        return (f"it must divide num_attention_heads={heads} and divide or be a multiple of the key/value heads "
+                f"(num_query_groups={kv_heads})")
+    return None
+
+
 def engine_options(model: type[StrictModel], engine: str, options: dict) -> StrictModel:
     """`model(**options)`, with a GenerationError naming the engine, the field, the value and what
     is allowed (an engine made outside a run config, e.g. by a benchmark)."""

@@ -15,7 +15,7 @@ from pydantic import Field, field_validator, model_validator
 from slurm_align.config.algorithms import REGISTRY, AlgorithmSpec, algorithm_spec
 from slurm_align.config.base import StrictModel
 from slurm_align.config.components import component_kind, component_names, declared_components
-from slurm_align.config.engines import TrtllmOptions, VllmOptions
+from slurm_align.config.engines import TrtllmOptions, VllmOptions, vllm_tensor_parallel_problem
 from slurm_align.environments.config import EnvironmentConfig, check_against_run
 
 Component = str
@@ -1117,11 +1117,11 @@ class RunConfig(StrictModel):
                                  "generator.data_parallel")
             if g.tensor_parallel != 1 and engine == "vllm":
                 # one vLLM per replica with TP worker processes of its own (generation/vllm_engine.py)
-                tp, m = g.tensor_parallel, self.model
-                if m.num_attention_heads % tp or (m.query_groups % tp and tp % m.query_groups):
-                    raise ValueError(f"generator.tensor_parallel={tp} with generation.engine='vllm': it must divide "
-                                     f"num_attention_heads={m.num_attention_heads} and divide or be a multiple of "
-                                     f"the key/value heads (num_query_groups={m.query_groups})")
+                why = vllm_tensor_parallel_problem(self.model.num_attention_heads, self.model.query_groups,
+                                                   g.tensor_parallel)
+                if why:
+                    raise ValueError(f"generator.tensor_parallel={g.tensor_parallel} with "
+                                     f"generation.engine='vllm': {why}")
             if g.tensor_parallel != 1 and engine not in ("trtllm", "vllm"):
                 raise ValueError(f"generator.tensor_parallel={g.tensor_parallel} with generation.engine={engine!r}: "
                                  "the torch engines compute at TP 1, so a replica's ranks would repeat each other's "

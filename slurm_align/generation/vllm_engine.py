@@ -70,7 +70,7 @@ from typing import Any
 
 import torch
 
-from slurm_align.config.engines import VllmOptions, engine_options
+from slurm_align.config.engines import VllmOptions, engine_options, vllm_tensor_parallel_problem
 from slurm_align.config.run import ModelConfig
 from slurm_align.generation.base import pack_prompts
 from slurm_align.generation.params import GenerationError, GenerationOutput, GptShape, SamplingParams
@@ -268,11 +268,9 @@ def check_tensor_parallel(shape: GptShape, tp: int, on_gpu: bool) -> None:
         raise GenerationError(f"generation engine 'vllm' with tensor parallel {tp} on GPUs: not built (the "
                               "replica's requester would host vLLM's workers on the replica's GPUs, which Slurm "
                               "gives one per rank; use tensor_parallel 1 with more data_parallel, or 'trtllm')")
-    kv = shape.query_groups
-    if shape.num_attention_heads % tp or (kv % tp and tp % kv):
-        raise GenerationError(f"generation engine 'vllm' with tensor parallel {tp}: it must divide "
-                              f"num_attention_heads={shape.num_attention_heads} and divide or be a multiple of the "
-                              f"key/value heads (num_query_groups={kv})")
+    why = vllm_tensor_parallel_problem(shape.num_attention_heads, shape.query_groups, tp)
+    if why:
+        raise GenerationError(f"generation engine 'vllm' with tensor parallel {tp}: {why}")
 
 
 def _shutdown_keeping_world(llm: Any, in_process: bool = True) -> None:
