@@ -22,7 +22,7 @@ from slurm_align.config.errors import ConfigError
 from slurm_align.config.run import RunConfig
 from slurm_align.data.datasets import DataOrder
 from slurm_align.data.mixture import training_data
-from slurm_align.models.checkpoint import AsyncCheckpointWriter, find_latest
+from slurm_align.models.checkpoint import AsyncCheckpointWriter
 from slurm_align.models.lora import lora_base
 from slurm_align.models.packing import run_batching
 from slurm_align.models.retention import apply_retention
@@ -107,15 +107,16 @@ class Trainer:
         if self.writer is not None:
             self.writer.wait()
 
-    def resume(self) -> bool:
+    def resume(self) -> Path | None:
+        """Go on from the newest complete checkpoint, if any; it is returned."""
         found = self.worker.resume(self.ckpt_root)
         if found is None:
-            return False
+            return None
         latest, common = found
         self.step = int(common["step"])
         self.metrics.start_at(self.step + 1)   # steps after the checkpoint are redone
         self._print(f"resumed from {latest} at step {self.step}")
-        return True
+        return latest
 
     def _print(self, text: str) -> None:
         if self.rank == 0:
@@ -127,7 +128,7 @@ class Trainer:
         tc = self.run.trainer
         resumed = self.resume()
         if stop is not None:
-            stop.resumed(self.step + 1, find_latest(self.ckpt_root) if resumed else None)
+            stop.resumed(self.step + 1, resumed)
         timeout = self.run.fault_tolerance.hang_timeout_s
         watchdog = Watchdog(timeout, RunDir(self.run_dir).logs / "actor", self.rank).start() if timeout else None
         trace = Path(self.run_dir) / "profile" / f"actor_rank{self.rank}.json"
