@@ -25,11 +25,13 @@ mkdir -p "$runs"
 [[ -e "$runs/judge-samples/generate" ]] || "$sa" generate "$runs/sft/checkpoints/sft" --config examples/grpo_tiny.yaml \
     --data "$runs/judge-data/judge_prompts.jsonl" --samples 8 --temperature 1.0 --profile "$profile" \
     --run-dir "$runs/judge-samples" --follow
+#    beside the rule's near misses (one digit off) and the judge's auxiliary task, the right answer
+#    written out (sort_pairs.sort_demo_rows), none on the task's prompts
 [[ -e "$runs/judge-data/judge_train.jsonl" ]] || .venv/bin/python -m slurm_align.judge.sort_pairs "$runs/judge-data" \
-    --samples "$runs/judge-samples/generate" --rule-pairs 2000
+    --samples "$runs/judge-samples/generate" --rule-pairs 2000 --near-misses 20000 --demos 20000 --exclude "$synth"/*.jsonl
 [[ -e "$runs/judge-model/checkpoints/sft" ]] || "$sa" train sft examples/judge_tiny.yaml --profile "$profile" \
     --run-dir "$runs/judge-model" --follow data.train_path="$runs/judge-data/judge_train.jsonl" \
-    data.val_path="$runs/judge-data/judge_val.jsonl" trainer.num_steps=2000
+    data.val_path="$runs/judge-data/judge_val.jsonl" trainer.num_steps=8000
 judge=(judge.model.init_checkpoint="$runs/judge-model/checkpoints/sft")
 
 # 1. red-team prompts (the task's training prompts) -> 8 responses each from the SFT policy (T 0.7)

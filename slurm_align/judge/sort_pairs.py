@@ -53,6 +53,68 @@ def judge_sft_rows(rng: random.Random, n: int, template: str = "pairwise_compact
     return rows
 
 
+def near_miss(rng: random.Random, good: str) -> str:
+    """A wrong answer one edit from the right one `good`, the CAI policy's commonest errors: one digit
+    replaced by another (re-sorted or not), one digit repeated or dropped (sorted), or two
+    neighbouring digits swapped."""
+    while True:
+        kind, i = rng.random(), rng.randrange(len(good))
+        if kind < 0.5:                   # one wrong digit
+            s = good[:i] + str(rng.randrange(10)) + good[i + 1:]
+            bad = "".join(sorted(s)) if rng.random() < 0.7 else s
+        elif kind < 0.7:                 # a digit repeated
+            bad = good[:i] + good[i] + good[i:]
+        elif kind < 0.85:                # a digit dropped
+            bad = good[:i] + good[i + 1:]
+        else:                            # neighbours swapped
+            j = min(i, len(good) - 2)
+            bad = good[:j] + good[j + 1] + good[j] + good[j + 2:]
+        if bad != good:
+            return bad
+
+
+def fresh_prompt(rng: random.Random, seen: frozenset[str] | set[str]) -> tuple[str, str]:
+    """(prompt, right answer) of a prompt not in `seen` (the task's training, red-team and
+    held-out prompts: a quarter of the task's prompts have 4 digits, only 10,000 of them)."""
+    while True:
+        prompt, good = synthetic.make_prompt(rng)
+        if prompt not in seen:
+            return prompt, good
+
+
+def near_miss_rows(rng: random.Random, n: int, template: str = "pairwise_compact",
+                   seen: frozenset[str] = frozenset()) -> list[dict]:
+    """SFT rows of the right answer against a near miss (`near_miss`), in a random order, on fresh
+    prompts: the pairs a revision turns on, which the policy's own samples hold too few of for the
+    judge to learn them (docs/cai.md); none on the prompts in `seen`."""
+    tpl = JudgeTemplate.get(template)
+    rows = []
+    for _ in range(n):
+        prompt, good = fresh_prompt(rng, seen)
+        bad = near_miss(rng, good)
+        a, b = (good, bad) if rng.random() < 0.5 else (bad, good)
+        rows.append({"input": pairwise_prompt(tpl, SORT_PRINCIPLE, prompt, a, b), "output": rule_verdict(prompt, a, b)})
+    return rows
+
+
+def sort_demo_rows(rng: random.Random, n: int, seen: frozenset[str] = frozenset()) -> list[dict]:
+    """The judge's auxiliary task: writing the right answer itself, after the prompt ("41672=" ->
+    "12467") and, half of the time, after a first answer as the pairwise prompt shows it
+    ("41672=12466|" -> "12467": the second answer's place). A verdict is one token of supervision
+    per pair and the judge learnt the near misses slowly from verdicts alone (their agreement at
+    chance after 8,000 steps); predicting each digit of the right answer at the places the answers
+    stand makes a wrong digit visible to it (docs/cai.md). None on the prompts in `seen`."""
+    rows = []
+    for i in range(n):
+        prompt, good = fresh_prompt(rng, seen)
+        if i % 2:
+            first = good if rng.random() < 0.5 else near_miss(rng, good)
+            rows.append({"input": prompt + first + "|", "output": good})
+        else:
+            rows.append({"input": prompt, "output": good})
+    return rows
+
+
 def fits(row: dict, max_seq_len: int = 32) -> bool:
     """The row's judging prompt, verdict, BOS and EOS fit the judge's byte-level context (a sampled
     response may hold bytes that decode to multi-byte characters)."""
@@ -80,16 +142,21 @@ def policy_pair_rows(samples: dict[str, list[str]], rng: random.Random,
     return rows
 
 
-def judge_prompt_rows(n: int, seen_files, seed: int = 40) -> list[dict]:
-    """`n` prompts for the judge's own training samples, none of them in `seen_files` (JSONL with
-    prompt or input fields: the task's training, red-team and held-out prompts)."""
+def seen_prompts(files) -> frozenset[str]:
+    """The prompts of JSONL files with prompt or input fields (the task's training, red-team and
+    held-out prompts)."""
     seen: set[str] = set()
-    for f in seen_files:
+    for f in files:
         for line in Path(f).read_text().splitlines():
             if line.strip():
                 row = json.loads(line)
                 seen.update(str(row[k]) for k in ("prompt", "input") if k in row)
-    return synthetic.heldout_prompt_rows(random.Random(seed), n, seen)
+    return frozenset(seen)
+
+
+def judge_prompt_rows(n: int, seen_files, seed: int = 40) -> list[dict]:
+    """`n` prompts for the judge's own training samples, none of them in `seen_files`."""
+    return synthetic.heldout_prompt_rows(random.Random(seed), n, set(seen_prompts(seen_files)))
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -97,15 +164,24 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def write_judge_data(folder, train: int = 8000, val: int = 200, seed: int = 11, samples=None) -> None:
+def write_judge_data(folder, train: int = 8000, val: int = 200, seed: int = 11, samples=None,
+                     near_misses: int = 0, demos: int = 0, seen: frozenset[str] = frozenset()) -> None:
     """folder/judge_train.jsonl and judge_val.jsonl (examples/judge_tiny.yaml trains on them):
-    `train` rule pairs, and with `samples` (a `slurm-align generate` folder) every policy pair of
-    them as well, shuffled; `val` rule pairs (and as many policy pairs) held out."""
+    `train` rule pairs, `near_misses` near-miss pairs and `demos` rows of the auxiliary task (none
+    on the prompts in `seen`), and with `samples` (a `slurm-align generate` folder) every policy
+    pair of them as well, shuffled; `val` rule pairs (and as many policy pairs, and near-miss pairs
+    when there are any) held out."""
     from slurm_align.judge.label import read_samples
 
     folder = Path(folder)
     train_rows = judge_sft_rows(random.Random(seed), train)
     val_rows = judge_sft_rows(random.Random(seed + 1), val)
+    if near_misses:
+        train_rows += near_miss_rows(random.Random(seed + 3), near_misses, seen=seen)
+        val_rows += near_miss_rows(random.Random(seed + 4), val, seen=seen)
+    train_rows += sort_demo_rows(random.Random(seed + 6), demos, seen=seen)
+    if near_misses or demos:
+        random.Random(seed + 5).shuffle(train_rows)
     if samples is not None:
         rng = random.Random(seed + 2)
         policy = policy_pair_rows(read_samples(Path(samples)), rng)
@@ -127,14 +203,20 @@ def main(argv=None) -> None:
                     help="a `slurm-align generate` folder of the policy's samples on the judge's prompts: "
                          "their pairs join the rule pairs")
     ap.add_argument("--rule-pairs", type=int, default=8000, help="training pairs of the rule's corruptions")
+    ap.add_argument("--near-misses", type=int, default=0,
+                    help="training pairs of the right answer against a near miss (one digit off)")
+    ap.add_argument("--demos", type=int, default=0,
+                    help="training rows of the judge's auxiliary task: the right answer written out")
     ap.add_argument("--prompts", type=int, default=0,
                     help="write N judge prompts (folder/judge_prompts.jsonl) instead, none in --exclude")
-    ap.add_argument("--exclude", type=Path, nargs="*", default=[], help="JSONL files whose prompts to avoid")
+    ap.add_argument("--exclude", type=Path, nargs="*", default=[],
+                    help="JSONL files whose prompts to avoid (the judge's prompts, near misses and demos)")
     args = ap.parse_args(argv)
     if args.prompts:
         write_jsonl(args.folder / "judge_prompts.jsonl", judge_prompt_rows(args.prompts, args.exclude))
     else:
-        write_judge_data(args.folder, train=args.rule_pairs, samples=args.samples)
+        write_judge_data(args.folder, train=args.rule_pairs, samples=args.samples,
+                         near_misses=args.near_misses, demos=args.demos, seen=seen_prompts(args.exclude))
 
 
 if __name__ == "__main__":   # python -m slurm_align.judge.sort_pairs FOLDER [--samples GEN | --prompts N]
