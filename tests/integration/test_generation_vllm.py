@@ -88,36 +88,38 @@ def test_grpo_with_vllm_refits_the_engine_at_every_step(tmp_path, mode):
 
 
 @pytest.mark.mpi
-def test_tensor_parallel_2_on_two_ranks_gives_tp_1s_outputs_and_refits_in_place(tmp_path, trainer):  # noqa: F811
-    """A vLLM replica of TP 2 on two real ranks (tests/programs/vllm_tp_prog.py), each rank its own
-    TP worker (external_launcher over the ranks' gloo world): both ranks return the same outputs;
-    on model 1 the greedy tokens are TP 1's (the torch engine's) and every log-prob, greedy and
+@pytest.mark.parametrize("ranks", [2, pytest.param(4, marks=TP_OPT_IN)])
+def test_tensor_parallel_2_on_real_ranks_gives_tp_1s_outputs_and_refits_in_place(tmp_path, trainer, ranks):  # noqa: F811
+    """vLLM replicas of TP 2 on real ranks (tests/programs/vllm_tp_prog.py; 4 ranks: two replicas
+    with prompts of their own, in a world larger than a replica), each rank its own TP worker
+    (external_launcher over the ranks' gloo world): a replica's ranks return the same outputs; on
+    model 1 the greedy tokens are TP 1's (the torch engine's) and every log-prob, greedy and
     seeded samples, the trainer's at TP 1 (megatron's forward) to LOGPROB_TOL; after a refit in
     place (the same LLM) with model 2, the greedy tokens and log-probs of model 2."""
-    prm = prompts(8, seed=9)
+    replica_prompts = [prompts(8, seed=9), prompts(3, seed=10)][:ranks // 2]
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
     reference = make_engine("torch", SHAPE)
     want = {}
     for seed in (1, 2):
         reference.refit(trainer["weights"][seed])
-        want[seed] = reference.generate(prm, greedy).response_tokens
-    assert not torch.equal(want[1], want[2])   # the two models answer differently
+        want[seed] = [reference.generate(prm, greedy).response_tokens for prm in replica_prompts]
+    assert not torch.equal(want[1][0], want[2][0])   # the two models answer differently
     given = tmp_path / "given.pt"
-    torch.save({"model": MODEL.model_dump(), "weights": trainer["weights"], "prompts": prm, "seeds": list(range(8))},
-               given)
-    mpirun(2, str(given), str(tmp_path), program=Path(__file__).parents[1] / "programs" / "vllm_tp_prog.py",
+    torch.save({"model": MODEL.model_dump(), "weights": trainer["weights"], "prompts": replica_prompts}, given)
+    mpirun(ranks, str(given), str(tmp_path), program=Path(__file__).parents[1] / "programs" / "vllm_tp_prog.py",
            timeout=600)
-    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1)]
-    for r, got in enumerate(ranks):
-        assert got["parallel"] == {"backend": "external_launcher", "tp_size": 2, "tp_rank": r}
+    outs = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(ranks)]
+    for r, got in enumerate(outs):
+        assert got["parallel"] == {"backend": "external_launcher", "tp_size": 2, "tp_rank": r % 2}
         assert got["same_llm"]
-    for key in ("greedy1", "sampled1", "greedy2"):   # each rank's own engine: the replica's outputs
-        a, b = ranks[0][key], ranks[1][key]
-        assert torch.equal(a.response_tokens, b.response_tokens) and torch.equal(a.logprobs, b.logprobs), key
-    got = ranks[0]
-    assert torch.equal(got["greedy1"].response_tokens, want[1])
-    assert torch.equal(got["greedy2"].response_tokens, want[2])
-    for key, seed, temperature in (("greedy1", 1, 1.0), ("sampled1", 1, 1.0), ("greedy2", 2, 1.0)):
-        out = got[key]   # greedy: log-probs at temperature 1
-        for i, w in enumerate(trainer_logprobs(trainer, seed, prm, out, temperature)):
-            assert torch.allclose(out.logprobs[i, :len(w)], w, atol=LOGPROB_TOL, rtol=0), (key, i)
+    for replica, prm in enumerate(replica_prompts):
+        first, second = outs[2 * replica], outs[2 * replica + 1]
+        for key in ("greedy1", "sampled1", "greedy2"):   # each rank's own engine: the replica's outputs
+            a, b = first[key], second[key]
+            assert torch.equal(a.response_tokens, b.response_tokens) and torch.equal(a.logprobs, b.logprobs), key
+        assert torch.equal(first["greedy1"].response_tokens, want[1][replica])
+        assert torch.equal(first["greedy2"].response_tokens, want[2][replica])
+        for key, seed in (("greedy1", 1), ("sampled1", 1), ("greedy2", 2)):   # all at temperature 1
+            out = first[key]
+            for i, w in enumerate(trainer_logprobs(trainer, seed, prm, out, 1.0)):
+                assert torch.allclose(out.logprobs[i, :len(w)], w, atol=LOGPROB_TOL, rtol=0), (replica, key, i)

@@ -1,11 +1,11 @@
-"""A vLLM replica of TP 2 on two real MPI ranks, each rank its own vLLM worker (external_launcher
-over the ranks' gloo world; run under mpirun -n 2 by tests/integration/test_generation_vllm.py,
-not a test).
+"""vLLM replicas of TP 2 on real MPI ranks (mpirun -n 2: one replica; -n 4: two, in a world
+larger than a replica), each rank its own vLLM worker (external_launcher over the ranks' gloo
+world); run by tests/integration/test_generation_vllm.py, not a test.
 
-Reads IN (torch.save'd: the ModelConfig fields, the full state dicts of two models, prompts,
-seeds); every rank refits with model 1, generates greedy and seeded samples, refits in place with
-model 2, generates greedy again, and writes what its own engine returned to OUT/rank<r>.pt, with
-what vLLM says about its parallel layout. The test compares (the ranks, the references).
+Reads IN (torch.save'd: the ModelConfig fields, the full state dicts of two models, the prompts of
+each replica, seeds); every rank refits with model 1, generates its replica's prompts greedy and
+seeded, refits in place with model 2, generates greedy again, and writes what its own engine
+returned to OUT/rank<r>.pt, with what vLLM says about its parallel layout. The test compares.
 """
 
 from __future__ import annotations
@@ -38,11 +38,12 @@ try:
     got["parallel"] = {"backend": llm.llm_engine.vllm_config.parallel_config.distributed_executor_backend,
                        "tp_size": parallel_state.get_tp_group().world_size,
                        "tp_rank": parallel_state.get_tp_group().rank_in_group}
-    got["greedy1"] = engine.generate(given["prompts"], greedy)
-    got["sampled1"] = engine.generate(given["prompts"], sampled, seeds=given["seeds"])
+    prompts = given["prompts"][layout.dp_rank]
+    got["greedy1"] = engine.generate(prompts, greedy)
+    got["sampled1"] = engine.generate(prompts, sampled, seeds=range(len(prompts)))
     engine.refit(given["weights"][2])
     got["same_llm"] = engine._llm is llm   # in place: no second engine
-    got["greedy2"] = engine.generate(given["prompts"], greedy)
+    got["greedy2"] = engine.generate(prompts, greedy)
 finally:
     engine.free()
 torch.save(got, out_dir / f"rank{env.rank}.pt")
