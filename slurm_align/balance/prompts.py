@@ -3,6 +3,8 @@
 The server is a thread on the root rank that talks over its OWN duplicate of the communicator,
 so its point-to-point traffic can never match a collective the main threads run meanwhile.
 The root's own worker takes batches straight from the server's state (same lock, no message).
+The thread waits for requests asleep between polls (parallel/quiet.message), not in a blocking
+receive, which would busy-poll a core beside the root's own generation for the whole phase.
 Each index is handed out exactly once per PromptServer, so an epoch processes the dataset's
 multiset exactly, whatever the workers' speeds.
 
@@ -169,9 +171,7 @@ class PromptServer:
         req = np.zeros(1, dtype=np.int64)
         req_spec, int64 = [req, MPI.INT64_T], MPI.INT64_T
         while self._finished < self._n_requesters:
-            # Wait asleep between requests, not in a blocking Recv: this thread waits for the whole
-            # generation phase, and a blocking Recv busy-polls a core beside the root's own
-            # generation all that time (measured in tests/integration/test_balance.py).
+            # asleep between requests (module docstring; its cost: tests/integration/test_balance.py)
             quiet.message(comm, any_src, _REQ, status).Recv(req_spec)
             n = int(req[0])
             if n > 0:
