@@ -194,6 +194,7 @@ def test_trained_judge_agrees_with_the_task_rule_on_held_out_pairs(tmp_path):
     assert counts.p_better < ALPHA, counts
 
 
+@pytest.mark.timeout(3600)   # the suite's 600 s cut the whole example short: a hang guard for a loaded 2-core host
 @pytest.mark.skipif(os.environ.get("SLURM_ALIGN_CAI") != "1",
                     reason="runs examples/cai_tiny.sh end to end (~30-40 min here); set SLURM_ALIGN_CAI=1")
 def test_constitutional_ai_example_raises_held_out_accuracy_and_its_control_does_not(tmp_path):
