@@ -69,14 +69,19 @@ def sorted_and_copied(pair: dict) -> list[str]:
     return [sort.target(pair["prompt"]), pair["prompt"].removesuffix("=")]
 
 
-def write_policy_rows(out: Path, samples: Path, val_prompts: int = 200, seed: int = 0) -> tuple[Path, Path]:
+def write_policy_rows(out: Path, samples: Path | list[Path], val_prompts: int = 200,
+                      seed: int = 0) -> tuple[Path, Path]:
     """OUT/helpsteer_policy_{train,val}.jsonl: the task's preference pairs' chosen and rejected
-    answers (examples/synthetic/pref_*.jsonl) and `policy_sample_rows` of `samples` (a `slurm-align
-    generate` folder), the samples of `val_prompts` of their prompts held out; training rows shuffled."""
+    answers (examples/synthetic/pref_*.jsonl) and `policy_sample_rows` of `samples` (`slurm-align
+    generate` folders, e.g. the SFT policy's and a PPO policy's, on prompts of their own), the
+    samples of `val_prompts` of their prompts held out; training rows shuffled."""
     from slurm_align.judge.label import read_samples
 
     rng = random.Random(seed)
-    by_prompt = read_samples(samples)
+    by_prompt: dict[str, list[str]] = {}
+    for folder in [samples] if isinstance(samples, Path) else samples:
+        for prompt, responses in read_samples(folder).items():
+            by_prompt.setdefault(prompt, []).extend(responses)
     prompts = sorted(by_prompt)
     rng.shuffle(prompts)
     held = set(prompts[:val_prompts])
@@ -108,8 +113,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=0,
                     help="write N prompts for the policy's samples (OUT/policy_prompts.jsonl), none in --exclude")
     ap.add_argument("--exclude", type=Path, nargs="*", default=[], help="JSONL files whose prompts to avoid")
-    ap.add_argument("--samples", type=Path, default=None,
-                    help="a `slurm-align generate` folder of the policy's samples on those prompts: their rows "
+    ap.add_argument("--samples", type=Path, nargs="+", default=None,
+                    help="`slurm-align generate` folders of the policy's samples on such prompts: their rows "
                          "join the task's chosen and rejected answers (OUT/helpsteer_policy_{train,val}.jsonl)")
     args = ap.parse_args(argv)
     out = args.out
