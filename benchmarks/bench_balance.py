@@ -1,4 +1,5 @@
-"""Prompt balancing: static vs dynamic (work-stealing) makespan vs ideal, server vs raw MPI rate.
+"""Prompt balancing: static vs dynamic (work-stealing) makespan vs ideal, server vs raw MPI rate,
+and rank 0's CPU while the server waits idle against a thread in a blocking Recv.
 
     python benchmarks/bench_balance.py [--prompts 1024] [--ms-per-token 0.1] [--seed 0]
 
@@ -123,6 +124,45 @@ def server_rate(comm, seconds: float, prefetch: bool) -> float:
     return comm.allreduce(count) / comm.allreduce(elapsed, op=MPI.MAX)
 
 
+def idle_cpu(comm, seconds: float, server: bool) -> float:
+    """CPU seconds per second that rank 0 spends while its receiving thread waits with nothing to
+    receive (the workers still generating): the prompt server's thread (server=True) or a thread
+    in a plain blocking Recv (the server's old wait). Rank 0's main thread sleeps meanwhile."""
+    import threading
+
+    from mpi4py import MPI
+
+    from slurm_align.balance.prompts import PromptServer
+
+    rank = comm.Get_rank()
+    buf = np.zeros(1, dtype=np.int64)
+    if server:
+        srv = PromptServer(comm, 1, requester=rank != 0)
+    elif rank == 0:
+        thread = threading.Thread(target=comm.Recv, args=([buf, MPI.INT64_T], MPI.ANY_SOURCE, 9))
+        thread.start()
+    comm.Barrier()
+    used = 0.0
+    if rank == 0:
+        cpu0 = time.process_time()
+        time.sleep(seconds)
+        used = (time.process_time() - cpu0) / seconds
+    else:
+        time.sleep(seconds + 0.2)
+    if server:
+        if rank != 0:
+            for _ in srv.batches(1):
+                pass
+        srv.close()
+    else:
+        if rank == 1:
+            comm.Send([buf, MPI.INT64_T], 0, 9)
+        if rank == 0:
+            thread.join()
+        comm.Barrier()
+    return used
+
+
 def child(args: argparse.Namespace) -> None:
     from mpi4py import MPI
 
@@ -154,6 +194,13 @@ def child(args: argparse.Namespace) -> None:
         srv.append(server_rate(comm, args.round_s, prefetch=False))
         pre.append(server_rate(comm, args.round_s, prefetch=True))
     ratio = float(np.median(np.array(srv) / np.array(raw)))
+    # Rank 0's CPU while its receiving thread waits idle: the server against a blocking Recv.
+    idle_recv, idle_srv = [], []
+    for _ in range(3):
+        idle_recv.append(idle_cpu(comm, 1.0, server=False))
+        idle_srv.append(idle_cpu(comm, 1.0, server=True))
+    say(f"rank 0 CPU-s per s while idle: blocking Recv {[round(x, 3) for x in idle_recv]}, "
+        f"prompt server {[round(x, 3) for x in idle_srv]}")
     say(f"raw MPI ping-pong: {[round(r) for r in raw]} round trips/s")
     say(f"prompt server: {[round(s) for s in srv]} requests/s (one in flight), {[round(s) for s in pre]} (prefetch)")
     if rank == 0:
@@ -169,6 +216,8 @@ def child(args: argparse.Namespace) -> None:
             "raw_roundtrips_per_s": round(float(np.median(raw))),
             "server_prefetch_req_per_s": round(float(np.median(pre))),
             "server_over_raw": round(ratio, 4),
+            "idle_cpu_per_s_blocking_recv": round(float(np.median(idle_recv)), 4),
+            "idle_cpu_per_s_server": round(float(np.median(idle_srv)), 4),
         }
         print(" ".join(f"{k}={v}" for k, v in figures.items()), flush=True)
 

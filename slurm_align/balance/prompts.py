@@ -3,6 +3,8 @@
 The server is a thread on the root rank that talks over its OWN duplicate of the communicator,
 so its point-to-point traffic can never match a collective the main threads run meanwhile.
 The root's own worker takes batches straight from the server's state (same lock, no message).
+The thread waits for requests asleep between polls (parallel/quiet.message), not in a blocking
+receive, which would busy-poll a core beside the root's own generation for the whole phase.
 Each index is handed out exactly once per PromptServer, so an epoch processes the dataset's
 multiset exactly, whatever the workers' speeds.
 
@@ -22,6 +24,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from slurm_align.parallel import quiet
 from slurm_align.profiling.phases import PROMPT_WAIT
 
 _REQ, _REPLY = 71, 72
@@ -164,12 +167,12 @@ class PromptServer:
 
         # Hot loop: everything looked up once (Python overhead is most of a request's cost).
         comm, status, lock, order = self._comm, MPI.Status(), self._lock, self._order
-        recv, send, source, any_src = comm.Recv, comm.Send, status.Get_source, MPI.ANY_SOURCE
+        send, source, any_src = comm.Send, status.Get_source, MPI.ANY_SOURCE
         req = np.zeros(1, dtype=np.int64)
         req_spec, int64 = [req, MPI.INT64_T], MPI.INT64_T
         while self._finished < self._n_requesters:
-            # Blocking receive (GIL released): answers as soon as the thread is scheduled.
-            recv(req_spec, any_src, _REQ, status)
+            # asleep between requests (module docstring; its cost: tests/integration/test_balance.py)
+            quiet.message(comm, any_src, _REQ, status).Recv(req_spec)
             n = int(req[0])
             if n > 0:
                 with lock:
@@ -301,7 +304,7 @@ class PromptServer:
             self._say_goodbye()
             self._requester = False
         self._join_server()
-        self._comm.Barrier()
+        quiet.barrier(self._comm)   # ranks that ran out of work wait here for the slowest, asleep
         self._comm.Free()
         if self._error is not None:
             raise RuntimeError(f"prompt server thread failed: {self._error!r}") from self._error

@@ -23,12 +23,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
 from slurm_align.data.datasets import PromptDataset
 from slurm_align.data.jsonl import LazyRows, Row
 from slurm_align.data.sources import open_source
+
+T = TypeVar("T")
 
 MIX_KEY = 0x6D6978
 """Seeds the mixture's generator apart from the run's other uses of its seed."""
@@ -55,26 +58,20 @@ class Mixture:
         return len(self.source)
 
 
-class MixedRows(Sequence):
-    """Rows of several LazyRows at a Mixture's positions: position j is row mix.row[j] of source
-    mix.source[j], read when first used."""
+class MixedRows(Sequence[T]):
+    """Rows of several sources at a Mixture's positions: position j is row mix.row[j] of source
+    mix.source[j] (parts: any sequences, LazyRows for the text data sets, read when first used)."""
 
-    def __init__(self, mix: Mixture, parts: list[LazyRows]):
+    def __init__(self, mix: Mixture, parts: Sequence[Sequence[T]]):
         self.mixture, self.parts = mix, parts
 
     def __len__(self) -> int:
         return len(self.mixture)
 
-    @property
-    def read(self) -> int:
-        """Rows read so far, over all sources."""
-        return sum(p.read for p in self.parts)
-
-    def __getitem__(self, j):  # type: ignore[override]  # int -> Row, slice -> list
+    def __getitem__(self, j):  # type: ignore[override]  # int -> row, slice -> list
         if isinstance(j, slice):
             return [self[i] for i in range(*j.indices(len(self)))]
-        row: Row = self.parts[int(self.mixture.source[j])][int(self.mixture.row[j])]
-        return row
+        return self.parts[int(self.mixture.source[j])][int(self.mixture.row[j])]
 
 
 @dataclass(frozen=True)
@@ -91,10 +88,14 @@ class MixtureSpec:
     def path(self) -> str:
         return "data.mixture (" + ", ".join(str(p) for p, _, _ in self.sources) + ")"
 
-    def mixed_rows(self, kind: str, columns: Mapping[str, str] | None) -> MixedRows:
-        parts = [LazyRows(open_source(p, kind, cols if cols else columns), kind) for p, _, cols in self.sources]
-        mix = Mixture([len(p) for p in parts], [w for _, w, _ in self.sources], self.seed, self.length)
-        return MixedRows(mix, parts)
+    def over(self, parts: Sequence[Sequence[T]]) -> MixedRows[T]:
+        """The mixed set over one part per source (in `sources` order), whatever a part holds."""
+        return MixedRows(Mixture([len(p) for p in parts], [w for _, w, _ in self.sources], self.seed, self.length),
+                         parts)
+
+    def mixed_rows(self, kind: str, columns: Mapping[str, str] | None) -> MixedRows[Row]:
+        return self.over([LazyRows(open_source(p, kind, cols if cols else columns), kind)
+                          for p, _, cols in self.sources])
 
 
 def mixture_spec(run) -> MixtureSpec:

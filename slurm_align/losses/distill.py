@@ -27,6 +27,7 @@ line when it is read.
 
 from __future__ import annotations
 
+import collections.abc
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 
 from slurm_align.config.errors import ConfigError
 from slurm_align.data.datasets import Sequence, pad, response_mask
-from slurm_align.data.mixture import Mixture, MixtureSpec
+from slurm_align.data.mixture import MixedRows, MixtureSpec
 from slurm_align.data.sources import open_source
 from slurm_align.losses.base import Loss
 from slurm_align.losses.registry import KDOptions
@@ -47,7 +48,7 @@ KEYS = ("prompt_ids", "response_ids", "topk_ids", "topk_logprobs")
 KIND = "distillation"
 
 
-class _Rows:
+class _Rows(collections.abc.Sequence):
     """Positions of a data file or of generate's shard folder (its files in shard order): row i
     read on use, with its file and where it is in it ('line N')."""
 
@@ -63,24 +64,10 @@ class _Rows:
     def __len__(self) -> int:
         return int(self.starts[-1])
 
-    def __getitem__(self, i: int) -> tuple[Path, str, Any]:
+    def __getitem__(self, i: int) -> tuple[Path, str, Any]:  # type: ignore[override]  # ints only
         f = int(np.searchsorted(self.starts, i, side="right")) - 1
         src, k = self.sources[f], i - int(self.starts[f])
         return src.path, f"{src.unit} {src.number(k)}", src.record(k)
-
-
-class _Mixed:
-    """data.mixture's positions (data/mixture.py Mixture) over one _Rows per source."""
-
-    def __init__(self, spec: MixtureSpec, columns: Mapping[str, str] | None):
-        self.parts = [_Rows(Path(p), cols or columns) for p, _, cols in spec.sources]
-        self.mix = Mixture([len(part) for part in self.parts], [w for _, w, _ in spec.sources], spec.seed, spec.length)
-
-    def __len__(self) -> int:
-        return len(self.mix)
-
-    def __getitem__(self, j: int) -> tuple[Path, str, Any]:
-        return self.parts[int(self.mix.source[j])][int(self.mix.row[j])]
 
 
 class DistillDataset:
@@ -92,7 +79,9 @@ class DistillDataset:
     def __init__(self, path: Any, tok, max_len: int, columns: Mapping[str, str] | None = None):
         self.pad_id, self.max_len = tok.pad_id, max_len
         self.path = Path(getattr(path, "path", path))
-        self.rows: _Rows | _Mixed = _Mixed(path, columns) if isinstance(path, MixtureSpec) else _Rows(path, columns)
+        self.rows: _Rows | MixedRows[tuple[Path, str, Any]] = (
+            path.over([_Rows(Path(p), cols or columns) for p, _, cols in path.sources])
+            if isinstance(path, MixtureSpec) else _Rows(path, columns))
         if not len(self.rows):
             raise ConfigError(["distillation data: no rows"], self.path)
         self._items: dict[int, tuple[Sequence, np.ndarray, np.ndarray]] = {}

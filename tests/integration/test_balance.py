@@ -38,6 +38,11 @@ def test_prompt_server_and_rebalance_on_real_ranks(ranks: int) -> None:
                  "shuffled_order_with_repeats", "half_requesters", "static_contiguous", "static_strided"):
         assert len(seen[name].get("per_rank", seen[name].get("spans_per_rank"))) == ranks, name
     assert sum(seen["stuck_worker"]["per_rank"]) == 60
+    if ranks > 1:
+        # The root's server thread waits asleep while no worker asks (a blocking Recv spins:
+        # measured 0.45-1.0 CPU-s per second of waiting on this 2-core host).
+        idle = seen["idle_server_cpu"]
+        assert idle["cpu_s"] < 0.1 * idle["wall_s"], f"the idle prompt server used {idle}"
     assert len(set(seen["rebalance_tokens"]["counts"])) == 1
     # RolloutBatch along a Route (the program checks each rank's share against the plan, the
     # multiset of samples, payloads, and that every member of a DP rank got the same shard).

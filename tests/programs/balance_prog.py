@@ -133,8 +133,30 @@ def run_route(dp_size: int, group_size: int) -> None:
               flush=True)
 
 
+def idle_server_cpu(window_s: float = 1.0) -> None:
+    """The root's server thread waiting with no request in sight (the workers still generating)
+    must not spin a core: the root process's CPU time over `window_s` of its own sleep, while
+    the workers sleep longer before their first request. A blocking Recv in the server thread
+    busy-polls: it would use most of a core (on a loaded 2-core host still a quarter or more)."""
+    server = PromptServer(comm, 8, requester=rank != 0)
+    if rank == 0:
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        time.sleep(window_s)
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    else:
+        time.sleep(window_s + 0.5)
+        mine = [i for c in server.batches(2) for i in c.tolist()]
+    server.close()
+    if rank == 0:
+        print(json.dumps({"scenario": "idle_server_cpu", "cpu_s": round(cpu, 4), "wall_s": round(wall, 4)}),
+              flush=True)
+    check_exact("idle_server_drained", [] if rank == 0 else mine, np.arange(8))
+
+
 def main() -> None:
     run_dynamic("dynamic_37_by_4", 37, 4)  # batch size not dividing the dataset
+    if size > 1:
+        idle_server_cpu()
     run_dynamic("more_workers_than_batches", 3, 2)
     run_dynamic("empty_dataset", 0, 3)
     run_dynamic("no_prefetch_37_by_5", 37, 5, prefetch=False)

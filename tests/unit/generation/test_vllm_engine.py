@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from slurm_align import REPO_ROOT
 from slurm_align.config.run import ModelConfig
 from slurm_align.environments.base import Environment, EnvironmentContext, StepResult
 from slurm_align.generation import GenerationError, GptShape, SamplingParams, make_engine
@@ -267,33 +268,6 @@ def test_a_multiturn_rollout_with_vllm_ends_turns_at_stop_sequences_inside_the_e
     assert len(recorded.outputs) >= 2 and ended_at_stop >= 3   # turns did end at the stop texts
 
 
-def test_tensor_parallel_2_gives_tp_1s_greedy_tokens_and_refits_in_place(engine, trainer):
-    """A replica of TP 2 (one process, vLLM's own two worker processes, the mp executor): greedy
-    tokens and log-probs of TP 1's (the module's engine) on the same weights, and after a refit
-    in place with other weights those of the torch engine on them."""
-    from slurm_align.algorithms.generator import ReplicaLayout
-
-    prm = prompts(8, seed=9)
-    greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
-    tp1 = engine.generate(prm, greedy)
-    reference = make_engine("torch", SHAPE)
-    reference.refit(trainer["weights"][2])
-    want2 = reference.generate(prm, greedy).response_tokens
-    assert not torch.equal(want2, tp1.response_tokens)   # the two models answer differently
-    tp2 = make_engine("vllm", SHAPE, layout=ReplicaLayout(0, 1, 0, 2, mp_comm=None), max_num_seqs=16)
-    try:
-        tp2.refit(trainer["weights"][1])
-        assert tp2._llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size == 2
-        got = tp2.generate(prm, greedy)
-        assert torch.equal(got.response_tokens, tp1.response_tokens)
-        assert got.logprobs is not None and tp1.logprobs is not None
-        assert torch.allclose(got.logprobs, tp1.logprobs, atol=LOGPROB_TOL, rtol=0)
-        tp2.refit(trainer["weights"][2])
-        assert torch.equal(tp2.generate(prm, greedy).response_tokens, want2)
-    finally:
-        tp2.free()
-
-
 def test_top_k_sampling_returns_no_logprobs_and_length_limits_are_clear_errors(engine):
     prm = prompts(4, seed=4)
     out = engine.generate(prm, SamplingParams(max_new_tokens=6, temperature=1.0, top_k=5), seeds=range(4))
@@ -324,8 +298,31 @@ def test_settings_the_cpu_engine_cannot_honour_are_refused():
 
     with pytest.raises(GenerationError, match="tensor parallel 3: it must divide num_attention_heads=2"):
         make_engine("vllm", SHAPE, layout=ReplicaLayout(0, 1, 0, 3, mp_comm=None))
-    with pytest.raises(GenerationError, match="tensor parallel 2 on GPUs: not built"):
-        make_engine("vllm", SHAPE, "cuda", layout=ReplicaLayout(0, 1, 0, 2, mp_comm=None))
+
+
+def test_vllm_tensor_parallel_on_a_gpu_profile_is_built_and_tp_that_does_not_divide_heads_is_refused():
+    """GPUs: TP > 1 is each rank's own TP worker (external_launcher; the two-rank run is
+    tests/integration/test_generation_vllm.py), no longer refused: a disaggregated run at
+    generator.tensor_parallel 2 on the GPU example profile passes the config and its generator
+    ranks get a vLLM engine of TP 2 on their GPU (vLLM starts at the first refit). TP that does
+    not divide the heads is still refused, by the config (naming the field) and by the engine."""
+    from slurm_align.algorithms.generator import ReplicaLayout
+    from slurm_align.config import ConfigError, check_against_profile, load_profile, load_run_config
+    from slurm_align.generation import engine_from_config
+    from slurm_align.generation.vllm_engine import VllmEngine
+
+    example = REPO_ROOT / "examples" / "grpo_async_tiny.yaml"
+    gpu = load_profile("example-gpu-cluster")   # the generator: 2 nodes x 8 GPUs, one rank each
+    shape = ["generation.engine=vllm", "actor.data_parallel=32", "generator.data_parallel=8"]
+    run = load_run_config(example, [*shape, "generator.tensor_parallel=2"])
+    check_against_profile(run, gpu)
+    engine = engine_from_config(run, "cuda:1", ReplicaLayout(0, 8, 1, 2, mp_comm=None))
+    assert isinstance(engine, VllmEngine) and engine.tp_size == 2 and engine.device == torch.device("cuda:1")
+    with pytest.raises(ConfigError, match=r"generator.tensor_parallel=3 with generation.engine=.vllm.: it must divide "
+                                          "num_attention_heads=4"):
+        load_run_config(example, ["generation.engine=vllm", "generator.tensor_parallel=3"])
+    with pytest.raises(GenerationError, match="tensor parallel 3: it must divide num_attention_heads=2"):
+        make_engine("vllm", SHAPE, "cuda", layout=ReplicaLayout(0, 1, 0, 3, mp_comm=None))
 
 
 def test_the_engine_options_reach_vllm(engine):
