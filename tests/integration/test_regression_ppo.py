@@ -4,33 +4,57 @@ the session's SFT policy (`sft_checkpoint`), and the held-out exact-sort accurac
 answers to the 2,000 held-out prompts (the task's own rule, not the RM) is the verdict, with the
 learning tests' statistics (tests/support/learning.py: exact sign tests on the prompts that
 changed, the run's end pooled over its last evaluations). The broken twin is the same run with
-the correctness weight negated (it is paid for wrong answers).
+the correctness weight negated: the same RM, PPO settings and start, only the direction of the
+RM's signal reversed, so a gain that came from PPO's dynamics (KL, clipping, sharpening) rather
+than from what the RM knows would show in the twin too.
 
-The regression RM is trained here (examples/rm_tiny.yaml with loss 'regression', 2 labels) on
-HelpSteer2-format rows built from the task's preference pairs (slurm_align/data/helpsteer.py).
+The regression RM (examples/rm_tiny.yaml with loss 'regression', 2 labels) trains on
+HelpSteer2-format rows (slurm_align/data/helpsteer.py) in two rounds: the task's chosen and
+rejected answers and the SFT policy's own samples (8 per prompt, temperature 1, on 2,000 prompts
+of their own: none of the task's training or held-out prompts), labelled by the task's rule;
+then, from that RM, the same rows and the samples of a PPO policy that gamed it (1,000 more
+prompts of their own). PPO runs 128 rollouts a step at actor lr 3e-4.
 
-Minutes of reward-model and PPO training: opt-in with SLURM_ALIGN_REGRESSION_PPO=1.
+Minutes of sampling, reward-model and PPO training: opt-in with SLURM_ALIGN_REGRESSION_PPO=1.
 
-Measured (this host, loaded; the test as written, twice with the same numbers): it does NOT hold,
-so it is marked xfail(strict): the RM's correctness attribute is too weak to drive PPO on this
-task. The RM (300 steps) reaches held-out val MSE 1.03 on correctness (labels 0 or 4), 0.10 on
-verbosity. PPO raises the reward it optimises (the RM's correctness: mean 2.75 over steps 1-5,
-3.71 over steps 26-30) while held-out exact accuracy falls from 0.268 to 0.011 (pooled end; 10
-prompts wrong -> right, 523 right -> wrong) and answers shorten (6.4 characters at
-step 0, 3.8 to 4.8 over steps 20-30): the
-RM is gamed, as the Bradley-Terry RM is without the task's rule reward (tests/integration/
-test_ppo.py: -0.234). The twin (weight -1) falls to 0.000 (answers of 1 character).
+Measured (this host, loaded; tests/README.md has the wall time):
+- On the task's rows alone the RM was gamed: PPO (32 rollouts, lr 1e-3) raised its correctness
+  2.75 -> 3.71 while held-out exact accuracy fell 0.268 -> 0.011 and answers shortened 6.4 -> ~4.
+- With the SFT policy's samples (first round alone, 3,000 steps): Pearson of correctness 0.885 on
+  the task's held-out rows but 0.51 on the policy's held-out samples; PPO on it still fell
+  0.268 -> 0.07 (answers sorted-looking with the wrong digits: '2469' for '3954').
+- PPO's settings alone: on the task's own rule (exact x 4, no RM) the earlier 32 rollouts at lr
+  1e-3 lowered accuracy too (0.268 -> 0.214); 128 at 3e-4 raised it (0.268 -> 0.339).
+- The two rounds here: Pearson (correctness, verbosity) 0.904, 0.989 on the task's held-out rows,
+  0.73, 0.99 on the policies' held-out samples; PPO 0.268 -> 0.286 (pooled end; 153 prompts
+  wrong -> right, 116 right -> wrong, p = 0.014), the twin 0.268 -> 0.009: the run beats its
+  twin (p = 1.7e-163) but its own gain is not significant at 1e-3, so the PPO test is an
+  expected failure (xfail, strict).
+- An RM of the same data trained longer (3,000 + 1,500 steps at lr 1e-3, then 4,000 cosine to
+  5e-5: Pearson 0.919 task rows, 0.838 SFT samples, 0.865 gamed-policy samples) made the same
+  PPO pass: 0.268 -> 0.306 (160 / 83, p = 4.4e-7), twin 0.072 (p(better) = 1.0), run over twin
+  p = 1e-101. The fixture's RM trained 4,000 steps more (cosine to 5e-5; 0.75 on the SFT
+  policy's samples): 0.268 -> 0.293, p = 9.4e-4, at the edge. The RM's correlation on the
+  policy's samples is what decides (0.70: p = 0.014, 0.75: 9e-4, 0.84: 4e-7); a recipe that
+  reaches ~0.84 is not yet the fixture's (not run end to end here).
+- The fixture is deterministic on one rank: two runs gave the same Pearson and PPO counts.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from slurm_align import REPO_ROOT
-from slurm_align.data.helpsteer import ATTRIBUTES, helpsteer_rows
+from slurm_align.cli import main as cli
+from slurm_align.data import helpsteer
+from slurm_align.data.helpsteer import ATTRIBUTES
 from slurm_align.models.checkpoint import find_latest
 from tests.integration.test_ppo import launch_learning
 from tests.support import learning
@@ -41,47 +65,117 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     reason="minutes of regression reward-model and PPO training: set SLURM_ALIGN_REGRESSION_PPO=1")]
 
 SYNTH = REPO_ROOT / "examples" / "synthetic"
-RM_STEPS = int(os.environ.get("SLURM_ALIGN_REGRESSION_RM_STEPS", "300"))
+GRPO = REPO_ROOT / "examples" / "grpo_tiny.yaml"    # a rollout config: what generate takes
+RM_STEPS, RM2_STEPS = 3000, 5500
+"""The RM's first round (lr 1e-3) and its second (from the first, lr 1e-3 cosine to 5e-5)."""
+PPO_ROUND_1 = ["critic_model.num_labels=2", "reward.attribute_weights=[1.0,0.0]", "ppo.num_steps=30",
+               "ppo.kl_coef=0.05", "switches.dynamic_prompts=false", "ppo.num_rollout_samples=32",
+               "generation.max_new_tokens=12", "generation.prompt_batch_size=4", "ppo.train_micro_batch_size=8",
+               "ppo.actor_lr=1e-3"]
+"""PPO that games the first-round RM (the policy whose samples the second round labels)."""
 PPO_STEPS = int(os.environ.get("SLURM_ALIGN_REGRESSION_PPO_STEPS", "30"))
 EVAL_INTERVAL = 5
 """Evaluations at 0, 5, ...: the run's end is pooled over its last three (learning.POOLED)."""
 WEIGHTS = "[1.0,0.0]"
 """reward = 1.0 x correctness + 0.0 x verbosity (ATTRIBUTES' order)."""
 TWIN_WEIGHTS = "[-1.0,0.0]"
+MIN_PEARSON = 0.8
 
 
-@pytest.fixture(scope="module")
-def regression_rm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The regression RM (correctness, verbosity) on the task's chosen and rejected answers."""
-    folder = tmp_path_factory.mktemp("regression_rm")
-    data = {split: helpsteer_rows(SYNTH / f"pref_{split}.jsonl", folder / f"helpsteer_{split}.jsonl",
-                                  lambda pair: [pair["chosen"], pair["rejected"]]) for split in ("train", "val")}
-    run_dir = make_run(folder / "run", "rm_tiny.yaml", [
-        f"data.train_path={data['train']}", f"data.val_path={data['val']}", "actor.data_parallel=1",
+def sample(policy: Path, prompts: Path, run_dir: Path) -> Path:
+    """8 samples (temperature 1) of `policy` per prompt; the generate folder."""
+    assert cli(["generate", str(policy), "--data", str(prompts), "--config", str(GRPO), "--samples", "8",
+                "--temperature", "1.0", "--profile", "local", "--run-dir", str(run_dir), "--follow"]) == 0
+    return run_dir / "generate"
+
+
+def train_rm(run_dir: Path, data: tuple[Path, Path], steps: int, *extra: str) -> Path:
+    run_dir = make_run(run_dir, "rm_tiny.yaml", [
+        f"data.train_path={data[0]}", f"data.val_path={data[1]}", "actor.data_parallel=1",
         "model.num_labels=2", "loss.name=regression", f"loss.options.attributes=[{','.join(ATTRIBUTES)}]",
-        f"trainer.num_steps={RM_STEPS}", "trainer.lr=3.0e-3", "trainer.save_interval=0"])
-    train(run_dir, timeout=1800)
+        f"trainer.num_steps={steps}", "trainer.lr=1.0e-3", "trainer.save_interval=0", *extra])
+    train(run_dir, timeout=3000)
     latest = find_latest(run_dir / "checkpoints" / "rm")
     assert latest is not None, f"{run_dir}: no checkpoint"
     return latest
 
 
+@pytest.fixture(scope="module")
+def regression_rm(tmp_path_factory: pytest.TempPathFactory, sft_checkpoint: Path) -> tuple[Path, Path]:
+    """The regression RM (correctness, verbosity), in two rounds (iterated RLHF): on the task's
+    chosen and rejected answers and the SFT policy's own samples; then, from it, on those and the
+    samples of a PPO policy that gamed it (PPO_ROUND_1). Every sample is on prompts of its own
+    (none of the task's training or held-out prompts) and labelled by the task's rule.
+    (its checkpoint, its data folder)."""
+    folder = tmp_path_factory.mktemp("regression_rm")
+    seen = [str(p) for p in sorted(SYNTH.glob("*.jsonl"))]
+    helpsteer.main([str(folder / "data1"), "--prompts", "2000", "--exclude", *seen])
+    sft_samples = sample(sft_checkpoint, folder / "data1" / "policy_prompts.jsonl", folder / "samples1")
+    rm1 = train_rm(folder / "rm1", helpsteer.write_policy_rows(folder / "data1", sft_samples), RM_STEPS)
+    gamed = launch_learning(folder / "ppo1", [f"model.init_checkpoint={sft_checkpoint}",
+                                              f"critic_model.init_checkpoint={rm1}", *PPO_ROUND_1])
+    helpsteer.main([str(folder / "data2"), "--prompts", "1000", "--exclude", *seen,
+                    str(folder / "data1" / "policy_prompts.jsonl")])
+    ppo_samples = sample(gamed / "checkpoints" / "actor", folder / "data2" / "policy_prompts.jsonl",
+                         folder / "samples2")
+    data = helpsteer.write_policy_rows(folder / "data2", [sft_samples, ppo_samples])
+    rm2 = train_rm(folder / "rm2", data, RM2_STEPS, f"model.init_checkpoint={rm1}",
+                   "training.lr_decay_style=cosine", "training.min_lr=5.0e-5")
+    return rm2, folder / "data2"
+
+
+def pearson(rm: Path, rows: list[dict], folder: Path) -> dict[str, float]:
+    """Per attribute: Pearson's r of the RM's predictions (steerlm-label) with the rows' labels."""
+    src, out = folder / "rows.jsonl", folder / "predicted.jsonl"
+    src.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # In its own process: steerlm-label runs the model in the calling process, and a pytest process
+    # that has been an MPI rank cannot start the PPO runs' mpirun afterwards (they exit 1, no log).
+    subprocess.run([str(Path(sys.executable).parent / "slurm-align"), "steerlm-label", str(rm), "--data", str(src),
+                    "--out", str(out)], check=True, capture_output=True)
+    pred = [json.loads(line) for line in out.read_text().splitlines()]
+    return {a: float(np.corrcoef([r[a] for r in rows], [p[a] for p in pred])[0, 1]) for a in ATTRIBUTES}
+
+
+@pytest.mark.timeout(3600)
+def test_the_regression_rms_attributes_correlate_with_held_out_labels(tmp_path: Path, regression_rm):
+    """On the task's held-out rows (pref_val's chosen and rejected answers) each predicted
+    attribute correlates with the rule's label (Pearson >= 0.8). Its correlation on the policies'
+    samples of held-out prompts (what PPO's reward is about) is printed: measured 0.73
+    (correctness) and 0.99 (verbosity); an RM of the first round alone had 0.51 for correctness."""
+    rm, data = regression_rm
+    val = [json.loads(line) for line in (data / "helpsteer_policy_val.jsonl").read_text().splitlines()]
+    # the second round's held-out rows: the task's, then samples of the SFT and the gamed PPO policy
+    task = helpsteer.helpsteer_rows_of(SYNTH / "pref_val.jsonl", helpsteer.chosen_and_rejected)
+    policy = val[len(task):]
+    assert val[:len(task)] == task and policy
+    r = {}
+    for name, rows in (("task", task), ("policy", policy)):
+        (tmp_path / name).mkdir()
+        r[name] = pearson(rm, rows, tmp_path / name)
+        print(f"{name}'s held-out rows ({len(rows)}): Pearson {r[name]}")
+    assert all(v >= MIN_PEARSON for v in r["task"].values()), r
+
+
 def ppo_run(sft: Path, rm: Path, weights: str) -> list[str]:
+    # 128 rollouts a step at actor lr 3e-4: with the test's earlier 32 at 1e-3, PPO on the task's
+    # own rule (exact sort, weight 4) lowered held-out accuracy too (0.268 -> 0.214); at these
+    # settings it raised it (0.268 -> 0.339).
     return [f"model.init_checkpoint={sft}", f"critic_model.init_checkpoint={rm}", "critic_model.num_labels=2",
             f"reward.attribute_weights={weights}", f"ppo.num_steps={PPO_STEPS}", "ppo.kl_coef=0.05",
-            "switches.dynamic_prompts=false", "ppo.num_rollout_samples=32", "generation.max_new_tokens=12",
-            "generation.prompt_batch_size=4", "ppo.train_micro_batch_size=8", "ppo.actor_lr=1e-3",
+            "switches.dynamic_prompts=false", "ppo.num_rollout_samples=128", "generation.max_new_tokens=12",
+            "generation.prompt_batch_size=4", "ppo.train_micro_batch_size=16", "ppo.actor_lr=3e-4",
             f"eval.val_path={SYNTH / 'prompts_val.jsonl'}", "eval.scorer=slurm_align.rewards.sort:exact",
             f"eval.interval={EVAL_INTERVAL}"]
 
 
 @pytest.mark.timeout(3600)
-@pytest.mark.xfail(strict=True, reason="measured: PPO games the regression RM's correctness attribute and held-out "
-                   "exact accuracy falls 0.268 -> 0.011 (module docstring)")
+@pytest.mark.xfail(strict=True, reason="measured: with this RM (Pearson 0.73 on the policies' samples) held-out "
+                   "accuracy rose 0.268 -> 0.286 at p = 0.014, not below 1e-3 (module docstring)")
 def test_ppo_on_the_regression_rms_weighted_attributes_raises_held_out_accuracy(
-        tmp_path: Path, sft_checkpoint: Path, regression_rm: Path):
-    good = launch_learning(tmp_path / "good", ppo_run(sft_checkpoint, regression_rm, WEIGHTS))
-    twin = launch_learning(tmp_path / "twin", ppo_run(sft_checkpoint, regression_rm, TWIN_WEIGHTS))
+        tmp_path: Path, sft_checkpoint: Path, regression_rm):
+    rm, _ = regression_rm
+    good = launch_learning(tmp_path / "good", ppo_run(sft_checkpoint, rm, WEIGHTS))
+    twin = launch_learning(tmp_path / "twin", ppo_run(sft_checkpoint, rm, TWIN_WEIGHTS))
     verdict = learning.verdict("regression_ppo", good, twin)
     window = range(1, 1 + EVAL_INTERVAL), range(PPO_STEPS - EVAL_INTERVAL + 1, PPO_STEPS + 1)
     for name, run_dir in (("run", good), ("twin", twin)):   # what PPO optimised: the RM's weighted attributes
