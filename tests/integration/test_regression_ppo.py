@@ -25,18 +25,19 @@ Measured (this host, loaded; tests/README.md has the wall time):
   0.268 -> 0.07 (answers sorted-looking with the wrong digits: '2469' for '3954').
 - PPO's settings alone: on the task's own rule (exact x 4, no RM) the earlier 32 rollouts at lr
   1e-3 lowered accuracy too (0.268 -> 0.214); 128 at 3e-4 raised it (0.268 -> 0.339).
-- The two rounds here: Pearson (correctness, verbosity) 0.904, 0.989 on the task's held-out rows,
-  0.73, 0.99 on the policies' held-out samples; PPO 0.268 -> 0.286 (pooled end; 153 prompts
-  wrong -> right, 116 right -> wrong, p = 0.014), the twin 0.268 -> 0.009: the run beats its
-  twin (p = 1.7e-163) but its own gain is not significant at 1e-3, so the PPO test is an
-  expected failure (xfail, strict).
-- An RM of the same data trained longer (3,000 + 1,500 steps at lr 1e-3, then 4,000 cosine to
-  5e-5: Pearson 0.919 task rows, 0.838 SFT samples, 0.865 gamed-policy samples) made the same
-  PPO pass: 0.268 -> 0.306 (160 / 83, p = 4.4e-7), twin 0.072 (p(better) = 1.0), run over twin
-  p = 1e-101. The fixture's RM trained 4,000 steps more (cosine to 5e-5; 0.75 on the SFT
-  policy's samples): 0.268 -> 0.293, p = 9.4e-4, at the edge. The RM's correlation on the
-  policy's samples is what decides (0.70: p = 0.014, 0.75: 9e-4, 0.84: 4e-7); a recipe that
-  reaches ~0.84 is not yet the fixture's (not run end to end here).
+- Two rounds, the second 5,500 steps cosine from the first: Pearson (correctness, verbosity)
+  0.904, 0.989 on the task's held-out rows, 0.73, 0.99 on the policies' held-out samples; PPO
+  0.268 -> 0.286 (pooled end; 153 prompts wrong -> right, 116 right -> wrong, p = 0.014), the
+  twin 0.268 -> 0.009: not significant at 1e-3. That RM trained 4,000 steps more (cosine to 5e-5;
+  0.75 on the SFT policy's samples): 0.268 -> 0.293, p = 9.4e-4. An RM trained longer in another
+  recipe (0.838 on the SFT policy's samples): 0.268 -> 0.306 (160 / 83, p = 4.4e-7).
+- The fixture as it stands (second round 1,500 steps at lr 1e-3, then 4,000 cosine to 5e-5):
+  Pearson 0.928, 0.985 on the task's held-out rows, 0.736, 0.985 on the policies' samples; PPO
+  0.268 -> 0.296 (156 / 100, p = 2.8e-4), reward 0.535 -> 0.753; the twin 0.268 -> 0.010 (run
+  over twin 575 / 3). It passes, with a thin margin (alpha 1e-3): the RM's correlation with the
+  policy's own samples decides (0.70: p = 0.014, 0.74-0.75: 3e-4-9e-4, 0.84: 4e-7), so an RM
+  that reaches ~0.84 there is what would make the verdict hold on every host; a first round of
+  4,500 steps and a second of 4,000 cosine gave 0.646 there (not run to PPO's verdict).
 - The fixture is deterministic on one rank: two runs gave the same Pearson and PPO counts.
 """
 
@@ -66,8 +67,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
 
 SYNTH = REPO_ROOT / "examples" / "synthetic"
 GRPO = REPO_ROOT / "examples" / "grpo_tiny.yaml"    # a rollout config: what generate takes
-RM_STEPS, RM2_STEPS = 3000, 5500
-"""The RM's first round (lr 1e-3) and its second (from the first, lr 1e-3 cosine to 5e-5)."""
+RM_STEPS, RM2_STEPS, RM2_COSINE_STEPS = 3000, 1500, 4000
+"""The RM's first round (lr 1e-3), its second (from the first, lr 1e-3), then the second round's
+data again from there with lr 1e-3 cosine to 5e-5."""
 PPO_ROUND_1 = ["critic_model.num_labels=2", "reward.attribute_weights=[1.0,0.0]", "ppo.num_steps=30",
                "ppo.kl_coef=0.05", "switches.dynamic_prompts=false", "ppo.num_rollout_samples=32",
                "generation.max_new_tokens=12", "generation.prompt_batch_size=4", "ppo.train_micro_batch_size=8",
@@ -119,9 +121,10 @@ def regression_rm(tmp_path_factory: pytest.TempPathFactory, sft_checkpoint: Path
     ppo_samples = sample(gamed / "checkpoints" / "actor", folder / "data2" / "policy_prompts.jsonl",
                          folder / "samples2")
     data = helpsteer.write_policy_rows(folder / "data2", [sft_samples, ppo_samples])
-    rm2 = train_rm(folder / "rm2", data, RM2_STEPS, f"model.init_checkpoint={rm1}",
+    rm2 = train_rm(folder / "rm2", data, RM2_STEPS, f"model.init_checkpoint={rm1}")
+    rm3 = train_rm(folder / "rm3", data, RM2_COSINE_STEPS, f"model.init_checkpoint={rm2}",
                    "training.lr_decay_style=cosine", "training.min_lr=5.0e-5")
-    return rm2, folder / "data2"
+    return rm3, folder / "data2"
 
 
 def pearson(rm: Path, rows: list[dict], folder: Path) -> dict[str, float]:
@@ -169,8 +172,6 @@ def ppo_run(sft: Path, rm: Path, weights: str) -> list[str]:
 
 
 @pytest.mark.timeout(3600)
-@pytest.mark.xfail(strict=True, reason="measured: with this RM (Pearson 0.73 on the policies' samples) held-out "
-                   "accuracy rose 0.268 -> 0.286 at p = 0.014, not below 1e-3 (module docstring)")
 def test_ppo_on_the_regression_rms_weighted_attributes_raises_held_out_accuracy(
         tmp_path: Path, sft_checkpoint: Path, regression_rm):
     rm, _ = regression_rm
