@@ -36,6 +36,12 @@ rollouts per step at 1 node), step time predicted vs measured at 2 / 4 actor nod
              PPO's phases alone: max error 0.742 -> 0.663 in the first pair, 0.929 -> 1.576 in this
              one (the critic's passes, which here slowed by less than their work grew, while the
              first pair's slowed by the core share: +5% / +4% predicted there, +84% / +158% here)
+  2026-12-07, --steps 5 on an idle host (load average 0.2 before PPO's sweep, 8.6 after it, 31.8
+             after GRPO's; loop 0.12 s), after the prompt server stopped busy-polling: PPO +0% /
+             +1% / -71%, GRPO +0% / -11% / -88% at 1 (calibration) / 2 / 4 nodes;
+             plan_time_error_max=0.876 plan_phase_error_max=2.028. The 2-node points within 15%
+             for both; the 4-node points far under (PPO's rebalance, GRPO's log-probs 8.5x slower
+             than predicted) with the job's own ranks well over the 2 cores.
 The goals are not met here: per-call overheads (Python, HTTP, MPI polling) dominate these tiny
 models, other sessions' load (2-4x between steps) is not known before submitting, and the ranks
 of a point wait for each other in every collective, longer the more ranks the scheduler spreads
