@@ -37,7 +37,10 @@ Measured (this host, loaded; tests/README.md has the wall time):
   over twin 575 / 3). It passes, with a thin margin (alpha 1e-3): the RM's correlation with the
   policy's own samples decides (0.70: p = 0.014, 0.74-0.75: 3e-4-9e-4, 0.84: 4e-7), so an RM
   that reaches ~0.84 there is what would make the verdict hold on every host; a first round of
-  4,500 steps and a second of 4,000 cosine gave 0.646 there (not run to PPO's verdict).
+  4,500 steps and a second of 4,000 cosine gave 0.646 there (not run to PPO's verdict); a second
+  round of 3,000 steps at lr 1e-3 then 4,000 cosine gave 0.788 there (0.931 on the task's rows)
+  and NO gain: 0.268 -> 0.271 (164 / 159, p = 0.41), twin 0.019. The correlation alone does not
+  decide: the verdict is not yet robust to the RM's recipe.
 - The fixture is deterministic on one rank: two runs gave the same Pearson and PPO counts.
 """
 
