@@ -46,16 +46,11 @@ def policy_sample_rows(samples: dict[str, list[str]], max_seq_len: int = 32) -> 
     """Labelled rows of a policy's own samples (judge.label.read_samples' prompt -> responses):
     per prompt the right answer and each distinct response, rows that do not fit the model's
     byte-level context (prompt, response, BOS, EOS) left out."""
-    rows = []
-    for prompt, responses in samples.items():
-        for r in dict.fromkeys([sort.target(prompt), *responses]):
-            if fits(prompt, r, max_seq_len):
-                rows.append({"input": prompt, "output": r, **attributes(prompt, r)})
-    return rows
+    from slurm_align.judge.sort_pairs import fits  # the judge's rows' rule: input + output + BOS + EOS
 
-
-def fits(prompt: str, response: str, max_seq_len: int = 32) -> bool:
-    return len(prompt.encode()) + len(response.encode()) + 2 <= max_seq_len
+    rows = [{"input": prompt, "output": r, **attributes(prompt, r)}
+            for prompt, responses in samples.items() for r in dict.fromkeys([sort.target(prompt), *responses])]
+    return [row for row in rows if fits(row, max_seq_len)]
 
 
 def chosen_and_rejected(pair: dict) -> list[str]:
