@@ -42,11 +42,18 @@ rollouts per step at 1 node), step time predicted vs measured at 2 / 4 actor nod
              plan_time_error_max=0.876 plan_phase_error_max=2.028. The 2-node points within 15%
              for both; the 4-node points far under (PPO's rebalance, GRPO's log-probs 8.5x slower
              than predicted) with the job's own ranks well over the 2 cores.
-The goals are not met here: per-call overheads (Python, HTTP, MPI polling) dominate these tiny
-models, other sessions' load (2-4x between steps) is not known before submitting, and the ranks
-of a point wait for each other in every collective, longer the more ranks the scheduler spreads
-over the 2 cores (GRPO's 2 ranks ran 3-5x slower per phase than its 1 rank at the same per-rank
-work, where the core share predicts no change).
+  2026-12-07, --steps 5, idle host (loop 0.12 s), after every wait where ranks arrive at
+             different times stopped busy-polling in MPI (slurm_align/parallel/quiet.py: the
+             prompt server's start and a worker's wait for its prompts, the rebalances, the
+             preemption vote...): PPO +0% / -2% / +13%, GRPO +0% / +2% / -20%;
+             plan_time_error_max=0.202 plan_phase_error_max=3.065 (the critic's passes at 4 nodes,
+             predicted from the core share, measured faster). Before, the ranks that arrived first
+             spun inside MPI and took the cores the slow rank needed: GRPO's 4-node step measured
+             0.63-0.93 s (ranks' CPU 6-14 CPU-s for the same per-rank work as 2 nodes' 4.3), now
+             0.16-0.19 s (5.5 CPU-s a rank).
+The goals are not all met here: the 4-node GRPO point and the phase errors; per-call overheads
+(Python, HTTP) dominate these tiny models, and other sessions' load (2-4x between steps) is not
+known before submitting.
 """
 
 from __future__ import annotations

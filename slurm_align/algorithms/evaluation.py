@@ -58,6 +58,7 @@ from slurm_align.algorithms.steerlm import prompt_suffix
 from slurm_align.balance.replica import open_prompt_source, replica_batches
 from slurm_align.config.run import RunConfig
 from slurm_align.data.datasets import PromptDataset
+from slurm_align.parallel import quiet
 from slurm_align.rewards.rule import RuleReward
 from slurm_align.rundir import write_atomic
 
@@ -192,6 +193,7 @@ def evaluate(collector, layout, comm, evalset: EvalSet, max_new_tokens: int, bat
         scores = evalset.scorer.many(texts, [evalset.rows[i] for i in idx])
         total += [sum(scores), sum(lengths), len(idx), 0.0]
         scored += zip(idx, texts, scores)
+    quiet.barrier(comm)   # ranks finish their share at different times: wait asleep
     score, tokens, count, calls = comm.allreduce(total)
     count = max(count, 1.0)
     out = {"val/score": score / count, "val/response_length": tokens / count}
@@ -228,6 +230,7 @@ def evaluate_sampled(collector, layout, comm, evalset: EvalSet, max_new_tokens: 
         texts = [collector.tokenizer.decode(r.tolist()) for r in out.responses()]
         scores = evalset.scorer.many(texts, [evalset.rows[i] for i in flat])
         scored += [(i, texts[p * n:(p + 1) * n], scores[p * n:(p + 1) * n]) for p, i in enumerate(idx)]
+    quiet.barrier(comm)
     parts = comm.gather(scored if layout.is_requester else [], root=0)
     rows = None
     if parts is not None:

@@ -54,6 +54,7 @@ from slurm_align.algorithms.rollout_collector import sample_seed
 from slurm_align.balance.replica import open_prompt_source, replica_batches
 from slurm_align.generation.params import SamplingParams
 from slurm_align.models.forward import forward_top_k
+from slurm_align.parallel import quiet
 from slurm_align.rundir import write_atomic
 
 GENERATE_DRAWS = 1 << 41
@@ -157,12 +158,13 @@ def generate_shards(engine, policy: list, pctx, comm, *, prompts: Sequence[np.nd
         # the top-K forward is collective over the training layout's model-parallel groups, which
         # need not be the generation replicas (refold): once every shard is generated, the
         # training layout's data-parallel replicas split them (its MP group's ranks agree)
+        quiet.barrier(comm)
         done = sorted((p for part in comm.allgather(held) for p in part), key=lambda p: p[0])
         for shard, got in done[pctx.dp_rank::pctx.dp_size]:
             add_top_k(policy, pctx, got, spec.top_k_logprobs, vocab_size, spec.forward_batch)
             if pctx.tp_rank == 0 and pctx.is_last_stage:
                 write_atomic(shard_path(out_dir, shard), "".join(json.dumps(row) + "\n" for row in got))
-    comm.Barrier()   # every file is on disk before anyone counts them
+    quiet.barrier(comm)   # every file is on disk before anyone counts them
     return pending
 
 

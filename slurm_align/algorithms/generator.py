@@ -231,6 +231,7 @@ class Generator:
         on_batch = (lambda mb: self.send("samples", {"step": step}, mb.pack())) if self.rank == 0 else None
         got = self.collector.collect(step, self.comm, self.layout, on_batch=on_batch)
         if self.comm.Get_size() > 1:   # the other ranks' samples go out through rank 0
+            quiet.barrier(self.comm)   # while rank 0 streams its own batches out
             parts = self.comm.gather(got.batch.pack() if self.rank else None, root=0)
             if self.rank == 0:
                 rest = RolloutBatch.unpack(parts[1:], self.collector.pad_id)

@@ -214,6 +214,7 @@ class PPOActor:
         gather from the DP ranks' model-parallel leaders. None on the other ranks."""
         if self.pctx.tp_rank or self.pctx.pp_rank:
             return None
+        quiet.barrier(self.pctx.dp_comm)
         parts = self.pctx.dp_comm.gather(shard.pack(), root=0)
         return None if parts is None else RolloutBatch.unpack(parts, self.pad_id).sorted_by("index")
 
@@ -412,7 +413,7 @@ class PPOActor:
             self.store.close()
         self.metrics.close()
         self.tracer.close()
-        self.env.comm.Barrier()
+        quiet.barrier(self.env.comm)
         if self.remote is not None:
             self.remote.close()
         for server in (self.critic, self.teacher):

@@ -38,6 +38,7 @@ from slurm_align.environments.base import EnvironmentContext
 from slurm_align.environments.registry import load_environment
 from slurm_align.environments.render import TurnRenderer
 from slurm_align.generation.params import SamplingParams
+from slurm_align.parallel import quiet
 from slurm_align.profiling import phases as P
 
 VERSION = "version"
@@ -226,6 +227,7 @@ class RolloutCollector:
         rounds = 1
         while True:
             mine = [(int(g), bool(v)) for mb, _ in out.pending for g, v in varied_groups(mb).items()]
+            quiet.barrier(comm)
             groups = sorted(g for part in comm.allgather(mine) for g in part)
             varied = [g for g, v in groups if v]
             if len(varied) >= n or rounds > run.rl.dynamic_sampling_max_rounds:

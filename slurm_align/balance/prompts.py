@@ -103,6 +103,7 @@ class PromptServer:
                 raise ValueError(f"PromptServer needs num_prompts >= 0 or an order array, got {num_prompts!r}")
             order = np.arange(num_prompts, dtype=np.int64)
         self._order = np.ascontiguousarray(order, dtype=np.int64)
+        quiet.barrier(comm)   # the step's first collective: ranks come from the last step at different times
         self._comm = comm.Dup()
         self._root = root
         self._rank = self._comm.Get_rank()
@@ -221,7 +222,8 @@ class PromptServer:
             self._msg = [np.array([n], dtype=np.int64), MPI.INT64_T]
             self._buf_spec = [self._buf, MPI.INT64_T]
         self._comm.Send(self._msg, self._root, _REQ)
-        self._comm.Recv(self._buf_spec, self._root, _REPLY, self._status)
+        # asleep while the root answers (a blocking Recv spins: a core the root may need)
+        quiet.wait(self._comm.Irecv(self._buf_spec, self._root, _REPLY), status=self._status)
         return self._buf[: self._status.Get_count(MPI.INT64_T)].copy()
 
     def _wait(self, pending: tuple | int) -> np.ndarray:
@@ -233,7 +235,7 @@ class PromptServer:
             return pending[0]
         _, _msg, buf, sreq, rreq = pending
         status = MPI.Status()
-        rreq.Wait(status)
+        quiet.wait(rreq, status=status)   # asleep: a blocking Wait spins a core the root may need
         sreq.Wait()
         return buf[: status.Get_count(MPI.INT64_T)]
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from slurm_align.parallel import quiet
+
 
 class RebalanceError(ValueError):
     """The rollouts cannot be split evenly over the DP ranks."""
@@ -111,6 +113,7 @@ class Route:
         """Collective over `comm`. Every rank passes its local samples' index (unique in the step),
         group id and token count (empty on ranks that hold none); only these travel to plan.
         `expected`: the step's sample count, checked (a lost or duplicated sample is an error)."""
+        quiet.barrier(comm)   # ranks end generation at different times: the early ones wait asleep
         every = comm.allgather((int(dp_rank), np.asarray(index, np.int64), np.asarray(groups, np.int64),
                                 np.asarray(lengths, np.int64)))
         all_index = np.concatenate([e[1] for e in every])
@@ -135,6 +138,7 @@ class Route:
         `comm` sent here, in rank order."""
         if len(parts) != len(self.members):
             raise RebalanceError(f"got {len(parts)} parts for {len(self.members)} DP ranks")
+        quiet.barrier(self.comm)   # e.g. after the log-probs, which end at different times on each rank
         return self.comm.alltoall([parts[self.dp_of[r]] for r in range(self.comm.Get_size())])
 
 
@@ -163,6 +167,7 @@ def rebalance(samples: Any, comm: Any, *, lengths: Sequence[int] | None = None) 
     n = _num_samples(samples)
     if lengths is not None and len(lengths) != n:
         raise RebalanceError(f"got {len(lengths)} token lengths for {n} samples on DP rank {comm.Get_rank()}")
+    quiet.barrier(comm)   # the early ranks wait asleep, not in the allgather's busy-poll
     counts = comm.allgather(n)
     all_lengths = comm.allgather(list(map(int, lengths))) if lengths is not None else None
     size = comm.Get_size()

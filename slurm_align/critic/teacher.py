@@ -29,6 +29,7 @@ from slurm_align.critic.server import CriticServer, ServerLimits
 from slurm_align.models.forward import forward_logprobs
 from slurm_align.models.gpt import build_gpt
 from slurm_align.models.packing import Batching
+from slurm_align.parallel import quiet
 from slurm_align.parallel.layout import initialize_model_parallel
 from slurm_align.profiling.timers import Tracer
 from slurm_align.rundir import RunDir
@@ -70,6 +71,7 @@ class TeacherWorker:
                 values = torch.zeros(tok.shape, dtype=torch.float32)
                 values[:, :lp.shape[1]] = lp.float()   # position p: the log-prob of token p + 1
                 part = (self.pctx.dp_rank, values.numpy())
+        quiet.barrier(self.comm)
         parts = self.comm.gather(part, root=0)
         if parts is None:
             return None

@@ -26,6 +26,7 @@ from slurm_align.models.optimizer import build_optimizer
 from slurm_align.models.packing import Batching, micro_batch_inputs
 from slurm_align.models.weights import full_state_dict
 from slurm_align.models.worker import ModelWorker
+from slurm_align.parallel import quiet
 from slurm_align.rundir import fsync_dir
 
 _ITER_FILE = re.compile(r"^iter_(\d+)\.pt$")
@@ -104,6 +105,7 @@ class CriticWorker:
         return slice(int(bounds[self.pctx.dp_rank]), int(bounds[self.pctx.dp_rank + 1]))
 
     def _gather_rows(self, part: Any) -> list | None:
+        quiet.barrier(self.comm)   # DP ranks end their rows at different times: wait asleep
         parts = self.comm.gather((self.pctx.dp_rank, part) if self.holds_result else None, root=0)
         if parts is None:
             return None
@@ -164,7 +166,7 @@ class CriticWorker:
         written = None
         if self.comm.Get_rank() == 0:
             written = str(save_atomic_torch(full, target))
-        self.comm.Barrier()  # every rank returns only once the file is durable
+        quiet.barrier(self.comm)  # every rank returns only once the file is durable
         return written
 
     def load_training_state(self, path: Path) -> int:

@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from slurm_align.models.checkpoint_names import find_latest
+from slurm_align.parallel import quiet
 from slurm_align.rundir import RunDir, write_atomic
 
 STOPPED_EXIT_CODE = 75
@@ -332,6 +333,7 @@ class StopPoint:
         from mpi4py import MPI  # deferred: importing mpi4py initialises MPI
 
         local = 2 if self._terminated else int(self._signalled or self.rd.stop_requested.exists())
+        quiet.barrier(self.comm)
         return int(self.comm.allreduce(local, op=MPI.MAX))
 
     def after_step(self, step: int, *, last: bool, saved: bool, save: Callable[[int], None]) -> bool:

@@ -43,6 +43,10 @@ def test_prompt_server_and_rebalance_on_real_ranks(ranks: int) -> None:
         # measured 0.45-1.0 CPU-s per second of waiting on this 2-core host).
         idle = seen["idle_server_cpu"]
         assert idle["cpu_s"] < 0.1 * idle["wall_s"], f"the idle prompt server used {idle}"
+        # ... and so do the ranks that wait for the slowest at the step's rebalance (a blocking
+        # allgather spun there: 0.33 CPU-s per second of waiting with this host at load 13).
+        for wait in seen["idle_rebalance_cpu"]["waits"]:
+            assert wait["wall_s"] > 0.5 and wait["cpu_s"] < 0.1 * wait["wall_s"], seen["idle_rebalance_cpu"]
     assert len(set(seen["rebalance_tokens"]["counts"])) == 1
     # RolloutBatch along a Route (the program checks each rank's share against the plan, the
     # multiset of samples, payloads, and that every member of a DP rank got the same shard).

@@ -153,10 +153,26 @@ def idle_server_cpu(window_s: float = 1.0) -> None:
     check_exact("idle_server_drained", [] if rank == 0 else mine, np.arange(8))
 
 
+def idle_rebalance_cpu(window_s: float = 1.0) -> None:
+    """Ranks that end generation early wait for the last one at the step's rebalance (its first
+    collective): they must wait asleep, not in MPI's busy-poll (a blocking allgather uses a core
+    for as long as it waits: on a shared node, the core the slow rank needs). Rank 0 is the slow
+    one; every other rank reports its CPU time over its wait."""
+    if rank == 0:
+        time.sleep(window_s)
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    counts = len(rebalance(list(range(4)), comm))
+    cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    waits = comm.gather({"cpu_s": round(cpu, 4), "wall_s": round(wall, 4)}, root=0)
+    if rank == 0:
+        print(json.dumps({"scenario": "idle_rebalance_cpu", "waits": waits[1:], "counts": counts}), flush=True)
+
+
 def main() -> None:
     run_dynamic("dynamic_37_by_4", 37, 4)  # batch size not dividing the dataset
     if size > 1:
         idle_server_cpu()
+        idle_rebalance_cpu()
     run_dynamic("more_workers_than_batches", 3, 2)
     run_dynamic("empty_dataset", 0, 3)
     run_dynamic("no_prefetch_37_by_5", 37, 5, prefetch=False)
