@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
+from slurm_align.analysis.breakdown import compute_breakdown
+from slurm_align.analysis.runs import load_run
 from slurm_align.planning.calibration import calibrate
 
 
@@ -28,5 +31,14 @@ def test_the_reference_run_predicts_its_own_step_from_its_calibration(ppo_refere
     # overlap itself is checked on fixed inputs (tests/unit/planning/test_steptime.py); here only
     # that the derived wait is a wait within the step.
     assert 0 <= pred.phases["critic_wait"] <= cal.measured_step_s
-    # and the spans explain most of the step (measured: 'other' 0.11 s of 0.43 s)
-    assert pred.phases["other"] < 0.4 * cal.measured_step_s
+    # and the spans explain most of the step: step by step, each actor rank's time outside every
+    # span (the breakdown's idle) is under 40% of the step (measured: 0.11 s of 0.43 s). Not
+    # `other`, the median step less the combination of each phase's median: over 3 steps on a
+    # loaded host, a slow save in one step and a slow critic reply in another pull the medians
+    # apart, and it read 0.78 of a 1.66 s step (CI) with every second of it inside a span.
+    b = compute_breakdown(load_run(ppo_reference()).spans, skip_steps=1)
+    actor = {k: v for k, v in b.idle_s.items() if k.startswith("actor/")}
+    assert len(actor) == 2
+    for rank, idle in actor.items():
+        assert np.median(idle / b.step_s) < 0.4, (rank, idle.tolist(), b.step_s.tolist())
+    assert 0 <= pred.phases["other"] <= cal.measured_step_s
