@@ -50,7 +50,12 @@ rollouts per step at 1 node), step time predicted vs measured at 2 / 4 actor nod
              predicted from the core share, measured faster). Before, the ranks that arrived first
              spun inside MPI and took the cores the slow rank needed: GRPO's 4-node step measured
              0.63-0.93 s (ranks' CPU 6-14 CPU-s for the same per-rank work as 2 nodes' 4.3), now
-             0.16-0.19 s (5.5 CPU-s a rank).
+             0.16-0.19 s (5.5 CPU-s a rank). Four more runs of the same code the same hour (idle
+             host, loop 0.12 s): PPO -1% / -6%, -6% / -23%, -8% / -26%, -9% / -15%(*); GRPO -14% /
+             -42%, -10% / -61%, -11% / -5%, -3% / -83%(*) at 2 / 4 nodes; plan_time_error_max
+             0.420, 0.613, 0.261, 0.833(*) ((*) with a 1 ms hot poll before each sleep: not kept).
+             The 4-node points move by tens of percent between runs of one build: the goal is
+             not met reliably.
 The goals are not all met here: the 4-node GRPO point and the phase errors; per-call overheads
 (Python, HTTP) dominate these tiny models, and other sessions' load (2-4x between steps) is not
 known before submitting.

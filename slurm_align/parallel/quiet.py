@@ -13,8 +13,11 @@ the log-probs; evaluation's reductions; the preemption vote; a worker waiting fo
 prompts): each is preceded by `barrier` (or waits on its request with `wait`), so the collective
 itself starts with every rank there. Where ranks share cores this decides the step time: the
 spinning ranks take the core the slow one needs. Measured on the local Slurm cluster (4 actor
-"nodes" on this 2-core host, benchmarks/bench_plan.py): GRPO's step 0.63-0.93 s -> 0.16-0.19 s
-(each rank's CPU 6-14 CPU-s -> 5.5), PPO's 1.3 s -> 0.40 s.
+"nodes" on this 2-core host, benchmarks/bench_plan.py): GRPO's step 0.63-0.93 s -> 0.15-0.36 s
+over five runs (each rank's CPU 6-14 CPU-s -> 5.5), PPO's 1.3 s -> 0.40-0.71 s. A hot window
+before the first sleep (polling without sleeping for 1 ms, as `message` does) made those runs
+slower again (0.50 and 0.78 s): with more ranks than cores, even a millisecond's spin per wait
+costs the rank that is still working.
 """
 
 from __future__ import annotations
