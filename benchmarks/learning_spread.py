@@ -46,8 +46,8 @@ TESTS = {
     "grpo_lora": f"{GRPO}[grpo_lora]",
     "grpo_async": "tests/integration/test_grpo.py::"
                   "test_async_example_learns_as_grpo_tiny_does_and_its_broken_twin_does_not",
-    "ppo": "tests/integration/test_ppo.py::test_ppo_raises_its_reward_and_a_flipped_advantage_does_not",
-    "ppo_all_off": "tests/integration/test_ppo.py::test_ppo_learns_with_every_switch_off",
+    "ppo": "tests/integration/test_ppo.py::"
+           "test_ppo_raises_its_reward_with_every_switch_off_and_a_flipped_advantage_does_not",
 }
 PATHS = {
     "native": {},                                                     # this CPU's best kernels
