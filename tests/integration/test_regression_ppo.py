@@ -13,7 +13,8 @@ HelpSteer2-format rows (slurm_align/data/helpsteer.py) in two rounds: the task's
 rejected answers and the SFT policy's own samples (8 per prompt, temperature 1, on 2,000 prompts
 of their own: none of the task's training or held-out prompts), labelled by the task's rule;
 then, from that RM, the same rows and the samples of a PPO policy that gamed it (1,000 more
-prompts of their own). PPO runs 128 rollouts a step at actor lr 3e-4.
+prompts of their own). PPO runs 15 steps of 128 rollouts at actor lr 3e-4 with a KL penalty of
+0.2 (KL_COEF).
 
 Minutes of sampling, reward-model and PPO training: opt-in with SLURM_ALIGN_REGRESSION_PPO=1.
 
@@ -42,6 +43,17 @@ Measured (this host, loaded; tests/README.md has the wall time):
   and NO gain: 0.268 -> 0.271 (164 / 159, p = 0.41), twin 0.019. The correlation alone does not
   decide: the verdict is not yet robust to the RM's recipe.
 - The fixture is deterministic on one rank: two runs gave the same Pearson and PPO counts.
+- That PPO setting (KL 0.05, 30 steps) on another host (AVX-512; the fixture rebuilt there gave
+  the same Pearson to the last digit): FAILS,
+  0.268 -> 0.291 (180 / 134, p = 5.5e-3), and 0.292 (153 / 104, p = 1.3e-3) with every process
+  on the AVX2 path. Its held-out score peaks within 5-15 steps and falls after (the RM is gamed
+  as the policy moves off what it was trained on): KL 0.2 over 15 steps, the test's setting now,
+  measured on the RM built under each path (benchmarks/learning_spread.py's environments):
+  native (this test as written, 319 s in all on an idle host) 0.268 -> 0.2975 (117 / 58,
+  p = 4.8e-6), reward 0.563 -> 0.765, twin 0.268 -> 0.110; avx2 0.315 (147 / 53, p = 1e-11);
+  default 0.304 (127 / 55, p = 5e-8); on the RM of the other recipe above (second round 3,000
+  steps, which gave p = 0.41 at KL 0.05; native): 0.311 (149 / 63, p = 1.6e-9); KL 0.5: 0.300
+  (107 / 43, p = 9e-8).
 """
 
 from __future__ import annotations
@@ -78,9 +90,13 @@ PPO_ROUND_1 = ["critic_model.num_labels=2", "reward.attribute_weights=[1.0,0.0]"
                "generation.max_new_tokens=12", "generation.prompt_batch_size=4", "ppo.train_micro_batch_size=8",
                "ppo.actor_lr=1e-3"]
 """PPO that games the first-round RM (the policy whose samples the second round labels)."""
-PPO_STEPS = int(os.environ.get("SLURM_ALIGN_REGRESSION_PPO_STEPS", "30"))
+PPO_STEPS = int(os.environ.get("SLURM_ALIGN_REGRESSION_PPO_STEPS", "15"))
 EVAL_INTERVAL = 5
-"""Evaluations at 0, 5, ...: the run's end is pooled over its last three (learning.POOLED)."""
+"""Evaluations at 0, 5, 10, 15: the run's end is pooled over its last three (learning.POOLED)."""
+KL_COEF = 0.2
+"""PPO's KL penalty: what keeps the policy where the RM was trained (its samples and the SFT
+policy's). At 0.05 over 30 steps the gain was a coin flip of the RM's recipe and the host (p from
+2.8e-4 to 0.41, module docstring); at 0.2 over 15 steps p <= 5e-6 on every path and recipe tried."""
 WEIGHTS = "[1.0,0.0]"
 """reward = 1.0 x correctness + 0.0 x verbosity (ATTRIBUTES' order)."""
 TWIN_WEIGHTS = "[-1.0,0.0]"
@@ -165,9 +181,9 @@ def test_the_regression_rms_attributes_correlate_with_held_out_labels(tmp_path: 
 def ppo_run(sft: Path, rm: Path, weights: str) -> list[str]:
     # 128 rollouts a step at actor lr 3e-4: with the test's earlier 32 at 1e-3, PPO on the task's
     # own rule (exact sort, weight 4) lowered held-out accuracy too (0.268 -> 0.214); at these
-    # settings it raised it (0.268 -> 0.339).
+    # settings it raised it (0.268 -> 0.339). The KL penalty: KL_COEF.
     return [f"model.init_checkpoint={sft}", f"critic_model.init_checkpoint={rm}", "critic_model.num_labels=2",
-            f"reward.attribute_weights={weights}", f"ppo.num_steps={PPO_STEPS}", "ppo.kl_coef=0.05",
+            f"reward.attribute_weights={weights}", f"ppo.num_steps={PPO_STEPS}", f"ppo.kl_coef={KL_COEF}",
             "switches.dynamic_prompts=false", "ppo.num_rollout_samples=128", "generation.max_new_tokens=12",
             "generation.prompt_batch_size=4", "ppo.train_micro_batch_size=16", "ppo.actor_lr=3e-4",
             f"eval.val_path={SYNTH / 'prompts_val.jsonl'}", "eval.scorer=slurm_align.rewards.sort:exact",
