@@ -41,7 +41,7 @@ Measured (this host, loaded; tests/README.md has the wall time):
   4,500 steps and a second of 4,000 cosine gave 0.646 there (not run to PPO's verdict); a second
   round of 3,000 steps at lr 1e-3 then 4,000 cosine gave 0.788 there (0.931 on the task's rows)
   and NO gain: 0.268 -> 0.271 (164 / 159, p = 0.41), twin 0.019. The correlation alone does not
-  decide: the verdict is not yet robust to the RM's recipe.
+  decide: at KL 0.05 the verdict is not robust to the RM's recipe (the KL penalty is: below).
 - The fixture is deterministic on one rank: two runs gave the same Pearson and PPO counts.
 - That PPO setting (KL 0.05, 30 steps) on another host (AVX-512; the fixture rebuilt there gave
   the same Pearson to the last digit): FAILS,
