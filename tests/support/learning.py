@@ -176,14 +176,3 @@ def reward_verdict(name: str, run_dir: Path, steps: int, window: int, twin_dir: 
     twin_late = step_rewards(twin_dir, range(twin_steps - twin_window + 1, twin_steps + 1))
     return RewardVerdict(name, gain=rank_sum_test(early, late), over_twin=rank_sum_test(twin_late, late),
                          twin=rank_sum_test(twin_early, twin_late))
-
-
-def check_reward_rises(name: str, run_dir: Path, steps: int, window: int) -> RankSum:
-    """A run without a twin: its last `window` steps' rewards above its first ones at p < ALPHA."""
-    gain = rank_sum_test(step_rewards(run_dir, range(1, window + 1)),
-                         step_rewards(run_dir, range(steps - window + 1, steps + 1)))
-    print(VERDICT_PREFIX + json.dumps({"test": name, "alpha": ALPHA, "gain": {
-        "mean_before": gain.mean_early, "mean_after": gain.mean_late, "u2": gain.u2,
-        "pairs2": 2 * gain.n_early * gain.n_late, "p_better": gain.p_higher}, "over_twin": None, "twin": None}))
-    assert gain.p_higher < ALPHA, f"{name} did not raise its reward at p < {ALPHA}: {gain}"
-    return gain

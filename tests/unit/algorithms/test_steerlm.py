@@ -46,25 +46,25 @@ def test_the_attribute_format_rounds_and_clamps_to_the_0_4_scale():
     assert condition("3142=", NAMES, [9.0, 2.2]) == "3142=<attributes>correctness:4,verbosity:2</attributes>"
 
 
-def test_labelling_writes_the_reward_models_attributes_and_the_conditioned_input(tmp_path: Path):
+def test_labelling_writes_the_reward_models_attributes_and_the_conditioned_input(steer_world, tmp_path: Path):
     src = tmp_path / "sft.jsonl"
     rows = [json.loads(line) for line in (REPO_ROOT / "examples/synthetic/sft_val.jsonl").read_text().splitlines()]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows[:40]))
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=260, max_seq_len=32,
                       num_labels=2)
-    with single_rank_world() as (_, pctx):
-        worker = ModelWorker(cfg, pctx, seed=5, value_head=True, batching=7)
-        tok = build_tokenizer(cfg)
-        ds = AttributeDataset(src, tok, cfg.max_seq_len, NAMES, require_labels=False)
-        first = predict_attributes(worker, ds)
-        with torch.no_grad():   # rescale the fresh head so that its outputs spread over the 0-4 scale
-            head = worker.chunks[0].value_head
-            head.weight.div_(first.std(0)[:, None])
-            head.bias.copy_(2.0 - (first.mean(0) - head.bias) / first.std(0))
-        pred = predict_attributes(worker, ds)
-        batch = ds.batch(list(range(len(ds))))
-        direct = last_token_values(forward_values(worker.chunks, pctx, batch["tokens"], lengths=batch["lengths"],
-                                                  num_labels=2), batch["lengths"])
+    pctx = steer_world   # the module's one-rank world (a second one in this process is refused)
+    worker = ModelWorker(cfg, pctx, seed=5, value_head=True, batching=7)
+    tok = build_tokenizer(cfg)
+    ds = AttributeDataset(src, tok, cfg.max_seq_len, NAMES, require_labels=False)
+    first = predict_attributes(worker, ds)
+    with torch.no_grad():   # rescale the fresh head so that its outputs spread over the 0-4 scale
+        head = worker.chunks[0].value_head
+        head.weight.div_(first.std(0)[:, None])
+        head.bias.copy_(2.0 - (first.mean(0) - head.bias) / first.std(0))
+    pred = predict_attributes(worker, ds)
+    batch = ds.batch(list(range(len(ds))))
+    direct = last_token_values(forward_values(worker.chunks, pctx, batch["tokens"], lengths=batch["lengths"],
+                                              num_labels=2), batch["lengths"])
     assert pred.shape == (40, 2) and torch.allclose(pred, direct, atol=1e-5)
     assert len({render_attributes(NAMES, p) for p in pred.tolist()}) > 3   # the labels differ by row
     out = write_labelled(ds, NAMES, pred, tmp_path / "labelled.jsonl")
@@ -189,7 +189,7 @@ def write_run_config(run: RunConfig, run_dir: Path) -> None:
     (run_dir / "config.yaml").write_text(yaml.safe_dump(run.model_dump(mode="json"), sort_keys=False))
 
 
-def test_steerlm_label_command_writes_what_the_trained_regression_rm_predicts(tmp_path: Path):
+def test_steerlm_label_command_writes_what_the_trained_regression_rm_predicts(steer_world, tmp_path: Path):
     """A 5-step regression reward model saved as a run; `slurm-align steerlm-label` (its own
     process) on 40 SFT rows writes exactly the attributes the trained model predicts in this
     process (not a fresh model's: it loads the checkpoint, the run's attribute names)."""
@@ -199,14 +199,14 @@ def test_steerlm_label_command_writes_what_the_trained_regression_rm_predicts(tm
     src = tmp_path / "sft.jsonl"
     rows = [json.loads(line) for line in (SYNTH / "sft_val.jsonl").read_text().splitlines()][:40]
     src.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with single_rank_world() as (_, pctx):
-        rm = Trainer(run, pctx, run_dir)
-        for step in range(5):
-            rm.train_step(step)
-        rm.step = 5
-        rm.save()
-        ds = AttributeDataset(src, build_tokenizer(run.model), LABEL_MODEL["max_seq_len"], NAMES, require_labels=False)
-        expected = predict_attributes(rm.worker, ds)
+    pctx = steer_world   # the module's one-rank world (a second one in this process is refused)
+    rm = Trainer(run, pctx, run_dir)
+    for step in range(5):
+        rm.train_step(step)
+    rm.step = 5
+    rm.save()
+    ds = AttributeDataset(src, build_tokenizer(run.model), LABEL_MODEL["max_seq_len"], NAMES, require_labels=False)
+    expected = predict_attributes(rm.worker, ds)
     out = tmp_path / "labelled" / "rows.jsonl"
     proc = subprocess.run([sys.executable, "-m", "slurm_align.cli", "steerlm-label",
                            str(run_dir / "checkpoints" / "rm"), "--data", str(src), "--out", str(out),
