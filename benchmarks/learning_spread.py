@@ -114,8 +114,8 @@ def rows_of(record: dict, path: str) -> list[str]:
 
     def part_r(r: dict) -> str:   # rewards: rank-sum tests
         return f"2U={r['u2']}/{r['pairs2']} p={r['p_better']:.1e}"
-    ends = f"{g['mean_before']:+.2f} {g['mean_after']:+.2f} " + (f"{o['mean_before']:+.2f}" if o else "-")
-    return [record["test"], path, ends, part_r(g), part_r(o) if o else "-", f"p={t['p_better']:.2f}" if t else "-"]
+    ends = f"{g['mean_before']:+.2f} {g['mean_after']:+.2f} {o['mean_before']:+.2f}"
+    return [record["test"], path, ends, part_r(g), part_r(o), f"p={t['p_better']:.2f}"]
 
 
 def main() -> int:
@@ -148,10 +148,8 @@ def main() -> int:
                 table.append([f"{record['test']} vs grpo", path, f"{v['acc_before']:.3f} -> {v['acc_after']:.3f}",
                               f"b={v['b']} c={v['c']}: c-b={v['c'] - v['b']} (at most {0.05 * v['n']:.0f})", "", ""])
             worst["a"] = max(worst["a"], record["gain"]["p_better"])
-            if record.get("over_twin"):
-                worst["b"] = max(worst["b"], record["over_twin"]["p_better"])
-            if record.get("twin"):
-                worst["c"] = min(worst["c"], record["twin"]["p_better"])
+            worst["b"] = max(worst["b"], record["over_twin"]["p_better"])
+            worst["c"] = min(worst["c"], record["twin"]["p_better"])
         for name, state in sorted(outcomes.items()):
             if state != "passed":
                 failures.append(f"{name} under {path}: {state}")
