@@ -72,7 +72,7 @@ def run_session(path: str, nodeids: list[str], out: Path) -> tuple[list[dict], d
     """One pytest session of the learning tests under float path `path`: the verdict records, each
     test's outcome (passed/failed/error/skipped) and the wall seconds."""
     env = {k: v for k, v in os.environ.items() if k not in FORCED}
-    env.update(PYTHONPATH=str(REPO_ROOT), **PATHS[path])
+    env.update(PYTHONPATH=str(REPO_ROOT), SLURM_ALIGN_GRPO_FAMILY="1", **PATHS[path])   # the opt-in learning tests too
     folder = out / path
     folder.mkdir(parents=True, exist_ok=True)
     xml = folder / "junit.xml"

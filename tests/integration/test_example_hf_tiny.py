@@ -3,11 +3,17 @@ model -> PPO on the local profile, export the PPO policy as a Hugging Face folde
 transformers: the exported model gives the logits of the PPO policy's own checkpoint.
 
 The example's own YAML files, with fewer steps; the model and data go to the test's folder, not
-into examples/ (make_model.py's HERE is pointed there)."""
+into examples/ (make_model.py's HERE is pointed there).
+
+Opt-in (SLURM_ALIGN_HF_TINY_EXAMPLE=1): four CLI runs, 64 CPU-s (a minute of the suite's wall on a
+2-core host). The suite keeps each part on tiny HF models: import, train and export round trips
+and logits equal to transformers' (integration/test_hf_models.py, test_hf_qwen3_moe.py), the
+CLI's train and submit commands (test_trainers_cli.py, test_submit.py)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +43,8 @@ def make_model(folder: Path) -> tuple[Path, Path]:
     return folder / "model", folder / "data"
 
 
+@pytest.mark.skipif(os.environ.get("SLURM_ALIGN_HF_TINY_EXAMPLE") != "1",
+                    reason="examples/hf_tiny end to end: set SLURM_ALIGN_HF_TINY_EXAMPLE=1")
 @pytest.mark.slow
 @pytest.mark.timeout(1500)   # two or more end-to-end runs: a hang guard sized for a loaded 2-core machine
 def test_hf_tiny_sft_rm_ppo_export_loads_in_transformers(tmp_path):

@@ -9,11 +9,17 @@ same GRPO from the same SFT policy without the tool (run.sh's overrides): it can
 Measured (SFT 300 steps, GRPO held-out every 10 steps): with the tool 0.16 (0.21 calls per
 answer) -> 0.83, 0.86, 0.86 (1.0 calls); after 5 steps 0.61 (0.71 calls); the control 0.0
 throughout. The test runs 5 GRPO steps of each.
+
+Opt-in (SLURM_ALIGN_TOOL_EXAMPLE=1): the example's SFT and two GRPO runs are 78 CPU-s, a minute
+of the suite's wall on a 2-core host. The suite keeps what the claim rests on: the shipped data
+and its held-out split (below), the multi-turn tool machinery end to end
+(integration/test_multiturn.py), the calculator tool and its sandbox (tests/unit/environments).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -51,6 +57,8 @@ def tool_calls(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["val/tool_calls"] for m in metrics(run_dir) if "val/tool_calls" in m}
 
 
+@pytest.mark.skipif(os.environ.get("SLURM_ALIGN_TOOL_EXAMPLE") != "1",
+                    reason="the tool example's learning claim: set SLURM_ALIGN_TOOL_EXAMPLE=1")
 @pytest.mark.slow
 @pytest.mark.timeout(1500)   # three end-to-end runs: a hang guard sized for a loaded 2-core machine
 def test_grpo_with_the_calculator_gains_15_points_over_sft_and_more_than_without_it(tmp_path):
