@@ -4,7 +4,6 @@ Usage (the job script does this on each rank): python -m slurm_align.launchers.a
 """
 
 import argparse
-import sys
 
 # Everything heavy stays under the guard: spawned helper processes (megatron's checkpoint writer,
 # PyTriton's tensor store) re-run this module as __mp_main__, and would import torch and
@@ -18,4 +17,6 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
-    sys.exit(main(parser.parse_args().run_dir))
+    from slurm_align.launchers import leave
+
+    leave(main(parser.parse_args().run_dir))

@@ -1,7 +1,5 @@
 """Critic component entry inside a job: `python -m slurm_align.launchers.critic --run-dir RUN_DIR`."""
 
-import sys
-
 # Under the guard: spawned helper processes re-run this module as __mp_main__ (see actor.py).
 if __name__ == "__main__":
     from slurm_align.slurm.preemption import block_term
@@ -9,5 +7,6 @@ if __name__ == "__main__":
     block_term()   # before MPI, tritonserver and their threads start: see slurm_align.slurm.preemption
 
     from slurm_align.critic.main import cli
+    from slurm_align.launchers import leave
 
-    sys.exit(cli())
+    leave(cli())

@@ -4,11 +4,12 @@ Usage (the job script does this on each rank): python -m slurm_align.launchers.e
 """
 
 import argparse
-import sys
 
 if __name__ == "__main__":   # heavy imports under the guard, as launchers/actor.py explains
     from slurm_align.algorithms.eval_main import main
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
-    sys.exit(main(parser.parse_args().run_dir))
+    from slurm_align.launchers import leave
+
+    leave(main(parser.parse_args().run_dir))

@@ -37,4 +37,6 @@ if __name__ == "__main__":   # heavy imports under the guard, as launchers/actor
         traceback.print_exc()
         sys.stderr.flush()
         env.comm.Abort(1)
-    sys.exit(0)
+    from slurm_align.launchers import leave
+
+    leave(0)

@@ -5,7 +5,6 @@ Usage (the job script does this on each rank): python -m slurm_align.launchers.g
 """
 
 import argparse
-import sys
 
 # Under the guard: spawned helper processes re-run this module as __mp_main__ (see actor.py).
 if __name__ == "__main__":
@@ -17,4 +16,6 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
-    sys.exit(main(parser.parse_args().run_dir))
+    from slurm_align.launchers import leave
+
+    leave(main(parser.parse_args().run_dir))

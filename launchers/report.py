@@ -50,4 +50,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from slurm_align.launchers import leave
+
+    leave(main())

@@ -10,4 +10,7 @@ if __name__ == "__main__":  # the checkpoint writer re-imports __main__ (spawn):
     ap.add_argument("--run-dir", required=True)
     args = ap.parse_args()
     from slurm_align.algorithms.train_main import main
+    from slurm_align.launchers import leave
+
     main(args.run_dir)
+    leave(0)

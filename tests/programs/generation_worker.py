@@ -104,4 +104,7 @@ def main(tp: int, pp: int, out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
+    from slurm_align.launchers import leave
+
     main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    leave(0)   # as the product's launchers end

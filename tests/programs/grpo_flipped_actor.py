@@ -4,7 +4,6 @@ GRPO, RLOO and REINFORCE++: the advantage's sign is flipped. Rejection sampling:
 of each group is kept instead of the best."""
 
 import argparse
-import sys
 
 
 def flipped(estimate):
@@ -36,4 +35,6 @@ if __name__ == "__main__":
     policy_gradient.keep_best = keep_worst(policy_gradient.keep_best, best_of_groups)
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
-    sys.exit(ppo.main(parser.parse_args().run_dir))
+    from slurm_align.launchers import leave
+
+    leave(ppo.main(parser.parse_args().run_dir))   # as the product's launchers end

@@ -267,4 +267,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from slurm_align.launchers import leave
+
+    leave(main(sys.argv[1:]))   # as the product's launchers end

@@ -2,7 +2,6 @@
 this one FAILS to learn, so the test can tell a working PPO from a broken one."""
 
 import argparse
-import sys
 
 from grpo_flipped_actor import flipped  # this script's folder is on sys.path
 
@@ -14,4 +13,6 @@ if __name__ == "__main__":
     advantages.ESTIMATORS["gae"] = flipped(advantages.ESTIMATORS["gae"])
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
-    sys.exit(ppo.main(parser.parse_args().run_dir))
+    from slurm_align.launchers import leave
+
+    leave(ppo.main(parser.parse_args().run_dir))   # as the product's launchers end

@@ -5,7 +5,6 @@ that commits the step is not written). The previous checkpoint must stay valid a
 import argparse
 import os
 import signal
-import sys
 
 _writes = []
 
@@ -31,4 +30,6 @@ if __name__ == "__main__":
     checkpoint.dist_checkpointing.save = save_then_die(checkpoint.dist_checkpointing.save)
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
-    sys.exit(ppo.main(parser.parse_args().run_dir))
+    from slurm_align.launchers import leave
+
+    leave(ppo.main(parser.parse_args().run_dir))   # as the product's launchers end

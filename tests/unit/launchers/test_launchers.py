@@ -1,0 +1,70 @@
+"""slurm_align.launchers.leave: a component's process ends with its code and everything teardown
+would have finished (threads, atexit handlers, MPI, stdio), without the teardown itself."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from slurm_align import REPO_ROOT
+
+PROG = textwrap.dedent("""
+    import atexit, sys, threading, time
+    from pathlib import Path
+    from mpi4py import MPI
+    from slurm_align.launchers import leave
+
+    out = Path(sys.argv[1])
+    rank = MPI.COMM_WORLD.Get_rank()
+    finalize = MPI.Finalize
+    def finalize_and_say():
+        finalize()
+        (out / f"finalized.{rank}").write_text(str(MPI.Is_finalized()))
+    MPI.Finalize = finalize_and_say
+
+    class Teardown:   # a module global's finalizer runs in the teardown only
+        def __del__(self, path=str(out / f"teardown.{rank}"), _open=open):   # bound now: globals go first
+            with _open(path, "w") as f:
+                f.write("ran")
+    kept = Teardown()
+
+    def late_write():   # a non-daemon thread still at work when main returns
+        time.sleep(0.3)
+        (out / f"thread.{rank}").write_text("done")
+    threading.Thread(target=late_write).start()
+    atexit.register(lambda: (out / f"atexit.{rank}").write_text("ran"))
+    sys.stdout.write(f"rank {rank} unflushed")   # no newline, no flush
+    leave(int(sys.argv[2]))
+""")
+
+
+def run(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+
+
+def check(out: Path, rank: int) -> None:
+    assert (out / f"thread.{rank}").read_text() == "done"        # joined, not killed
+    assert (out / f"atexit.{rank}").read_text() == "ran"
+    assert (out / f"finalized.{rank}").read_text() == "True"
+    assert not (out / f"teardown.{rank}").exists()               # the teardown itself is skipped
+
+
+def test_leave_ends_with_the_code_after_threads_atexit_mpi_and_stdout(tmp_path):
+    proc = run([sys.executable, "-c", PROG, str(tmp_path), "7"])
+    assert proc.returncode == 7, proc.stderr
+    assert proc.stdout == "rank 0 unflushed"
+    check(tmp_path, 0)
+
+
+@pytest.mark.mpi
+def test_ranks_that_leave_end_an_mpirun_cleanly(tmp_path):
+    proc = run(["mpirun", "--oversubscribe", "-n", "2", sys.executable, "-c", PROG, str(tmp_path), "0"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert sorted(proc.stdout.replace("unflushed", "unflushed\n").split("\n")[:2]) == \
+        ["rank 0 unflushed", "rank 1 unflushed"], proc.stdout
+    for rank in (0, 1):
+        check(tmp_path, rank)
