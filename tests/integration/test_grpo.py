@@ -267,7 +267,8 @@ def accuracy_gain(run_dir: Path) -> float:
     return scores[max(scores)] - scores[0]
 
 
-GRPO_FAMILY = os.environ.get("SLURM_ALIGN_GRPO_FAMILY") == "1"
+GRPO_FAMILY = pytest.mark.skipif(os.environ.get("SLURM_ALIGN_GRPO_FAMILY") != "1",
+                                 reason="a learning claim of GRPO's family: set SLURM_ALIGN_GRPO_FAMILY=1")
 """The learning claims of GRPO's relatives (RLOO, REINFORCE++ in fp32 and bf16, rejection sampling,
 GRPO with LoRA, the asynchronous example) are opt-in: each is a 40-60-step run and its twin (34-55
 CPU-s each, 227 CPU-s together in the suite: ~2 min of a 2-core host's wall). The suite keeps GRPO's own
@@ -277,8 +278,6 @@ learning run: each estimator and rejection sampling's selection on fixed batches
 training only the adapters and GRPO's actor with LoRA (integration/test_lora.py), the generator
 component's rollouts and correction (test_disaggregated.py, test_rollout_correction.py), bf16
 steps (test_optimizer.py)."""
-GRPO_FAMILY_SKIP = pytest.mark.skipif(not GRPO_FAMILY,
-                                      reason="a learning claim of GRPO's family: set SLURM_ALIGN_GRPO_FAMILY=1")
 BROKEN_ACTOR = Path(__file__).parents[1] / "programs" / "grpo_flipped_actor.py"
 BROKEN_STEPS = ["ppo.num_steps=10", "eval.interval=2"]
 """The broken twin runs 10 steps, evaluated every 2 (its end pools steps 6, 8 and 10): enough to
@@ -295,18 +294,18 @@ worst-sample rejection-sampling twin at 0.034 (15 wrong -> right, 483 right -> w
     ("grpo", []),
     # RLOO at GRPO's lr overshoots here (measured, 200 prompts held out, every 20 steps: 5e-4
     # peaks at step 40, 0.28 -> 0.35, and ends at 0.295; 2.5e-4 rises every time, 0.33, 0.36, 0.37).
-    pytest.param("rloo", ["ppo.actor_lr=2.5e-4"], marks=GRPO_FAMILY_SKIP),
+    pytest.param("rloo", ["ppo.actor_lr=2.5e-4"], marks=GRPO_FAMILY),
     # REINFORCE++ in fp32 and in bf16 (issue 36: bf16 weights and activations, fp32 main weights
     # and gradients, models/optimizer.py); the algorithm's math does not depend on the precision.
-    pytest.param("reinforce_pp", [], marks=GRPO_FAMILY_SKIP),
-    pytest.param("rejection_sampling", ["ppo.num_steps=20", "eval.interval=5"], marks=GRPO_FAMILY_SKIP),
+    pytest.param("reinforce_pp", [], marks=GRPO_FAMILY),
+    pytest.param("rejection_sampling", ["ppo.num_steps=20", "eval.interval=5"], marks=GRPO_FAMILY),
     # LoRA adapters only (base frozen, reference = adapters off, merged refit): a higher rate,
     # and 60 steps (its end pools 40, 50, 60): at that rate it wanders over the first 40 (measured,
     # pooled end at step 40 under the no-AVX path: 0.305, p = 2e-6; at step 60 under the native,
     # AVX2 and no-AVX paths: 0.334-0.337, p <= 4e-16).
     pytest.param("grpo", ["model.lora.rank=8", "model.lora.alpha=16", "ppo.actor_lr=2e-3", "ppo.num_steps=60"],
-                 marks=GRPO_FAMILY_SKIP),
-    pytest.param("reinforce_pp", ["training.precision=bf16"], marks=GRPO_FAMILY_SKIP),
+                 marks=GRPO_FAMILY),
+    pytest.param("reinforce_pp", ["training.precision=bf16"], marks=GRPO_FAMILY),
 ], ids=["grpo", "rloo", "reinforce_pp", "rejection_sampling", "grpo_lora", "reinforce_pp_bf16"])
 def test_raises_heldout_accuracy_and_its_broken_twin_does_not(request, tmp_path, weak_sft, algorithm, overrides):
     if algorithm == "grpo" and not overrides:   # the session's shared run (the async example compares with it)
@@ -328,7 +327,7 @@ points (both pooled over their last evaluations, on the same 2,000 prompts: its 
 is about 1 point)."""
 
 
-@GRPO_FAMILY_SKIP
+@GRPO_FAMILY
 @pytest.mark.slow
 @pytest.mark.timeout(1500)   # two end-to-end runs (and the shared GRPO one): a hang guard for a loaded 2-core machine
 def test_async_example_learns_as_grpo_tiny_does_and_its_broken_twin_does_not(tmp_path, weak_sft, grpo_learning_run):
