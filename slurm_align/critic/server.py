@@ -30,6 +30,7 @@ from __future__ import annotations
 import hmac
 import os
 import queue
+import random
 import socket
 import sys
 import sysconfig
@@ -158,19 +159,53 @@ def server_pids() -> set[int]:
     return {me.pid, *(c.pid for c in me.children(recursive=True))}
 
 
-def pick_port(host: str, port: int) -> int:
-    """`port`, checked to be free on `host` (fail now, not after the actor's connect timeout),
-    or with port 0 a free one."""
+def ephemeral_ports() -> range:
+    """The ports the kernel hands to port-0 binds and to outgoing connections (Linux's
+    ip_local_port_range; its usual default where that cannot be read)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return range(low, high + 1)
+
+
+def _bindable(host: str, port: int) -> int:
+    """`port` (0: one the kernel picks) bound and released on `host`, as Triton binds it."""
     family = socket.getaddrinfo(host, port or None, type=socket.SOCK_STREAM)[0][0]
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as Triton binds
+        s.bind((host, port))
+        return s.getsockname()[1]
+
+
+PORT_TRIES = 64
+
+
+def pick_port(host: str, port: int, rng: random.Random | None = None) -> int:
+    """`port`, checked to be free on `host` (fail now, not after the actor's connect timeout),
+    or with port 0 a free one below the kernel's ephemeral range.
+
+    tritonserver binds the port in another process, after this check and its own start-up
+    (seconds on a loaded node). A port from the ephemeral range can be taken meanwhile by any
+    process's port-0 listener (MPI's, gloo's, another server's) or outgoing connection; then
+    Triton fails to bind, and PyTriton's readiness check talks to the stranger until its 60 s
+    network timeout (seen on this project's CI). Below that range only an explicit bind can take
+    it. The kernel's own pick is the fallback where the range leaves no room below it."""
+    if port:
         try:
-            s.bind((host, port))
+            return _bindable(host, port)
         except OSError as e:
             raise CriticBindError(
                 f"critic server cannot listen on {host}:{port}: {e.strerror} (another critic or service "
                 f"on this node holds it?); set critic_server.port to 0 to pick a free port at start") from None
-        return s.getsockname()[1]
+    ephemeral = ephemeral_ports().start
+    below = range(max(1024, ephemeral // 2), ephemeral)
+    for candidate in (rng or random.SystemRandom()).sample(below, min(PORT_TRIES, len(below))):
+        try:
+            return _bindable(host, candidate)
+        except OSError:
+            continue
+    return _bindable(host, 0)
 
 
 def refusal(endpoint: str, why: str, component: str = "critic") -> P.CriticAuthError:

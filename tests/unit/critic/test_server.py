@@ -1,0 +1,52 @@
+"""slurm_align/critic/server.py's port choice (the server itself runs in tests/integration/test_critic*.py)."""
+
+from __future__ import annotations
+
+import random
+import socket
+
+import pytest
+
+from slurm_align.critic import server
+from slurm_align.critic.server import CriticBindError, ephemeral_ports, pick_port
+
+
+def test_a_free_port_is_picked_below_the_ephemeral_range_and_is_bindable():
+    """Port 0 gives a port no port-0 listener or outgoing connection can take before Triton
+    binds it (CI: a Triton start lost its port that way and the critic failed after 60 s)."""
+    ephemeral = ephemeral_ports()
+    for _ in range(20):
+        port = pick_port("127.0.0.1", 0)
+        assert 1024 <= port < ephemeral.start, (port, ephemeral)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+
+
+def test_a_taken_candidate_is_skipped():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        free = pick_port("127.0.0.1", 0)
+
+        class Order(random.Random):
+            def sample(self, population, k):   # the taken port first, then a free one
+                return [busy, free]
+
+        assert pick_port("127.0.0.1", 0, rng=Order()) == free
+
+
+def test_with_no_room_below_the_range_the_kernel_picks(monkeypatch):
+    kernels = ephemeral_ports()
+    monkeypatch.setattr(server, "ephemeral_ports", lambda: range(1024, 65536))
+    assert pick_port("127.0.0.1", 0) in kernels
+
+
+def test_a_fixed_port_that_is_taken_names_the_setting():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        with pytest.raises(CriticBindError, match=rf"127\.0\.0\.1:{busy}.*critic_server\.port to 0"):
+            pick_port("127.0.0.1", busy)
+        assert pick_port("127.0.0.1", 0) != busy
