@@ -91,8 +91,8 @@ class ServerLimits:
     max_queue_delay_us: int = 500
     """How long the dynamic batcher waits for more critic_infer requests to merge."""
     max_restarts: int = 5
-    """How many times the watchdog starts tritonserver again after it died; one more death
-    ends the critic."""
+    """How many times tritonserver is started again after it died (while starting, or later by
+    the watchdog); one more death ends the critic."""
 
 
 class RefusalLog:
@@ -250,8 +250,28 @@ class CriticServer:
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
+        """Start tritonserver and bind the endpoints. A tritonserver that dies while it starts
+        (on a loaded node its Python backend can abort while a model's stub starts: seen on CI,
+        boost::interprocess::lock_exception) is started again, on a newly picked port where the
+        configured one is 0, as the watchdog does later (ServerLimits.max_restarts in all)."""
+        configured = self.port
         with self._lifecycle:
-            self._launch()
+            while True:
+                try:
+                    self._launch()
+                    break
+                except CriticBindError:
+                    raise
+                except Exception as exc:
+                    died = self._triton is not None and not self._triton.is_alive()
+                    self._stop_triton(kill=True)
+                    if not died or self.restarts >= self.limits.max_restarts:
+                        raise
+                    self.restarts += 1
+                    print(f"critic: tritonserver on {self.host}:{self.port} died while starting ({exc!r}); "
+                          f"starting it again (restart {self.restarts} of {self.limits.max_restarts})",
+                          file=sys.stderr, flush=True)
+                    self.port = configured
         threading.Thread(target=self._watch, name="critic-triton-watchdog", daemon=True).start()
 
     def _launch(self) -> None:
@@ -273,7 +293,7 @@ class CriticServer:
         # in our place: make sure the listener is ours.
         mine = _listening_ports(server_pids())
         if not any(port == self.port for _, port in mine):
-            self.stop()
+            self._stop_triton(kill=True)   # not stop(): start() or the watchdog holds the lifecycle lock
             raise CriticBindError(f"critic server: tritonserver is not listening on {self.host}:{self.port} "
                                   "(taken by another process meanwhile?); start again or set another "
                                   "critic_server.port")

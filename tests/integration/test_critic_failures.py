@@ -4,7 +4,11 @@ request is answered, a retried optimizer step applied once."""
 
 from __future__ import annotations
 
+import os
+import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +18,14 @@ import pytest
 from slurm_align.critic import protocol as P
 from slurm_align.critic.client import CriticClient, CriticError
 from slurm_align.rundir import RunDir, read_run_secret
-from tests.support.critic_support import CriticProcess, LateReplyProxy, random_batch, write_run_dir
+from tests.support.critic_support import (
+    CHILD_ENV,
+    REPO,
+    CriticProcess,
+    LateReplyProxy,
+    random_batch,
+    write_run_dir,
+)
 
 REQUEST_TIMEOUT_S = 4.0
 # Slack over the request timeout, sized for a loaded 2-core machine (other tests' ranks can stall
@@ -161,3 +172,23 @@ def test_a_late_reply_is_not_taken_as_the_next_requests_answer(critic):
     finally:
         client.close()
         proxy.close()
+
+
+DIES_STARTING = Path(__file__).parents[1] / "programs" / "critic_dies_starting_prog.py"
+
+
+@pytest.mark.parametrize("max_restarts", [1, 0])
+def test_a_tritonserver_that_dies_while_starting_is_started_again(tmp_path, max_restarts):
+    """CI: under load, tritonserver's Python backend aborted while a model's stub started, and
+    the critic failed at start. Now the server starts it again (within ServerLimits.max_restarts:
+    with 0 the start fails, naming the error)."""
+    out = subprocess.run([sys.executable, str(DIES_STARTING), str(tmp_path / "ck"), str(max_restarts)],
+                         cwd=REPO, env={**os.environ, **CHILD_ENV}, capture_output=True, text=True, timeout=300)
+    text = out.stdout + out.stderr
+    assert "died while starting (HTTPConnectionClosed" in text or max_restarts == 0, text[-3000:]
+    if max_restarts:
+        assert out.returncode == 0, text[-3000:]
+        assert re.search(r"^restarts=1 killed=True ready=200 port=\d+$", out.stdout, re.M), out.stdout
+    else:
+        assert out.returncode != 0 and "restarts=" not in out.stdout, text[-3000:]
+        assert "HTTPConnectionClosed" in text and "starting it again" not in text, text[-3000:]

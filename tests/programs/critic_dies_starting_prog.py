@@ -1,0 +1,51 @@
+"""A critic server whose tritonserver is killed while it loads the first model, on the first
+start only: as on CI, where a loaded node's Python backend aborted it while a model's stub
+started (boost::interprocess::lock_exception). `CriticServer.start` must start it again and
+serve; prints `restarts=<n> killed=True ready=<http status> port=<port>`.
+
+    python tests/programs/critic_dies_starting_prog.py CHECKPOINT_DIR [MAX_RESTARTS]
+"""
+
+import sys
+import threading
+import time
+import urllib.request
+
+import psutil
+
+from slurm_align.critic.server import CriticServer, ServerLimits
+from slurm_align.launchers import leave
+
+killed: list[int] = []
+
+
+def kill_tritonserver_when_a_stub_starts(deadline_s: float = 300) -> None:
+    """The first model's Python backend stub appears while the load request is in flight."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        children = psutil.Process().children(recursive=True)
+        if any(p.name() == "triton_python_backend_stub" for p in children):
+            for p in children:   # the stubs too: they hold tritonserver's sockets open
+                if p.name() in ("tritonserver", "triton_python_backend_stub"):
+                    p.kill()
+                    killed.append(p.pid)
+            return
+        time.sleep(0.01)
+
+
+def main() -> None:
+    limits = ServerLimits(max_seq_len=16, vocab_size=32, max_restarts=int(sys.argv[2]) if len(sys.argv) > 2 else 5)
+    server = CriticServer("127.0.0.1", 0, limits, secret="s" * 32, checkpoint_dir=sys.argv[1])
+    threading.Thread(target=kill_tritonserver_when_a_stub_starts, daemon=True).start()
+    try:
+        server.start()
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/v2/health/ready", timeout=30) as r:
+            print(f"restarts={server.restarts} killed={len(killed) > 0} ready={r.status} port={server.port}",
+                  flush=True)
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()
+    leave(0)
