@@ -252,25 +252,25 @@ class CriticServer:
     def start(self) -> None:
         """Start tritonserver and bind the endpoints. A tritonserver that dies while it starts
         (on a loaded node its Python backend can abort while a model's stub starts: seen on CI,
-        boost::interprocess::lock_exception) is started again, on a newly picked port where the
-        configured one is 0, as the watchdog does later (ServerLimits.max_restarts in all)."""
+        boost::interprocess::lock_exception), or that lost a picked port to another process, is
+        started again, on a newly picked port where the configured one is 0, as the watchdog does
+        later (ServerLimits.max_restarts in all)."""
         configured = self.port
         with self._lifecycle:
             while True:
                 try:
                     self._launch()
                     break
-                except CriticBindError:
-                    raise
                 except Exception as exc:
                     died = self._triton is not None and not self._triton.is_alive()
+                    lost = isinstance(exc, CriticBindError) and not configured
                     self._stop_triton(kill=True)
-                    if not died or self.restarts >= self.limits.max_restarts:
+                    if not (died or lost) or self.restarts >= self.limits.max_restarts:
                         raise
                     self.restarts += 1
-                    print(f"critic: tritonserver on {self.host}:{self.port} died while starting ({exc!r}); "
-                          f"starting it again (restart {self.restarts} of {self.limits.max_restarts})",
-                          file=sys.stderr, flush=True)
+                    why = "died while starting" if died else "lost its port"
+                    print(f"critic: tritonserver on {self.host}:{self.port} {why} ({exc!r}); starting it "
+                          f"again (restart {self.restarts} of {self.limits.max_restarts})", file=sys.stderr, flush=True)
                     self.port = configured
         threading.Thread(target=self._watch, name="critic-triton-watchdog", daemon=True).start()
 
