@@ -27,6 +27,7 @@ optimizer step is never applied twice.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import os
 import queue
@@ -157,6 +158,18 @@ def server_pids() -> set[int]:
     """This process and its children (tritonserver, the Python backend stubs)."""
     me = psutil.Process()
     return {me.pid, *(c.pid for c in me.children(recursive=True))}
+
+
+STUB = "triton_python_backend_stub"
+
+
+def stubs_of_this_process() -> list[psutil.Process]:
+    """The Python backend stubs of this process's tritonserver, also those a dead tritonserver
+    left behind (reparented out of this process's tree, holding its sockets and shared memory):
+    PyTriton names the stubs' shared-memory regions `pytrtion<pid>-...` after this process."""
+    mark = f"pytrtion{os.getpid()}-"
+    return [p for p in psutil.process_iter(["name", "cmdline"])
+            if p.info["name"] == STUB and any(a.startswith(mark) for a in p.info["cmdline"] or ())]
 
 
 def ephemeral_ports() -> range:
@@ -320,6 +333,9 @@ class CriticServer:
                 for p in psutil.Process().children(recursive=True):
                     if p.name() == "tritonserver":
                         p.kill()
+                for stub in stubs_of_this_process():   # a dead tritonserver's stubs outlive it
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        stub.kill()
             self._triton.stop()
             self._triton = None
 

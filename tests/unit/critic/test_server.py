@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import shutil
+import signal
 import socket
+import subprocess
+import time
 
+import psutil
 import pytest
 
 from slurm_align.critic import server
@@ -50,3 +57,32 @@ def test_a_fixed_port_that_is_taken_names_the_setting():
         with pytest.raises(CriticBindError, match=rf"127\.0\.0\.1:{busy}.*critic_server\.port to 0"):
             pick_port("127.0.0.1", busy)
         assert pick_port("127.0.0.1", 0) != busy
+
+
+def _orphaned_stub(folder, mark: str) -> int:
+    """The pid of a real process named as Triton's Python backend stub (a copy of bash, kept
+    alive by its `sleep`), its arguments naming a shared-memory region as PyTriton's stubs do,
+    and orphaned as a dead tritonserver leaves its stubs (the shell that started it exits)."""
+    exe = folder / server.STUB
+    shutil.copy(shutil.which("bash"), exe)
+    out = subprocess.run(["sh", "-c", f'setsid "{exe}" -c "sleep 300; true" {mark}0123abcd-region '
+                                      '>/dev/null 2>&1 & echo $!'], capture_output=True, text=True, check=True)
+    return int(out.stdout)
+
+
+def test_the_stubs_a_dead_tritonserver_left_are_found_and_no_others(tmp_path):
+    """A stub whose tritonserver died is reparented out of the critic's process tree; found by
+    the shared-memory mark PyTriton gives it, the critic's own pid (another process's are not)."""
+    ours = _orphaned_stub(tmp_path, f"pytrtion{os.getpid()}-")
+    (tmp_path / "other").mkdir()
+    other = _orphaned_stub(tmp_path / "other", f"pytrtion{os.getpid() + 1}-")
+    try:
+        assert ours not in {p.pid for p in psutil.Process().children(recursive=True)}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not server.stubs_of_this_process():
+            time.sleep(0.05)   # until exec has replaced the forked shell
+        assert [p.pid for p in server.stubs_of_this_process()] == [ours]
+    finally:
+        for pid in (ours, other):   # each leads its own session: the stub and its sleep
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
