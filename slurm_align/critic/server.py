@@ -161,13 +161,14 @@ def server_pids() -> set[int]:
 
 
 STUB = "triton_python_backend_stub"
+SHM_MARK = "pytrtion"   # (sic) PyTriton's prefix of its stubs' shared-memory regions, then its pid
 
 
 def stubs_of_this_process() -> list[psutil.Process]:
     """The Python backend stubs of this process's tritonserver, also those a dead tritonserver
     left behind (reparented out of this process's tree, holding its sockets and shared memory):
     PyTriton names the stubs' shared-memory regions `pytrtion<pid>-...` after this process."""
-    mark = f"pytrtion{os.getpid()}-"
+    mark = f"{SHM_MARK}{os.getpid()}-"
     return [p for p in psutil.process_iter(["name", "cmdline"])
             if p.info["name"] == STUB and any(a.startswith(mark) for a in p.info["cmdline"] or ())]
 
@@ -338,6 +339,9 @@ class CriticServer:
                         stub.kill()
             self._triton.stop()
             self._triton = None
+            if kill:   # killed stubs never unlink their shared memory (4 MiB each, in /dev/shm)
+                for region in Path("/dev/shm").glob(f"{SHM_MARK}{os.getpid()}-*"):
+                    region.unlink(missing_ok=True)
 
     def _watch(self, interval_s: float = 0.25) -> None:
         """Start tritonserver again when it died (not when stop() stopped it)."""

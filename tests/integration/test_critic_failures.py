@@ -188,7 +188,7 @@ def test_a_tritonserver_that_dies_while_starting_is_started_again(tmp_path, max_
     assert "died while starting (HTTPConnectionClosed" in text or max_restarts == 0, text[-3000:]
     if max_restarts:
         assert out.returncode == 0, text[-3000:]
-        assert re.search(r"^restarts=1 killed=True ready=200 port=\d+$", out.stdout, re.M), out.stdout
+        assert re.search(r"^restarts=1 killed=True ready=200 port=\d+ stale=0$", out.stdout, re.M), out.stdout
     else:
         assert out.returncode != 0 and "restarts=" not in out.stdout, text[-3000:]
         assert "HTTPConnectionClosed" in text and "starting it again" not in text, text[-3000:]

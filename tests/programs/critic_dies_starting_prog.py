@@ -1,19 +1,22 @@
 """A critic server whose tritonserver is killed while it loads the first model, on the first
 start only: as on CI, where a loaded node's Python backend aborted it while a model's stub
 started (boost::interprocess::lock_exception). `CriticServer.start` must start it again and
-serve; prints `restarts=<n> killed=True ready=<http status> port=<port>`.
+serve; prints `restarts=<n> killed=True ready=<http status> port=<port>` and, in `stale=<n>`,
+how many of this process's shared-memory regions no live stub holds (the killed ones').
 
     python tests/programs/critic_dies_starting_prog.py CHECKPOINT_DIR [MAX_RESTARTS]
 """
 
+import os
 import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import psutil
 
-from slurm_align.critic.server import CriticServer, ServerLimits
+from slurm_align.critic.server import SHM_MARK, CriticServer, ServerLimits, stubs_of_this_process
 from slurm_align.launchers import leave
 
 killed: list[int] = []
@@ -40,8 +43,10 @@ def main() -> None:
     try:
         server.start()
         with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/v2/health/ready", timeout=30) as r:
-            print(f"restarts={server.restarts} killed={len(killed) > 0} ready={r.status} port={server.port}",
-                  flush=True)
+            regions = {f.name for f in Path("/dev/shm").glob(f"{SHM_MARK}{os.getpid()}-*")}
+            held = {a for stub in stubs_of_this_process() for a in stub.cmdline()}
+            print(f"restarts={server.restarts} killed={len(killed) > 0} ready={r.status} port={server.port} "
+                  f"stale={len(regions - held)}", flush=True)
     finally:
         server.stop()
 
