@@ -56,6 +56,17 @@ rollouts per step at 1 node), step time predicted vs measured at 2 / 4 actor nod
              0.420, 0.613, 0.261, 0.833(*) ((*) with a 1 ms hot poll before each sleep: not kept).
              The 4-node points move by tens of percent between runs of one build: the goal is
              not met reliably.
+  2026-12-07, --steps 5, idle host (load average 1.8-6.2, loop 0.12 s), three runs of one build,
+             each predicted by both critic models from its own sweep (PPO 2 / 4 nodes; GRPO has no
+             critic: +7% / -29%, +7% / +12%, -24% / -46%):
+             the critic's passes at the job's cores: PPO +5% / +42%, +37% / +32%, +4% / -26%;
+             plan_time_error_max 0.423, 0.373, 0.460; plan_phase_error_max 3.413, 3.987, 1.068
+             (the critic's passes, +58%..+227% and +107%..+399%);
+             at the critic's own cores (steptime.critic_share, kept): PPO -5% / -16%, +23% / -23%,
+             -4% / -55%; plan_time_error_max 0.288, 0.228, 0.550; plan_phase_error_max 1.159,
+             1.051, 0.648 (the critic's passes -31%..+67% and +38%..+99%). The 4-node points'
+             measured steps varied by up to 1.9x between the runs (PPO 0.43 / 0.61 / 0.81 s, GRPO
+             0.30 / 0.17 / 0.30 s): no prediction is within 15% of all of them.
 The goals are not all met here: the 4-node GRPO point and the phase errors; per-call overheads
 (Python, HTTP) dominate these tiny models, and other sessions' load (2-4x between steps) is not
 known before submitting.

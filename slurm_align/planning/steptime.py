@@ -33,10 +33,12 @@ trains; the second critic_wait is the critic's update time beyond the actor's. D
 generator generates the next step while the actor trains (max_off_policy_steps >= 1): the step
 is the slower of the two; on-policy (0) their sum.
 
-On a shared host (the local test cluster: its 'nodes' are processes on this one machine) every
-rank of every component asks for its cores at once, so each phase runs at share = host cores /
-the job's cores (when below 1): compute divided by the oversubscription. The constant phases are
-the actor's CPU work too, so they move with that share from the calibration's to the predicted.
+On a shared host (the local test cluster: its 'nodes' are processes on this one machine) the
+actor's phases run at share = host cores / the job's cores (when below 1: compute divided by the
+oversubscription), as every other component may compute meanwhile; the critic's passes at host
+cores / the critic's own cores, as the actor's ranks mostly wait for them, asleep. The constant
+phases are the actor's CPU work too, so they move with its share from the calibration's to the
+predicted.
 
 Known to be wrong: TP/PP activation traffic, the optimizer step, Python overheads per call (on
 small models these dominate; the calibration folds them into the efficiencies, so a fitted
@@ -213,18 +215,32 @@ def share(hw: Hardware, busy_cores: int) -> float:
     return min(1.0, hw.host_cores / busy_cores)
 
 
+def component_cores(profile: ClusterProfile, component: str) -> int:
+    """The cores a component's ranks ask for (its profile's ranks x cpus_per_task)."""
+    res = profile.resources(component)
+    return res.ranks * res.cpus_per_task
+
+
 def job_cores(run: RunConfig, profile: ClusterProfile) -> int:
-    """The cores every rank of the job asks for (its profile's ranks x cpus_per_task over the run's
-    components).
-    On a shared host they all run at once: the critic scores while the actor generates and
-    trains while the actor trains, the generator generates the next step while the actor trains,
-    and a rank waiting in an MPI collective polls its core rather than giving it up."""
-    return sum(profile.resources(c).ranks * profile.resources(c).cpus_per_task for c in run.components)
+    """The cores every rank of the job asks for (component_cores over the run's components).
+    On a shared host the actor's phases run while every other component may compute too: the
+    critic scores while the actor generates, the generator generates the next step while the
+    actor trains."""
+    return sum(component_cores(profile, c) for c in run.components)
 
 
 def actor_share(run: RunConfig, profile: ClusterProfile) -> float:
     """The share of its peak an actor rank gets (share over the job's cores)."""
     return share(profile_hardware(profile, "actor"), job_cores(run, profile))
+
+
+def critic_share(profile: ClusterProfile) -> float:
+    """The share of its peak a critic rank gets (share over the critic's own cores): while its
+    passes run, the actor's ranks mostly wait for them, asleep (a waiting rank sleeps:
+    parallel/quiet.py). Measured (benchmarks/bench_plan.py, three runs, 2 and 4 actor nodes): the
+    critic's scoring passes -31%..+67% off, its updates +38%..+99%, against +58%..+227% and
+    +107%..+399% with the job's cores counted."""
+    return share(profile_hardware(profile, "critic"), component_cores(profile, "critic"))
 
 
 def decode_step_s(shape: ModelShape, contexts: list[int], hw: Hardware, dtype: str, tp: int,
@@ -384,7 +400,7 @@ def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype:
     if "critic" in run.components:
         c_par = run.critic
         c_hw = profile_hardware(profile, "critic")
-        c_rate = share(c_hw, job_cores(run, profile))
+        c_rate = critic_share(profile)
         c_shape = ModelShape.of(run.critic_model_config, value_head=True)
         models = (1 if run.critic_trains else 0) + (1 if run.reward.use_model else 0)
         out["critic_infer"] = forward_pass_s(c_shape, c_par, lengths, c_hw, dtype, mb, c_rate, passes=float(models))

@@ -16,6 +16,7 @@ from slurm_align.planning.steptime import (
     actor_share,
     batch_generation_s,
     combine,
+    critic_share,
     decode_step_s,
     forward_pass_s,
     grad_reduce_s,
@@ -104,20 +105,23 @@ def test_ranks_on_one_shared_host_share_its_cores():
     assert share(hw(cores=None), busy_cores=64) == 1.0
 
 
-def test_every_component_of_the_job_counts_on_a_shared_host(monkeypatch):
-    # the local test cluster: 4 actor ranks and 1 critic rank (of 2 cores each) on one 2-core host
+def test_on_a_shared_host_the_actor_counts_the_jobs_cores_and_the_critic_its_own(monkeypatch):
+    # the local test cluster: 4 actor ranks and 2 critic ranks (of 2 cores each) on one 2-core host
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
-    run = RunConfig(actor={"data_parallel": 4})
+    run = RunConfig(actor={"data_parallel": 4}, critic={"data_parallel": 2})
     prof = ClusterProfile(kind="local", hardware={"accelerator": "cpu", "shared_host": True},
-                          components={"actor": {"nodes": 4, "cpus_per_task": 2}, "critic": {"cpus_per_task": 2}})
-    assert job_cores(run, prof) == 4 * 2 + 1 * 2
-    assert actor_share(run, prof) == 0.2
-    # the critic's passes run at that share too: 2 / 10 of a 2-core rank's peak, not all of it
+                          components={"actor": {"nodes": 4, "cpus_per_task": 2},
+                                      "critic": {"tasks_per_node": 2, "cpus_per_task": 2}})
+    assert job_cores(run, prof) == 4 * 2 + 2 * 2
+    assert actor_share(run, prof) == pytest.approx(2 / 12)
+    assert critic_share(prof) == 0.5
     ideal = ideal_phases(run, prof, Workload(8, (10,), (6,)))
     alone = ideal_phases(run, prof.model_copy(update={"hardware": HardwareConfig(accelerator="cpu")}),
                          Workload(8, (10,), (6,)))
-    assert ideal["critic_infer"] == pytest.approx(alone["critic_infer"] * 5)
-    assert ideal["logprobs"] == pytest.approx(alone["logprobs"] * 5)
+    assert ideal["logprobs"] == pytest.approx(alone["logprobs"] * 6)
+    # the critic's passes at its own share: the actor's ranks sleep while they wait for them
+    assert ideal["critic_infer"] == pytest.approx(alone["critic_infer"] * 2)
+    assert ideal["critic_train"] == pytest.approx(alone["critic_train"] * 2)
 
 
 def test_constant_phases_are_the_actors_cpu_work_at_its_share():
