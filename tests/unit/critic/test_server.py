@@ -1,4 +1,5 @@
-"""slurm_align/critic/server.py's port choice (the server itself runs in tests/integration/test_critic*.py)."""
+"""slurm_align/critic/server.py's port choice and its search for the stubs a dead tritonserver left
+(the server itself runs in tests/integration/test_critic*.py)."""
 
 from __future__ import annotations
 
@@ -73,9 +74,9 @@ def _orphaned_stub(folder, mark: str) -> int:
 def test_the_stubs_a_dead_tritonserver_left_are_found_and_no_others(tmp_path):
     """A stub whose tritonserver died is reparented out of the critic's process tree; found by
     the shared-memory mark PyTriton gives it, the critic's own pid (another process's are not)."""
-    ours = _orphaned_stub(tmp_path, f"pytrtion{os.getpid()}-")
+    ours = _orphaned_stub(tmp_path, f"{server.SHM_MARK}{os.getpid()}-")
     (tmp_path / "other").mkdir()
-    other = _orphaned_stub(tmp_path / "other", f"pytrtion{os.getpid() + 1}-")
+    other = _orphaned_stub(tmp_path / "other", f"{server.SHM_MARK}{os.getpid() + 1}-")
     try:
         assert ours not in {p.pid for p in psutil.Process().children(recursive=True)}
         deadline = time.monotonic() + 30
