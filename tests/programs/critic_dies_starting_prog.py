@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 
-from slurm_align.critic.server import SHM_MARK, CriticServer, ServerLimits, stubs_of_this_process
+from slurm_align.critic.server import SHM_MARK, STUB, CriticServer, ServerLimits, stubs_of_this_process
 from slurm_align.launchers import leave
 
 killed: list[int] = []
@@ -27,9 +27,9 @@ def kill_tritonserver_when_a_stub_starts(deadline_s: float = 300) -> None:
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
         children = psutil.Process().children(recursive=True)
-        if any(p.name() == "triton_python_backend_stub" for p in children):
+        if any(p.name() == STUB for p in children):
             for p in children:   # the stubs too: they hold tritonserver's sockets open
-                if p.name() in ("tritonserver", "triton_python_backend_stub"):
+                if p.name() in ("tritonserver", STUB):
                     p.kill()
                     killed.append(p.pid)
             return
