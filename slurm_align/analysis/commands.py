@@ -231,13 +231,20 @@ def cmd_sweep(args) -> int:
         if nodes is None:
             raise ConfigError.at("--predict/--calibration", None,
                                  "predictions are per node count: give --nodes too")
-        from slurm_align.planning.commands import load_calibration, prediction_table, sweep_predictions
+        from slurm_align.planning.commands import (
+            calibration_notes,
+            load_calibration,
+            prediction_table,
+            sweep_predictions,
+        )
 
         dtype = args.dtype or run.training.precision
         cal = load_calibration(args.calibration, args.skip_steps, dtype)
         rows = sweep_predictions(run, profile, nodes, args.mode, cal, dtype)
         source = f"calibrated on {cal.run_dir}" if cal else "default efficiencies"
         _stdout().print(prediction_table(f"predicted step time ({source})", rows))
+        for note in calibration_notes(cal, run, profile, nodes, args.mode):
+            console.print(f"note: {note}", highlight=False)
         if args.predict_only:
             return 0
     sweep_dir = Path(args.sweep_dir) if args.sweep_dir else new_run_dir(default_run_root(profile), "sweep")

@@ -20,6 +20,7 @@ is never fitted: it is what the combination derives from the critic's and the ac
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +64,28 @@ class Calibration:
     def predict(self, run: RunConfig | None = None, profile: ClusterProfile | None = None) -> StepPrediction:
         """Another layout (or this run's own) at the fitted efficiencies and length distribution."""
         return predict(run or self.run, profile or self.profile, costs=self.costs, work=self.workload, dtype=self.dtype)
+
+    def notes(self, targets: Iterable[RunConfig]) -> list[str]:
+        """What this calibration cannot see in the `targets` layouts it predicts, one line each.
+        A component calibrated at one data-parallel rank and predicted at more: its ranks then
+        wait for each other at the gradient collectives (and for the slowest of them), which no
+        span of the calibration holds, so its training pass is under-predicted (measured on the
+        local Slurm cluster, benchmarks/bench_plan.py: 4 ranks -26% to -53% from a 1-rank
+        calibration, -19% to +13% from a 2-rank one)."""
+        out = []
+        targets = list(targets)
+        for comp in ("actor", "critic"):
+            if comp not in self.run.components or self.run.parallel(comp).data_parallel > 1:
+                continue
+            if comp == "critic" and not self.run.critic_trains:
+                continue
+            dp = max((t.parallel(comp).data_parallel for t in targets if comp in t.components), default=1)
+            if dp > 1:
+                phase = "train" if comp == "actor" else "critic_train"
+                out.append(f"the calibration run has {comp}.data_parallel=1, a predicted layout "
+                           f"{comp}.data_parallel={dp}: its ranks' waits for each other are not in the fit, so "
+                           f"{phase} is likely under-predicted; calibrate on a run with {comp}.data_parallel >= 2")
+        return out
 
 
 def measured_phases(b: Breakdown, engine_component: str = "actor") -> tuple[dict[str, float], float]:

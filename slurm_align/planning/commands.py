@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -64,6 +65,16 @@ def load_calibration(path: str | None, skip_steps: int, dtype: str) -> Calibrati
     return None if path is None else calibrate(Path(path), skip_steps=skip_steps, dtype=dtype)
 
 
+def calibration_notes(cal: Calibration | None, run: RunConfig, profile: ClusterProfile, nodes: list[int] | None,
+                      mode: str, extra: Sequence[RunConfig] = ()) -> list[str]:
+    """What the calibration cannot see in the predicted layouts (Calibration.notes): the run as
+    configured, or each point of the sweep over `nodes`, and `extra` (the advice's layouts)."""
+    if cal is None:
+        return []
+    runs = [p.run for p in plan_sweep(run, profile, nodes, mode)] if nodes else [run]
+    return cal.notes([*runs, *extra])
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     run = load_run_config(args.config, args.overrides)
     profile = choose_profile(args.profile, args.profile_set)
@@ -89,10 +100,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if not advice:
             raise ConfigError.at("--advise", args.advise, "no layout of that many nodes fits in memory "
                                  "(profile gpu_memory_gib) with this model")
+    notes = calibration_notes(cal, run, profile, parse_nodes(args.nodes) if args.nodes else None, args.mode,
+                              [o.run for o in advice])
     if args.format == "json":
         print(json.dumps({"memory": memory, "source": source, "points": [{"point": k, **vars(v)} for k, v in rows],
                           "advice": [{"rank": i + 1, **vars(o.prediction), "state_bytes": o.state_bytes}
-                                     for i, o in enumerate(advice)]}, indent=1))
+                                     for i, o in enumerate(advice)], "notes": notes}, indent=1))
         return 0
     out = _stdout()
     print(memory)
@@ -103,6 +116,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         best = advice[0].prediction
         out.print(f"best: {best.layout}; its step is bound by {best.bounding} "
                   f"({best.critical[best.bounding]:.3g} of {best.step_s:.3g} s)", highlight=False)
+    for note in notes:
+        out.print(f"note: {note}", highlight=False)
     return 0
 
 

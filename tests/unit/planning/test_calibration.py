@@ -3,7 +3,9 @@ response-length distribution from the rollouts."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -146,3 +148,34 @@ def test_the_constants_of_a_shared_host_run_move_with_the_jobs_cores(tmp_path, m
                                                     .model_copy(update={"nodes": 4})}})
     bigger = cal.predict(RUN.model_copy(update={"actor": RUN.actor.model_copy(update={"data_parallel": 4})}), four)
     assert bigger.phases["store"] == pytest.approx(0.01 * 5 / 2, rel=1e-6)
+
+
+def _actor(run: RunConfig, profile: ClusterProfile, dp: int) -> tuple[RunConfig, ClusterProfile]:
+    """`run` and `profile` with `dp` actor ranks (one node)."""
+    return (run.model_copy(update={"actor": run.actor.model_copy(update={"data_parallel": dp})}),
+            profile.model_copy(update={"components": {**profile.components, "actor": profile.components["actor"]
+                                                      .model_copy(update={"tasks_per_node": dp})}}))
+
+
+def test_a_calibration_at_one_data_parallel_rank_says_so_for_layouts_with_more(tmp_path, capsys):
+    # bench_plan.py measured it: a 1-rank calibration under-predicts the 4-rank training pass by
+    # 26-53%, the ranks' waits for each other being in no span of it; a 2-rank one by -19..+13%.
+    one_run, one_profile = _actor(RUN, PROFILE, 1)
+    synthetic_run(tmp_path / "one", one_run, one_profile)
+    cal = calibrate(tmp_path / "one", skip_steps=1)
+    assert cal.notes([one_run]) == []
+    four = _actor(RUN, PROFILE, 4)[0]
+    (note,) = cal.notes([one_run, four])
+    assert "actor.data_parallel=1, a predicted layout actor.data_parallel=4" in note, note
+    assert "train is likely under-predicted" in note, note
+    # the critic (data_parallel 1 in both) has nothing to say; a calibration at 2 ranks neither
+    assert dataclasses.replace(cal, run=_actor(RUN, PROFILE, 2)[0]).notes([four]) == []
+    # `plan` prints it under the table, for the points of a sweep
+    from slurm_align.cli import main
+
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump(one_run.model_dump(mode="json", exclude={"algorithm_spec"}, exclude_defaults=True)))
+    assert main(["plan", str(cfg), "--profile", "local", "--nodes", "1,2", "--calibration", str(tmp_path / "one")]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^note: the calibration run has actor.data_parallel=1, a predicted layout "
+                     r"actor.data_parallel=\d", out, re.M), out
