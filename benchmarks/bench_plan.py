@@ -85,6 +85,9 @@ rollouts per step at 1 node), step time predicted vs measured at 2 / 4 actor nod
              The same sweeps calibrated on their 2-node point (--from): the 4-node points' train
              -19%..+13%, step medians PPO -14%, GRPO -35% (its 3.4x spread); the line before the last
              `4-node points calibrated on the 2-node point instead: plan_time_error_max=0.352`.
+             The same sweeps again (--from) after the collectives' latency joined the model
+             (steptime.collective_s; this CPU's 1.8 ms a gloo all-reduce): PPO +6% / -9%, GRPO
+             -20% / -46% (was -25% / -48%); plan_time_error_max=0.462; from the 2-node point 0.369.
 The goals are not all met here: the 4-node GRPO point and the phase errors; per-call overheads
 (Python, HTTP) dominate these tiny models, and other sessions' load (2-4x between steps) is not
 known before submitting.

@@ -180,6 +180,11 @@ class HardwareConfig(StrictModel):
     """Bandwidth between two ranks of one node, GB/s per direction (NVLink; shared memory on CPU)."""
     inter_node_gbs: float | None = Field(None, gt=0)
     """Bandwidth between ranks of different nodes, GB/s per direction per rank (the NIC's share)."""
+    intra_node_latency_us: float | None = Field(None, ge=0)
+    """Latency of one collective (an all-reduce of a few bytes) among ranks of one node, us: what
+    tensor parallelism pays per layer and decoded token whatever the bytes."""
+    inter_node_latency_us: float | None = Field(None, ge=0)
+    """Latency of one collective among ranks of different nodes, us."""
     shared_host: bool = False
     """All nodes of this profile are the machine that makes the plan (the local test cluster: its
     'nodes' are slurmd processes on one host), so ranks running at once share its cores

@@ -9,8 +9,8 @@ own config and profile:
 
     efficiency(phase) = ideal time(phase) / measured time(phase)
 
-(train and critic_train: measured less the modelled gradient all-reduce), and each phase without
-a work model (store) keeps its measured time as a constant. Two more figures come from the run:
+(measured less the phase's modelled collectives: TP's all-reduces, train's gradient all-reduce),
+and each phase without a work model (store) keeps its measured time as a constant. Two more figures come from the run:
 the share of rebalance before the log-prob passes (the first rebalance span of a step against
 all of them) and `other`, the measured step less the step the fitted phases combine to (time
 outside every span); both are kept as they are for other layouts. A prediction for another layout or
@@ -104,9 +104,8 @@ def fit(run: RunConfig, profile: ClusterProfile, measured: dict[str, float], wor
     """Efficiencies that make the cost model reproduce `measured` on the run's own layout."""
     ideal = ideal_phases(run, profile, work, dtype)
     costs = Costs()
-    comm = {"train": ideal.get("grad_reduce", 0.0), "critic_train": ideal.get("critic_grad_reduce", 0.0)}
     for phase in MODELLED:
-        got = measured.get(phase, 0.0) - comm.get(phase, 0.0)
+        got = measured.get(phase, 0.0) - ideal.get(f"{phase}.link", 0.0)
         if ideal.get(phase, 0.0) > 0 and got > 0:
             costs.efficiency[phase] = ideal[phase] / got
     for phase in CONSTANT_PHASES:

@@ -9,6 +9,12 @@ data sheets (SXM parts):
     A100         312                19.5          2039         80          300 (NVLink 3)   25 (200 Gb/s NIC per GPU)
     cpu          0.017              0.017         10           8           5 (shared mem)   2 (loopback TCP)
 
+and the latency of one collective (an all-reduce of a few bytes), intra-node / inter-node: the
+GPUs 10 / 25 us, the order of NCCL's small-message all-reduce (its LL protocol) on NVLink and on
+InfiniBand, not a measurement of this project's (put your cluster's in the profile); cpu 1800 /
+1800 us, measured here (`measure_collective_latency()`: torch's gloo all-reduce of 64 bytes between
+two processes of this host, 1.7-2.0 ms; 4 MiB took 4.2 ms, so the 2 GB/s above holds for gloo too).
+
 The CPU row is this project's machine (2-core Xeon, no AVX-512, shared with other jobs): 0.017
 TFLOP/s = 17 GFLOP/s is what `measure_cpu_flops()` measured for one core (a 512 x 512 fp32 matmul
 in torch with one thread, 20 repeats after 3 warm-ups: 2 * 512^3 * 20 / seconds). Torch runs bf16
@@ -28,13 +34,17 @@ from slurm_align.config.profile import ClusterProfile, HardwareConfig
 
 _DEFAULTS: dict[str, dict] = {
     "H100": {"peak_tflops": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}, "memory_bandwidth_gbs": 3350.0,
-             "memory_gib": 80.0, "intra_node_gbs": 450.0, "inter_node_gbs": 50.0},
+             "memory_gib": 80.0, "intra_node_gbs": 450.0, "inter_node_gbs": 50.0, "intra_node_latency_us": 10.0,
+             "inter_node_latency_us": 25.0},
     "H200": {"peak_tflops": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}, "memory_bandwidth_gbs": 4800.0,
-             "memory_gib": 141.0, "intra_node_gbs": 450.0, "inter_node_gbs": 50.0},
+             "memory_gib": 141.0, "intra_node_gbs": 450.0, "inter_node_gbs": 50.0, "intra_node_latency_us": 10.0,
+             "inter_node_latency_us": 25.0},
     "A100": {"peak_tflops": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}, "memory_bandwidth_gbs": 2039.0,
-             "memory_gib": 80.0, "intra_node_gbs": 300.0, "inter_node_gbs": 25.0},
+             "memory_gib": 80.0, "intra_node_gbs": 300.0, "inter_node_gbs": 25.0, "intra_node_latency_us": 10.0,
+             "inter_node_latency_us": 25.0},
     "cpu": {"peak_tflops": {"bf16": 0.017, "fp16": 0.017, "fp32": 0.017}, "memory_bandwidth_gbs": 10.0,
-            "memory_gib": 8.0, "intra_node_gbs": 5.0, "inter_node_gbs": 2.0},
+            "memory_gib": 8.0, "intra_node_gbs": 5.0, "inter_node_gbs": 2.0, "intra_node_latency_us": 1800.0,
+            "inter_node_latency_us": 1800.0},
 }
 """Per-rank defaults by accelerator (see the module docstring for their sources)."""
 
@@ -51,6 +61,10 @@ class Hardware:
     inter_node_bandwidth: float
     host_cores: int | None
     """Cores of the one host every node of the profile runs on (HardwareConfig.shared_host), else None."""
+    intra_node_latency: float = 0.0
+    """Seconds of one collective between ranks of one node, whatever its bytes."""
+    inter_node_latency: float = 0.0
+    """Seconds of one collective between ranks of different nodes, whatever its bytes."""
 
     def flops(self, dtype: str) -> float:
         return self.peak_flops[dtype]
@@ -70,7 +84,14 @@ def resolve(hw: HardwareConfig, *, cpus_per_task: int = 1, memory_gib: float | N
         memory_bytes=(memory_gib or d["memory_gib"] * per_core) * 2**30,
         intra_node_bandwidth=(hw.intra_node_gbs or d["intra_node_gbs"]) * 1e9,
         inter_node_bandwidth=(hw.inter_node_gbs or d["inter_node_gbs"]) * 1e9,
-        host_cores=(os.cpu_count() or 1) if hw.shared_host else None)
+        host_cores=(os.cpu_count() or 1) if hw.shared_host else None,
+        intra_node_latency=_given(hw.intra_node_latency_us, d["intra_node_latency_us"]) * 1e-6,
+        inter_node_latency=_given(hw.inter_node_latency_us, d["inter_node_latency_us"]) * 1e-6)
+
+
+def _given(value: float | None, default: float) -> float:
+    """The profile's figure where it gives one (0 included), else the default."""
+    return default if value is None else value
 
 
 def profile_hardware(profile: ClusterProfile, component: str) -> Hardware:
@@ -96,3 +117,36 @@ def measure_cpu_flops(n: int = 512, repeats: int = 20) -> float:
         return 2 * n**3 * repeats / (time.perf_counter() - t0)
     finally:
         torch.set_num_threads(threads)
+
+
+def measure_collective_latency(repeats: int = 200) -> float:
+    """Seconds of one all-reduce of 64 bytes between two processes of this host over torch's
+    gloo (the CPU row's latency came from it), after 20 warm-ups."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = mp.get_context("spawn").SimpleQueue()
+        mp.spawn(_allreduce_latency, args=(f"{tmp}/store", repeats, out), nprocs=2)
+        return out.get()
+
+
+def _allreduce_latency(rank: int, store: str, repeats: int, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        x = torch.zeros(16)
+        for _ in range(20):
+            dist.all_reduce(x)
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            dist.all_reduce(x)
+        if rank == 0:
+            out.put((time.perf_counter() - t0) / repeats)
+    finally:
+        dist.destroy_process_group()

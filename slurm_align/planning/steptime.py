@@ -11,7 +11,7 @@ efficiency (a default, or fitted from a finished run: planning/calibration.py):
   decodes until its longest response ends. Work-stealing (switches.dynamic_prompts) is simulated
   as list scheduling (the next batch goes to the replica free first), static sharding as
   contiguous shards. Replicas: DP x PP with refold, else DP (the stages of a replica work in
-  turn), each of TP ranks (TP's all-reduces are not modelled).
+  turn), each of TP ranks.
 - logprobs, init_logprobs, train: forward FLOPs (train: 3 x forward per epoch) of a DP rank's
   share of the step's sequences over its TP x PP ranks, times the pipeline bubble
   (1 + (PP - 1) / micro-batches); train adds the gradient ring all-reduce per optimizer step,
@@ -23,6 +23,13 @@ efficiency (a default, or fitted from a finished run: planning/calibration.py):
   the inter-node link. rebalance: the step's per-token columns, a DP rank's share rebuilt in
   memory and the rest over the actor's link.
 - store and anything else without a work model: a constant (the calibration's measurement).
+
+Collectives cost a latency plus a ring's bytes over the link (collective_s; the profile's
+intra- or inter-node figures, by whether one node holds the group) and join their phase outside
+its efficiency (`<phase>.link`): TP's all-reduces, two per layer of the activations, per
+micro-batch and direction in the passes and at the prefill and every decode step in generation
+(latency-bound at small batches: what makes a wide TP slow for small models); train's gradient
+all-reduce and the optimizer step's two small sums over DP (TRAIN_DP_COLLECTIVES).
 
 The combination (colocated): refit, generate, rebalance, logprobs, init_logprobs, critic_wait,
 store, train, critic_wait, other, in turn on the actor. The critic scores each generation micro-batch as
@@ -40,11 +47,12 @@ cores / the critic's own cores, as the actor's ranks mostly wait for them, aslee
 phases are the actor's CPU work too, so they move with its share from the calibration's to the
 predicted.
 
-Known to be wrong: TP/PP activation traffic, the optimizer step, Python overheads per call (on
-small models these dominate; the calibration folds them into the efficiencies, so a fitted
-efficiency transfers best to layouts of the same model), memory-bound training, and on a shared
-host the other jobs' load (not known before submitting) and the waits of ranks that the
-scheduler runs at different times (a collective waits for its last rank; more ranks, longer).
+Known to be wrong: PP's activation sends, the optimizer step, the collectives' overlap with compute
+(counted in full, after it), Python overheads per call (on small models these dominate; the
+calibration folds them into the efficiencies, so a fitted efficiency transfers best to layouts of
+the same model), memory-bound training, and on a shared host the other jobs' load (not known before
+submitting) and the waits of ranks that the scheduler runs at different times (a collective waits
+for its last rank; more ranks, longer).
 """
 
 from __future__ import annotations
@@ -308,16 +316,19 @@ def schedule(durations: list[float], replicas: int, dynamic: bool) -> tuple[floa
     return max(ends, default=0.0), ends
 
 
-def generation_s(run: RunConfig, profile: ClusterProfile, work: Workload, dtype: str) -> tuple[float, int]:
-    """Ideal generation time of the step and the number of engine batches."""
+def _engine(run: RunConfig) -> tuple[str, int, int]:
+    """The engine's component, its replicas and their TP ranks."""
     comp = run.engine_component
     par = run.parallel(comp)
-    hw = profile_hardware(profile, comp)
     if comp == "generator":
-        replicas, tp = par.data_parallel, par.tensor_parallel
-    else:
-        replicas = par.data_parallel * (par.pipeline_parallel if run.switches.refold else 1)
-        tp = par.tensor_parallel
+        return comp, par.data_parallel, par.tensor_parallel
+    return comp, par.data_parallel * (par.pipeline_parallel if run.switches.refold else 1), par.tensor_parallel
+
+
+def generation_s(run: RunConfig, profile: ClusterProfile, work: Workload, dtype: str) -> tuple[float, int]:
+    """Ideal generation time of the step and the number of engine batches."""
+    comp, replicas, tp = _engine(run)
+    hw = profile_hardware(profile, comp)
     rate = share(hw, job_cores(run, profile))
     shape = ModelShape.of(run.model)
     batches = engine_batches(run, work)
@@ -327,10 +338,56 @@ def generation_s(run: RunConfig, profile: ClusterProfile, work: Workload, dtype:
     return makespan, len(batches)
 
 
+def generation_link_s(run: RunConfig, profile: ClusterProfile, work: Workload, dtype: str) -> float:
+    """The step's tensor-parallel all-reduces in the engine (batch_link_s per engine batch),
+    scheduled over the replicas as the batches are."""
+    comp, replicas, tp = _engine(run)
+    if tp == 1:
+        return 0.0
+    shape = ModelShape.of(run.model)
+    bw, lat = link_bandwidth(profile, comp, tp), link_latency(profile, comp, tp)
+    links = [batch_link_s(shape, tuple(work.prompt(i) for i in b), tuple(work.response(i) for i in b), tp,
+                          DTYPE_BYTES[dtype], bw, lat) for b in engine_batches(run, work)]
+    return schedule(links, replicas, run.switches.dynamic_prompts)[0]
+
+
+@functools.lru_cache(maxsize=4096)
+def batch_link_s(shape: ModelShape, prompts: tuple[int, ...], responses: tuple[int, ...], tp: int, dtype_bytes: int,
+                 bandwidth: float, latency: float) -> float:
+    """An engine batch's tensor-parallel all-reduces (Megatron's row-parallel outputs): two per
+    layer (after attention, after the MLP) of the prefill's activations, then two per layer at
+    each decode step of the sequences still decoding: latency-bound at small batches."""
+    if tp == 1:
+        return 0.0
+    per_token = shape.hidden * dtype_bytes
+    t = 2 * shape.layers * collective_s(sum(prompts) * per_token, tp, bandwidth, latency)
+    ending, live = sorted(responses), len(responses)
+    gone = 0
+    for step in range(max(responses, default=0)):
+        while gone < len(ending) and ending[gone] <= step:
+            live, gone = live - 1, gone + 1
+        t += 2 * shape.layers * collective_s(live * per_token, tp, bandwidth, latency)
+    return t
+
+
 def link_bandwidth(profile: ClusterProfile, comp: str, group_size: int) -> float:
     """A group of ranks of `comp` talks over NVLink/shared memory when one node holds it, else the NIC."""
     res, hw = profile.resources(comp), profile_hardware(profile, comp)
     return hw.intra_node_bandwidth if group_size <= res.tasks_per_node else hw.inter_node_bandwidth
+
+
+def link_latency(profile: ClusterProfile, comp: str, group_size: int) -> float:
+    """The latency of one collective of such a group (link_bandwidth's choice of link)."""
+    res, hw = profile.resources(comp), profile_hardware(profile, comp)
+    return hw.intra_node_latency if group_size <= res.tasks_per_node else hw.inter_node_latency
+
+
+def collective_s(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """One all-reduce of `nbytes` over `ranks`: its latency, and a ring's 2 (ranks - 1) / ranks of
+    the bytes over the link (0 on one rank)."""
+    if ranks <= 1:
+        return 0.0
+    return latency + 2.0 * (ranks - 1) / ranks * nbytes / bandwidth
 
 
 def pass_flops(shape: ModelShape, lengths: list[int], passes: float = 1.0) -> float:
@@ -348,13 +405,34 @@ def forward_pass_s(shape: ModelShape, par: ParallelConfig, lengths: list[int], h
     return flops / mp * bubble / (hw.flops(dtype) * rate)
 
 
-def grad_reduce_s(shape: ModelShape, par: ParallelConfig, bandwidth: float, reductions: int) -> float:
-    """Ring all-reduce of a rank's gradients over DP, `reductions` times (one per optimizer step)."""
+TRAIN_DP_COLLECTIVES = 3
+"""Data-parallel collectives of one optimizer step (models/worker.py): the loss normaliser's and
+the metrics' sums (a few numbers each) and the gradients' all-reduce."""
+
+
+def grad_reduce_s(shape: ModelShape, par: ParallelConfig, bandwidth: float, reductions: int,
+                  latency: float = 0.0) -> float:
+    """Ring all-reduce of a rank's gradients over DP and the step's two small sums, `reductions`
+    times (one per optimizer step)."""
     dp = par.data_parallel
     if dp == 1:
         return 0.0
     grad_bytes = shape.params / (par.tensor_parallel * par.pipeline_parallel) * GRAD_BYTES
-    return reductions * 2.0 * (dp - 1) / dp * grad_bytes / bandwidth
+    return reductions * (collective_s(grad_bytes, dp, bandwidth, latency) + (TRAIN_DP_COLLECTIVES - 1) * latency)
+
+
+def tp_pass_link_s(shape: ModelShape, par: ParallelConfig, lengths: list[int], micro_batch: int, dtype: str,
+                   bandwidth: float, latency: float, directions: float = 1.0) -> float:
+    """Tensor parallelism's all-reduces of one DP rank's passes (forward_pass_s's work): two per
+    layer of a stage (after attention, after the MLP) per micro-batch and direction (1: forward;
+    a training epoch's backward adds one), of the micro-batch's activations, times the bubble."""
+    tp, dp, pp = par.tensor_parallel, par.data_parallel, par.pipeline_parallel
+    if tp == 1:
+        return 0.0
+    micro_batches = max(1, math.ceil(len(lengths) / dp / micro_batch))
+    mb_bytes = sum(lengths) / dp / micro_batches * shape.hidden * DTYPE_BYTES[dtype]
+    bubble = 1.0 + (pp - 1) / micro_batches
+    return directions * 2 * shape.layers / pp * micro_batches * collective_s(mb_bytes, tp, bandwidth, latency) * bubble
 
 
 def optimizer_steps(run: RunConfig) -> int:
@@ -363,8 +441,9 @@ def optimizer_steps(run: RunConfig) -> int:
 
 
 def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype: str = "fp32") -> dict[str, float]:
-    """Each modelled phase's time at efficiency 1 (seconds); train's gradient all-reduce is
-    returned apart as `grad_reduce` (it runs at the link's speed, not at a compute efficiency)."""
+    """Each modelled phase's time at efficiency 1 (seconds); a phase's collectives (TP's
+    all-reduces, train's gradient all-reduce) are returned apart as `<phase>.link`: they run at
+    the link's speed and latency, not at a compute efficiency."""
     out: dict[str, float] = {}
     lengths = work.lengths()
     a_par = run.actor
@@ -373,6 +452,7 @@ def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype:
     shape = ModelShape.of(run.model)
     wbytes = DTYPE_BYTES[dtype]
     mb = run.ppo.train_micro_batch_size
+    out["generate.link"] = generation_link_s(run, profile, work, dtype)
     if run.rollout.mode == "colocated":
         out["generate"], _ = generation_s(run, profile, work, dtype)
         mp = a_par.tensor_parallel * a_par.pipeline_parallel
@@ -393,10 +473,16 @@ def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype:
                         + columns * (a_par.data_parallel - 1) / a_par.data_parallel
                         / link_bandwidth(profile, "actor", a_par.world_size))
     out["logprobs"] = forward_pass_s(shape, a_par, lengths, a_hw, dtype, mb, a_rate)
+    tp = a_par.tensor_parallel
+    tp_link = (link_bandwidth(profile, "actor", tp), link_latency(profile, "actor", tp))
+    out["logprobs.link"] = tp_pass_link_s(shape, a_par, lengths, mb, dtype, *tp_link)
     out["init_logprobs"] = out["logprobs"] if run.uses_reference else 0.0
+    out["init_logprobs.link"] = out["logprobs.link"] if run.uses_reference else 0.0
     out["train"] = forward_pass_s(shape, a_par, lengths, a_hw, dtype, mb, a_rate, passes=3.0 * run.ppo.epochs)
     dp_group = a_par.data_parallel * a_par.tensor_parallel * a_par.pipeline_parallel
-    out["grad_reduce"] = grad_reduce_s(shape, a_par, link_bandwidth(profile, "actor", dp_group), optimizer_steps(run))
+    out["train.link"] = (grad_reduce_s(shape, a_par, link_bandwidth(profile, "actor", dp_group), optimizer_steps(run),
+                                       link_latency(profile, "actor", dp_group))
+                         + tp_pass_link_s(shape, a_par, lengths, mb, dtype, *tp_link, directions=2.0 * run.ppo.epochs))
     if "critic" in run.components:
         c_par = run.critic
         c_hw = profile_hardware(profile, "critic")
@@ -404,11 +490,16 @@ def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype:
         c_shape = ModelShape.of(run.critic_model_config, value_head=True)
         models = (1 if run.critic_trains else 0) + (1 if run.reward.use_model else 0)
         out["critic_infer"] = forward_pass_s(c_shape, c_par, lengths, c_hw, dtype, mb, c_rate, passes=float(models))
+        c_link = (link_bandwidth(profile, "critic", c_par.tensor_parallel),
+                  link_latency(profile, "critic", c_par.tensor_parallel))
+        out["critic_infer.link"] = tp_pass_link_s(c_shape, c_par, lengths, mb, dtype, *c_link, directions=models)
         if run.critic_trains:
             out["critic_train"] = forward_pass_s(c_shape, c_par, lengths, c_hw, dtype, mb, c_rate,
                                                  passes=3.0 * run.ppo.epochs)
-            out["critic_grad_reduce"] = grad_reduce_s(
-                c_shape, c_par, link_bandwidth(profile, "critic", c_par.world_size), run.ppo.epochs)
+            out["critic_train.link"] = (
+                grad_reduce_s(c_shape, c_par, link_bandwidth(profile, "critic", c_par.world_size), run.ppo.epochs,
+                              link_latency(profile, "critic", c_par.world_size))
+                + tp_pass_link_s(c_shape, c_par, lengths, mb, dtype, *c_link, directions=2.0 * run.ppo.epochs))
     return out
 
 
@@ -431,13 +522,9 @@ def step_model_flops(run: RunConfig, work: Workload) -> dict[str, float]:
 
 
 def phase_times(ideal: dict[str, float], costs: Costs, share: float = 1.0) -> dict[str, float]:
-    """Ideal times at the phases' efficiencies; the gradient all-reduces join their training phase;
+    """Ideal times at the phases' efficiencies, each with its collectives (`<phase>.link`) added;
     the constant phases at the actor's `share` of its cores (Costs.constant_share)."""
-    out = {p: t / costs.eff(p) for p, t in ideal.items() if p in MODELLED}
-    if "train" in out:
-        out["train"] += ideal.get("grad_reduce", 0.0)
-    if "critic_train" in out:
-        out["critic_train"] += ideal.get("critic_grad_reduce", 0.0)
+    out = {p: t / costs.eff(p) + ideal.get(f"{p}.link", 0.0) for p, t in ideal.items() if p in MODELLED}
     for p in CONSTANT_PHASES:
         out[p] = costs.constant_s.get(p, 0.0) * costs.constant_share / share
     return out

@@ -13,7 +13,7 @@ import yaml
 
 from slurm_align.config import RunConfig
 from slurm_align.config.profile import ClusterProfile
-from slurm_align.planning.calibration import calibrate
+from slurm_align.planning.calibration import calibrate, fit
 from slurm_align.planning.steptime import Costs, Workload, engine_batches, ideal_phases, phase_times, predict
 from slurm_align.profiling.timers import Tracer
 from slurm_align.store.rollouts import TOKEN_FIELDS, RolloutStore
@@ -73,6 +73,23 @@ def test_calibration_recovers_the_efficiencies_the_trace_was_made_with(tmp_path)
     own = cal.predict()
     for phase in TRUE:
         assert own.phases[phase] == pytest.approx(times[phase], rel=1e-5), phase
+
+
+def test_the_fit_leaves_the_modelled_collectives_out_of_the_efficiencies():
+    # TP 2 and DP 2: every pass all-reduces, train reduces its gradients; the fit takes each
+    # phase's collectives off its measured time before it divides
+    run = RUN.model_copy(update={"actor": RUN.actor.model_copy(update={"tensor_parallel": 2, "data_parallel": 2}),
+                                 "critic": RUN.critic.model_copy(update={"tensor_parallel": 2})})
+    profile = PROFILE.model_copy(update={"components": {
+        **PROFILE.components, "actor": PROFILE.components["actor"].model_copy(update={"tasks_per_node": 4}),
+        "critic": PROFILE.components["critic"].model_copy(update={"tasks_per_node": 2})}})
+    work = Workload(run.rollouts_per_step, PROMPTS, RESPONSES)
+    ideal = ideal_phases(run, profile, work)
+    assert all(ideal[f"{p}.link"] > 0 for p in ("generate", "logprobs", "train", "critic_infer", "critic_train"))
+    measured = phase_times(ideal, Costs(efficiency=dict(TRUE)))
+    costs = fit(run, profile, measured, work)
+    for phase, eff in TRUE.items():
+        assert costs.efficiency[phase] == pytest.approx(eff, rel=1e-6), phase
 
 
 def test_a_calibrated_prediction_moves_with_the_layout(tmp_path):

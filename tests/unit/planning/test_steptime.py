@@ -8,13 +8,15 @@ import pytest
 
 from slurm_align.config import RunConfig
 from slurm_align.config.profile import ClusterProfile, HardwareConfig
-from slurm_align.planning.hardware import Hardware, measure_cpu_flops, resolve
+from slurm_align.planning.hardware import Hardware, measure_collective_latency, measure_cpu_flops, resolve
 from slurm_align.planning.steptime import (
     Costs,
     ModelShape,
     Workload,
     actor_share,
     batch_generation_s,
+    batch_link_s,
+    collective_s,
     combine,
     critic_share,
     decode_step_s,
@@ -26,6 +28,7 @@ from slurm_align.planning.steptime import (
     predict,
     schedule,
     share,
+    tp_pass_link_s,
 )
 
 # slurm-align's default GPT: 2 layers, width 64, 4 heads of 16, MLP 256 (GELU), vocab 260 padded
@@ -179,6 +182,9 @@ def test_profile_figures_override_the_defaults():
     assert got.flops("bf16") == 500e12 and got.flops("fp32") == 67e12
     assert got.inter_node_bandwidth == 25e9 and got.memory_bandwidth == 3350e9
     assert resolve(HardwareConfig(), cpus_per_task=4).flops("fp32") == pytest.approx(4 * 0.017e12)
+    # latencies in us: the accelerator's, or the profile's (0 included)
+    assert got.intra_node_latency == pytest.approx(10e-6) and got.inter_node_latency == pytest.approx(25e-6)
+    assert resolve(HardwareConfig(accelerator="H100", intra_node_latency_us=0)).intra_node_latency == 0.0
 
 
 def test_the_cpu_measurement_is_a_rate():
@@ -196,3 +202,53 @@ def test_a_batch_costs_what_its_decode_steps_cost_one_by_one():
         for step in range(11):
             by_step += decode_step_s(shape, [p + step for p, r in zip(prompts, responses) if r > step], h, "fp32", tp)
         assert batch_generation_s(shape, prompts, responses, h, "fp32", tp) == pytest.approx(by_step, rel=1e-12)
+
+
+def test_a_collective_is_its_latency_and_a_rings_bytes():
+    assert collective_s(1000, 4, bandwidth=1e6, latency=1e-3) == pytest.approx(1e-3 + 2 * 3 / 4 * 1000 / 1e6)
+    assert collective_s(1000, 1, bandwidth=1e6, latency=1e-3) == 0.0
+    # the gradient all-reduce pays it once per optimizer step, and the step's two small sums a latency each
+    shape = ModelShape.of(RunConfig().model)
+    run = RunConfig(actor={"data_parallel": 4, "tensor_parallel": 2})
+    assert grad_reduce_s(shape, run.actor, 1e8, reductions=3, latency=1e-3) == \
+        pytest.approx(3 * (3 * 1e-3 + 2 * 3 / 4 * PARAMS / 2 * 4 / 1e8))
+
+
+def test_tensor_parallel_passes_all_reduce_twice_a_layer_per_micro_batch_and_direction():
+    shape = ModelShape.of(RunConfig().model)
+    run = RunConfig(actor={"data_parallel": 2, "pipeline_parallel": 2, "tensor_parallel": 2})
+    # a DP rank: 4 sequences of 10 tokens, 2 micro-batches of 20 tokens x width 64 x 4 bytes; each
+    # stage 1 of the 2 layers; forward and backward; 2 TP ranks (a ring moves the bytes once)
+    got = tp_pass_link_s(shape, run.actor, [10] * 8, micro_batch=2, dtype="fp32", bandwidth=1e8, latency=1e-3,
+                         directions=2)
+    assert got == pytest.approx(2 * 2 * 1 * 2 * (1e-3 + 20 * 64 * 4 / 1e8) * (1 + 1 / 2))
+    assert tp_pass_link_s(shape, RunConfig().actor, [10] * 8, 2, "fp32", 1e8, 1e-3) == 0.0
+
+
+def test_an_engine_batch_all_reduces_its_prefill_then_every_decode_step():
+    shape = ModelShape.of(RunConfig().model)
+    per_token = 64 * 4
+    want = 2 * 2 * ((1e-3 + 5 * per_token / 1e8)      # prefill: 2 + 3 prompt tokens
+                    + (1e-3 + 2 * per_token / 1e8)    # decode step 0: both sequences
+                    + (1e-3 + 1 * per_token / 1e8))   # step 1: the longer one only
+    assert batch_link_s(shape, (2, 3), (1, 2), 2, 4, 1e8, 1e-3) == pytest.approx(want)
+    assert batch_link_s(shape, (2, 3), (1, 2), 1, 4, 1e8, 1e-3) == 0.0
+
+
+def test_collectives_join_their_phase_outside_its_efficiency():
+    run = RunConfig(actor={"tensor_parallel": 2}, critic={"tensor_parallel": 2})
+    prof = ClusterProfile(kind="local", hardware={"accelerator": "H100"},
+                          components={"actor": {"tasks_per_node": 2}, "critic": {"tasks_per_node": 2}})
+    ideal = ideal_phases(run, prof, Workload(8, (10,), (6,)))
+    for phase in ("generate", "logprobs", "train", "critic_infer", "critic_train"):
+        assert ideal[f"{phase}.link"] > 0, phase
+    got = phase_times(ideal, Costs(efficiency={p: 0.25 for p in ("generate", "logprobs", "train")}))
+    for phase in ("generate", "logprobs", "train"):
+        assert got[phase] == pytest.approx(ideal[phase] / 0.25 + ideal[f"{phase}.link"]), phase
+    # the link is the profile's: its latency (the H100 default 10 us within a node) moves it
+    slow = prof.model_copy(update={"hardware": HardwareConfig(accelerator="H100", intra_node_latency_us=1000)})
+    assert ideal_phases(run, slow, Workload(8, (10,), (6,)))["generate.link"] > 50 * ideal["generate.link"]
+
+
+def test_the_collective_latency_measurement_is_a_time():
+    assert 0 < measure_collective_latency(repeats=20) < 1.0
