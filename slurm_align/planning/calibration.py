@@ -10,12 +10,13 @@ own config and profile:
     efficiency(phase) = ideal time(phase) / measured time(phase)
 
 (measured less the phase's modelled collectives: TP's all-reduces, train's gradient all-reduce),
-and each phase without a work model (store) keeps its measured time as a constant. Two more figures come from the run:
-the share of rebalance before the log-prob passes (the first rebalance span of a step against
-all of them) and `other`, the measured step less the step the fitted phases combine to (time
-outside every span); both are kept as they are for other layouts. A prediction for another layout or
-node count reuses these efficiencies and the length distribution (steptime.predict). critic_wait
-is never fitted: it is what the combination derives from the critic's and the actor's phases.
+and each phase without a work model (store) keeps its measured time as a constant. Two more figures
+come from the run: the share of rebalance before the log-prob passes (the first rebalance span of a
+step against all of them) and `other`, the measured step less the step the fitted phases combine to
+(time outside every span); both are kept as they are for other layouts. A prediction for another
+layout or node count reuses these efficiencies and the length distribution (steptime.predict).
+critic_wait is never fitted: it is what the combination derives from the critic's and the actor's
+phases.
 """
 
 from __future__ import annotations
