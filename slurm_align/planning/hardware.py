@@ -12,10 +12,11 @@ data sheets (SXM parts):
 and the latency of one collective (an all-reduce of a few bytes), intra-node / inter-node: the
 GPUs 10 / 25 us, the order of NCCL's small-message all-reduce (its LL protocol) on NVLink and on
 InfiniBand, not a measurement of this project's (put your cluster's in the profile); cpu 1800 /
-1800 us, measured here (`measure_collective_latency()`: torch's gloo all-reduce of 64 bytes between
-two processes of this host, 1.7-2.0 ms; 4 MiB took 4.2 ms, so the 2 GB/s above holds for gloo too).
+1800 us, measured on a machine of this project's kind (2-core AMD EPYC VM with AVX-512,
+`measure_collective_latency()`: torch's gloo all-reduce of 64 bytes between two processes of the
+host, 1.7-2.0 ms; 4 MiB took 4.2 ms, so the 2 GB/s above holds for gloo too).
 
-The CPU row is this project's machine (2-core Xeon, no AVX-512, shared with other jobs): 0.017
+The CPU row's peak is from another machine of this kind (2-core Xeon, no AVX-512, shared): 0.017
 TFLOP/s = 17 GFLOP/s is what `measure_cpu_flops()` measured for one core (a 512 x 512 fp32 matmul
 in torch with one thread, 20 repeats after 3 warm-ups: 2 * 512^3 * 20 / seconds). Torch runs bf16
 matmuls on such a CPU no faster than fp32, so both get the same figure. Its bandwidths are rough
