@@ -60,6 +60,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from slurm_align.config.errors import ConfigError
@@ -278,16 +279,22 @@ def batch_generation_s(shape: ModelShape, prompts: list[int], responses: list[in
 def _batch_generation_s(shape: ModelShape, prompts: tuple[int, ...], responses: tuple[int, ...], peak_flops: float,
                         bandwidth: float, dtype: str, tp: int, rate: float) -> float:
     """batch_generation_s on hashable arguments, cached: `plan --advise` costs the same engine
-    batches on many layouts. The live sequences and their summed context are kept step by step
-    (a sequence leaves after its last token) instead of rebuilt per step."""
+    batches on many layouts. The live sequences and their summed context per step: `decoding`."""
     t = sum(shape.forward_flops(p) for p in prompts) / (tp * peak_flops * rate)
+    for step, live, prompt_tokens in decoding(prompts, responses):
+        t += _decode_step_s(shape, live, prompt_tokens + step * live, peak_flops, bandwidth, dtype, tp, rate)
+    return t
+
+
+def decoding(prompts: tuple[int, ...], responses: tuple[int, ...]) -> Iterator[tuple[int, int, int]]:
+    """Per decode step of a batch: the step, the sequences still decoding and their prompts'
+    tokens (a sequence leaves after its last token), kept step by step instead of rebuilt."""
     ending = sorted(zip(responses, prompts))   # by the step after which a sequence stops decoding
     live, prompt_tokens, gone = len(ending), sum(prompts), 0
     for step in range(max(responses, default=0)):
         while gone < len(ending) and ending[gone][0] <= step:
             live, prompt_tokens, gone = live - 1, prompt_tokens - ending[gone][1], gone + 1
-        t += _decode_step_s(shape, live, prompt_tokens + step * live, peak_flops, bandwidth, dtype, tp, rate)
-    return t
+        yield step, live, prompt_tokens
 
 
 def engine_batches(run: RunConfig, work: Workload) -> list[list[int]]:
@@ -345,7 +352,7 @@ def generation_link_s(run: RunConfig, profile: ClusterProfile, work: Workload, d
     if tp == 1:
         return 0.0
     shape = ModelShape.of(run.model)
-    bw, lat = link_bandwidth(profile, comp, tp), link_latency(profile, comp, tp)
+    bw, lat = link(profile, comp, tp)
     links = [batch_link_s(shape, tuple(work.prompt(i) for i in b), tuple(work.response(i) for i in b), tp,
                           DTYPE_BYTES[dtype], bw, lat) for b in engine_batches(run, work)]
     return schedule(links, replicas, run.switches.dynamic_prompts)[0]
@@ -361,25 +368,23 @@ def batch_link_s(shape: ModelShape, prompts: tuple[int, ...], responses: tuple[i
         return 0.0
     per_token = shape.hidden * dtype_bytes
     t = 2 * shape.layers * collective_s(sum(prompts) * per_token, tp, bandwidth, latency)
-    ending, live = sorted(responses), len(responses)
-    gone = 0
-    for step in range(max(responses, default=0)):
-        while gone < len(ending) and ending[gone] <= step:
-            live, gone = live - 1, gone + 1
+    for _, live, _ in decoding(prompts, responses):
         t += 2 * shape.layers * collective_s(live * per_token, tp, bandwidth, latency)
     return t
 
 
+def link(profile: ClusterProfile, comp: str, group_size: int) -> tuple[float, float]:
+    """The bandwidth and the latency of one collective of a group of ranks of `comp`: NVLink /
+    shared memory when one node holds the group, else the NIC."""
+    res, hw = profile.resources(comp), profile_hardware(profile, comp)
+    if group_size <= res.tasks_per_node:
+        return hw.intra_node_bandwidth, hw.intra_node_latency
+    return hw.inter_node_bandwidth, hw.inter_node_latency
+
+
 def link_bandwidth(profile: ClusterProfile, comp: str, group_size: int) -> float:
-    """A group of ranks of `comp` talks over NVLink/shared memory when one node holds it, else the NIC."""
-    res, hw = profile.resources(comp), profile_hardware(profile, comp)
-    return hw.intra_node_bandwidth if group_size <= res.tasks_per_node else hw.inter_node_bandwidth
-
-
-def link_latency(profile: ClusterProfile, comp: str, group_size: int) -> float:
-    """The latency of one collective of such a group (link_bandwidth's choice of link)."""
-    res, hw = profile.resources(comp), profile_hardware(profile, comp)
-    return hw.intra_node_latency if group_size <= res.tasks_per_node else hw.inter_node_latency
+    """The bandwidth of `link`'s choice (the phases that move bytes without a collective's latency)."""
+    return link(profile, comp, group_size)[0]
 
 
 def collective_s(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
@@ -473,15 +478,14 @@ def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype:
                         + columns * (a_par.data_parallel - 1) / a_par.data_parallel
                         / link_bandwidth(profile, "actor", a_par.world_size))
     out["logprobs"] = forward_pass_s(shape, a_par, lengths, a_hw, dtype, mb, a_rate)
-    tp = a_par.tensor_parallel
-    tp_link = (link_bandwidth(profile, "actor", tp), link_latency(profile, "actor", tp))
+    tp_link = link(profile, "actor", a_par.tensor_parallel)
     out["logprobs.link"] = tp_pass_link_s(shape, a_par, lengths, mb, dtype, *tp_link)
     out["init_logprobs"] = out["logprobs"] if run.uses_reference else 0.0
     out["init_logprobs.link"] = out["logprobs.link"] if run.uses_reference else 0.0
     out["train"] = forward_pass_s(shape, a_par, lengths, a_hw, dtype, mb, a_rate, passes=3.0 * run.ppo.epochs)
     dp_group = a_par.data_parallel * a_par.tensor_parallel * a_par.pipeline_parallel
-    out["train.link"] = (grad_reduce_s(shape, a_par, link_bandwidth(profile, "actor", dp_group), optimizer_steps(run),
-                                       link_latency(profile, "actor", dp_group))
+    dp_bw, dp_lat = link(profile, "actor", dp_group)
+    out["train.link"] = (grad_reduce_s(shape, a_par, dp_bw, optimizer_steps(run), dp_lat)
                          + tp_pass_link_s(shape, a_par, lengths, mb, dtype, *tp_link, directions=2.0 * run.ppo.epochs))
     if "critic" in run.components:
         c_par = run.critic
@@ -490,15 +494,14 @@ def ideal_phases(run: RunConfig, profile: ClusterProfile, work: Workload, dtype:
         c_shape = ModelShape.of(run.critic_model_config, value_head=True)
         models = (1 if run.critic_trains else 0) + (1 if run.reward.use_model else 0)
         out["critic_infer"] = forward_pass_s(c_shape, c_par, lengths, c_hw, dtype, mb, c_rate, passes=float(models))
-        c_link = (link_bandwidth(profile, "critic", c_par.tensor_parallel),
-                  link_latency(profile, "critic", c_par.tensor_parallel))
+        c_link = link(profile, "critic", c_par.tensor_parallel)
         out["critic_infer.link"] = tp_pass_link_s(c_shape, c_par, lengths, mb, dtype, *c_link, directions=models)
         if run.critic_trains:
             out["critic_train"] = forward_pass_s(c_shape, c_par, lengths, c_hw, dtype, mb, c_rate,
                                                  passes=3.0 * run.ppo.epochs)
+            c_dp_bw, c_dp_lat = link(profile, "critic", c_par.world_size)
             out["critic_train.link"] = (
-                grad_reduce_s(c_shape, c_par, link_bandwidth(profile, "critic", c_par.world_size), run.ppo.epochs,
-                              link_latency(profile, "critic", c_par.world_size))
+                grad_reduce_s(c_shape, c_par, c_dp_bw, run.ppo.epochs, c_dp_lat)
                 + tp_pass_link_s(c_shape, c_par, lengths, mb, dtype, *c_link, directions=2.0 * run.ppo.epochs))
     return out
 
