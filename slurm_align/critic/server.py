@@ -160,8 +160,27 @@ def server_pids() -> set[int]:
     return {me.pid, *(c.pid for c in me.children(recursive=True))}
 
 
+TRITON = "tritonserver"
 STUB = "triton_python_backend_stub"
 SHM_MARK = "pytrtion"   # (sic) PyTriton's prefix of its stubs' shared-memory regions, then its pid
+
+
+def children_named(*names: str) -> list[psutil.Process]:
+    """This process's descendants whose name is one of `names`; one that exits between the
+    listing and its naming is left out (tritonserver starts and reaps helpers as it loads)."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if p.name() in names:
+                out.append(p)
+    return out
+
+
+def kill_all(procs: list[psutil.Process]) -> None:
+    """SIGKILL each, those already gone included."""
+    for p in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
 
 
 def stubs_of_this_process() -> list[psutil.Process]:
@@ -330,13 +349,9 @@ class CriticServer:
         if self._triton is not None:
             if self.run_dir is not None:   # no address: clients wait for the next one
                 self.run_dir.address(self.component).unlink(missing_ok=True)
-            if kill:   # a broken tritonserver would wait its exit timeout (30 s) for a lost answer
-                for p in psutil.Process().children(recursive=True):
-                    if p.name() == "tritonserver":
-                        p.kill()
-                for stub in stubs_of_this_process():   # a dead tritonserver's stubs outlive it
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        stub.kill()
+            if kill:   # a broken tritonserver would wait its exit timeout (30 s) for a lost answer;
+                # a dead tritonserver's stubs outlive it
+                kill_all(children_named(TRITON) + stubs_of_this_process())
             self._triton.stop()
             self._triton = None
             if kill:   # killed stubs never unlink their shared memory (4 MiB each, in /dev/shm)

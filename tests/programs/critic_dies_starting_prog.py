@@ -7,7 +7,6 @@ how many of this process's shared-memory regions no live stub holds (the killed 
     python tests/programs/critic_dies_starting_prog.py CHECKPOINT_DIR [MAX_RESTARTS]
 """
 
-import contextlib
 import os
 import sys
 import threading
@@ -15,34 +14,29 @@ import time
 import urllib.request
 from pathlib import Path
 
-import psutil
-
-from slurm_align.critic.server import SHM_MARK, STUB, CriticServer, ServerLimits, stubs_of_this_process
+from slurm_align.critic.server import (
+    SHM_MARK,
+    STUB,
+    TRITON,
+    CriticServer,
+    ServerLimits,
+    children_named,
+    kill_all,
+    stubs_of_this_process,
+)
 from slurm_align.launchers import leave
 
 killed: list[int] = []
-
-
-def name(p: psutil.Process) -> str | None:
-    """A child's name, None once it has exited (tritonserver starts and reaps short-lived
-    helpers while it loads: a suite run's scan met one gone between listing and naming)."""
-    try:
-        return p.name()
-    except psutil.NoSuchProcess:
-        return None
 
 
 def kill_tritonserver_when_a_stub_starts(deadline_s: float = 300) -> None:
     """The first model's Python backend stub appears while the load request is in flight."""
     end = time.monotonic() + deadline_s
     while time.monotonic() < end:
-        children = psutil.Process().children(recursive=True)
-        if any(name(p) == STUB for p in children):
-            for p in children:   # the stubs too: they hold tritonserver's sockets open
-                if name(p) in ("tritonserver", STUB):
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        p.kill()
-                    killed.append(p.pid)
+        if children_named(STUB):
+            doomed = children_named(TRITON, STUB)   # the stubs too: they hold tritonserver's sockets open
+            kill_all(doomed)
+            killed.extend(p.pid for p in doomed)
             return
         time.sleep(0.01)
 
