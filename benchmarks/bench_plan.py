@@ -106,9 +106,7 @@ from pathlib import Path
 import numpy as np
 
 from slurm_align import REPO_ROOT
-from slurm_align.analysis.breakdown import compute_breakdown
-from slurm_align.analysis.runs import load_run
-from slurm_align.planning.calibration import calibrate, measured_phases
+from slurm_align.planning.calibration import Calibration, calibrate
 from slurm_align.slurm.sweep import Manifest
 from tests.cluster import LocalSlurmCluster
 
@@ -149,25 +147,29 @@ class Point:
     measured: dict[str, float]
 
 
-def compare(algorithm: str, sweep: Path, cal_nodes: int = 1, verbose: bool = True) -> list[Point]:
-    """Every point of `sweep` predicted from the calibration on its `cal_nodes` point; with
-    `verbose`, per point and phase, predicted beside measured."""
+def calibrations(sweep: Path) -> list[tuple[int, Calibration]]:
+    """Each point of `sweep` (by actor nodes) fitted on its own run: its config, profile and
+    measured phases and step (median of the steps after the first), and the calibration that
+    predicts the other points when it is the one calibrated on. Each run is read once."""
     manifest = Manifest.load(sweep)
-    points = sorted(manifest.points, key=lambda p: p.nodes)
-    cal_point = next(p for p in points if p.nodes == cal_nodes)
-    cal = calibrate(manifest.run_path(cal_point), skip_steps=1)
+    return [(pt.nodes, calibrate(manifest.run_path(pt), skip_steps=1))
+            for pt in sorted(manifest.points, key=lambda p: p.nodes)]
+
+
+def compare(algorithm: str, points: list[tuple[int, Calibration]], cal_nodes: int = 1,
+            verbose: bool = True) -> list[Point]:
+    """Every point predicted from the calibration on the `cal_nodes` point; with `verbose`, per
+    point and phase, predicted beside measured."""
+    cal = dict(points)[cal_nodes]
     out = []
-    for pt in points:
-        run_dir = manifest.run_path(pt)
-        b = compute_breakdown(load_run(run_dir).spans, skip_steps=1)
-        measured, step_s = measured_phases(b)
-        own = calibrate(run_dir, skip_steps=1)   # only for the point's config and profile
+    for nodes, own in points:
         pred = cal.predict(own.run, own.profile)
-        out.append(Point(pt.nodes, pt is cal_point, pred.step_s, step_s, dict(pred.phases), measured))
+        measured, step_s = own.measured, own.measured_step_s
+        out.append(Point(nodes, own is cal, pred.step_s, step_s, dict(pred.phases), measured))
         if not verbose:
             continue
-        label = "calibration" if pt is cal_point else "predicted"
-        print(f"{algorithm} {pt.nodes} actor node(s) [{label}]: step predicted {pred.step_s:.3f} s, measured "
+        label = "calibration" if own is cal else "predicted"
+        print(f"{algorithm} {nodes} actor node(s) [{label}]: step predicted {pred.step_s:.3f} s, measured "
               f"{step_s:.3f} s ({pred.step_s / step_s - 1:+.0%}); bound by {pred.bounding}")
         for phase, t in sorted(pred.phases.items()):
             got = measured.get(phase, float("nan"))
@@ -238,14 +240,15 @@ def main() -> int:
     phases: list[float] = []
     from_two: list[float] = []
     for algorithm in algorithms:
-        rounds = [compare(algorithm, sweep) for sweep in sweeps[algorithm]]
+        fitted = [calibrations(sweep) for sweep in sweeps[algorithm]]
+        rounds = [compare(algorithm, points) for points in fitted]
         t, p = errors(algorithm, rounds)
         times += t
         phases += p
         # Side by side: the same sweeps calibrated on the 2-node point (data parallel 2, as the
         # 4-node point), predicting the 4-node one: what a calibration with the target's
         # data-parallel waits in it gives (docs/training.md).
-        two = [compare(algorithm, sweep, cal_nodes=2, verbose=False) for sweep in sweeps[algorithm]]
+        two = [compare(algorithm, points, cal_nodes=2, verbose=False) for points in fitted]
         from_two += errors(algorithm, [[p for p in r if p.nodes != 1] for r in two], " [calibrated on 2 nodes]")[0]
     loop = _loop_s()
     print(f"runs under {out}; 10^7-step Python loop {loop:.2f} s")
