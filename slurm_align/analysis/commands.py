@@ -22,7 +22,7 @@ from slurm_align.profiling.phases import phase_order
 from slurm_align.rundir import new_run_dir
 from slurm_align.slurm.choose import choose_profile, default_run_root
 from slurm_align.slurm.render import Entry
-from slurm_align.slurm.sweep import parse_nodes, parse_set, start_sweep
+from slurm_align.slurm.sweep import parse_nodes, parse_set, plan_sweep, start_sweep
 
 console = Console(stderr=True)
 
@@ -231,19 +231,15 @@ def cmd_sweep(args) -> int:
         if nodes is None:
             raise ConfigError.at("--predict/--calibration", None,
                                  "predictions are per node count: give --nodes too")
-        from slurm_align.planning.commands import (
-            calibration_notes,
-            load_calibration,
-            prediction_table,
-            sweep_predictions,
-        )
+        from slurm_align.planning.commands import load_calibration, prediction_table, sweep_predictions
 
         dtype = args.dtype or run.training.precision
         cal = load_calibration(args.calibration, args.skip_steps, dtype)
-        rows = sweep_predictions(run, profile, nodes, args.mode, cal, dtype)
+        points = plan_sweep(run, profile, nodes, args.mode)
+        rows = sweep_predictions(points, cal, dtype)
         source = f"calibrated on {cal.run_dir}" if cal else "default efficiencies"
         _stdout().print(prediction_table(f"predicted step time ({source})", rows))
-        for note in calibration_notes(cal, run, profile, nodes, args.mode):
+        for note in cal.notes([p.run for p in points]) if cal else []:
             console.print(f"note: {note}", highlight=False)
         if args.predict_only:
             return 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -26,7 +25,7 @@ from slurm_align.planning.advice import rank_layouts
 from slurm_align.planning.calibration import Calibration, calibrate
 from slurm_align.planning.steptime import DTYPE_BYTES, StepPrediction, predict
 from slurm_align.slurm.choose import choose_profile
-from slurm_align.slurm.sweep import parse_nodes, plan_sweep
+from slurm_align.slurm.sweep import SweepPoint, parse_nodes, plan_sweep
 
 
 def _stdout() -> Console:
@@ -54,25 +53,14 @@ def prediction_table(title: str, rows: list[tuple[str, StepPrediction]]) -> Tabl
     return t
 
 
-def sweep_predictions(run: RunConfig, profile: ClusterProfile, nodes: list[int], mode: str,
-                      cal: Calibration | None, dtype: str = "fp32") -> list[tuple[str, StepPrediction]]:
-    """The predicted step of each point `slurm-align sweep` would submit."""
-    return [(f"{p.nodes} actor node(s)", predict_point(p.run, p.profile, cal, dtype))
-            for p in plan_sweep(run, profile, nodes, mode)]
+def sweep_predictions(points: list[SweepPoint], cal: Calibration | None,
+                      dtype: str = "fp32") -> list[tuple[str, StepPrediction]]:
+    """The predicted step of each point `slurm-align sweep` would submit (slurm.sweep.plan_sweep)."""
+    return [(f"{p.nodes} actor node(s)", predict_point(p.run, p.profile, cal, dtype)) for p in points]
 
 
 def load_calibration(path: str | None, skip_steps: int, dtype: str) -> Calibration | None:
     return None if path is None else calibrate(Path(path), skip_steps=skip_steps, dtype=dtype)
-
-
-def calibration_notes(cal: Calibration | None, run: RunConfig, profile: ClusterProfile, nodes: list[int] | None,
-                      mode: str, extra: Sequence[RunConfig] = ()) -> list[str]:
-    """What the calibration cannot see in the predicted layouts (Calibration.notes): the run as
-    configured, or each point of the sweep over `nodes`, and `extra` (the advice's layouts)."""
-    if cal is None:
-        return []
-    runs = [p.run for p in plan_sweep(run, profile, nodes, mode)] if nodes else [run]
-    return cal.notes([*runs, *extra])
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -91,8 +79,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     args.dtype = args.dtype or run.training.precision
     cal = load_calibration(args.calibration, args.skip_steps, args.dtype)
     source = f"calibrated on {cal.run_dir}" if cal else "default efficiencies"
+    points = plan_sweep(run, profile, parse_nodes(args.nodes), args.mode) if args.nodes else []
     rows = ([("as configured", predict_point(run, profile, cal, args.dtype))] if not args.nodes
-            else sweep_predictions(run, profile, parse_nodes(args.nodes), args.mode, cal, args.dtype))
+            else sweep_predictions(points, cal, args.dtype))
     advice = []
     if args.advise:
         advice = rank_layouts(run, profile, args.advise, costs=cal.costs if cal else None,
@@ -100,8 +89,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         if not advice:
             raise ConfigError.at("--advise", args.advise, "no layout of that many nodes fits in memory "
                                  "(profile gpu_memory_gib) with this model")
-    notes = calibration_notes(cal, run, profile, parse_nodes(args.nodes) if args.nodes else None, args.mode,
-                              [o.run for o in advice])
+    notes = cal.notes([*([p.run for p in points] or [run]), *(o.run for o in advice)]) if cal else []
     if args.format == "json":
         print(json.dumps({"memory": memory, "source": source, "points": [{"point": k, **vars(v)} for k, v in rows],
                           "advice": [{"rank": i + 1, **vars(o.prediction), "state_bytes": o.state_bytes}
