@@ -61,12 +61,15 @@ def test_a_fixed_port_that_is_taken_names_the_setting():
 
 
 def _orphaned_stub(folder, mark: str) -> int:
-    """The pid of a real process named as Triton's Python backend stub (a copy of bash, kept
-    alive by its `sleep`), its arguments naming a shared-memory region as PyTriton's stubs do,
-    and orphaned as a dead tritonserver leaves its stubs (the shell that started it exits)."""
-    exe = folder / server.STUB
+    """The pid of a real process named as Triton's Python backend stub (a copy of bash, waiting
+    in its `read` builtin on a FIFO no one writes: it forks nothing, as a `sleep` child would,
+    whose fork is for a moment a second process of the same name and arguments), its arguments
+    naming a shared-memory region as PyTriton's stubs do, and orphaned as a dead tritonserver
+    leaves its stubs (the shell that started it exits)."""
+    exe, fifo = folder / server.STUB, folder / "fifo"
     shutil.copy(shutil.which("bash"), exe)
-    out = subprocess.run(["sh", "-c", f'setsid "{exe}" -c "sleep 300; true" {mark}0123abcd-region '
+    os.mkfifo(fifo)
+    out = subprocess.run(["sh", "-c", f'setsid "{exe}" -c \'read -t 300 <> "$0"\' "{fifo}" {mark}0123abcd-region '
                                       '>/dev/null 2>&1 & echo $!'], capture_output=True, text=True, check=True)
     return int(out.stdout)
 
@@ -84,6 +87,6 @@ def test_the_stubs_a_dead_tritonserver_left_are_found_and_no_others(tmp_path):
             time.sleep(0.05)   # until exec has replaced the forked shell
         assert [p.pid for p in server.stubs_of_this_process()] == [ours]
     finally:
-        for pid in (ours, other):   # each leads its own session: the stub and its sleep
+        for pid in (ours, other):   # each leads its own session
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pid, signal.SIGKILL)
