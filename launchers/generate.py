@@ -11,10 +11,13 @@ import traceback
 if __name__ == "__main__":   # heavy imports under the guard, as launchers/actor.py explains
     from pathlib import Path
 
-    from slurm_align.algorithms.generate import GenerateSpec, run_generate
-    from slurm_align.config import load_run_config
-    from slurm_align.parallel.bootstrap import init_distributed
-    from slurm_align.rundir import RunDir
+    from slurm_align.launchers import importing, leave
+
+    with importing():
+        from slurm_align.algorithms.generate import GenerateSpec, run_generate
+        from slurm_align.config import load_run_config
+        from slurm_align.parallel.bootstrap import init_distributed
+        from slurm_align.rundir import RunDir
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
@@ -37,6 +40,4 @@ if __name__ == "__main__":   # heavy imports under the guard, as launchers/actor
         traceback.print_exc()
         sys.stderr.flush()
         env.comm.Abort(1)
-    from slurm_align.launchers import leave
-
     leave(0)

@@ -8,14 +8,13 @@ import argparse
 
 # Under the guard: spawned helper processes re-run this module as __mp_main__ (see actor.py).
 if __name__ == "__main__":
+    from slurm_align.launchers import importing, leave
     from slurm_align.slurm.preemption import block_term
 
     block_term()   # before MPI, torch and their threads start: see slurm_align.slurm.preemption
-
-    from slurm_align.algorithms.generator import main
+    with importing():
+        from slurm_align.algorithms.generator import main
 
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--run-dir", required=True, help="run directory holding config.yaml")
-    from slurm_align.launchers import leave
-
     leave(main(parser.parse_args().run_dir))

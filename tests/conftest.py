@@ -18,6 +18,7 @@ Add fixtures of your own area in their own section below (keep one section per a
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import shutil
 import tempfile
@@ -52,6 +53,19 @@ SESSION_ENV = {
 
 def pytest_configure(config: pytest.Config) -> None:
     os.environ.update(SESSION_ENV)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[object]:
+    """Collection imports the test modules (torch, megatron-core, transformers, peft, ...) without
+    the garbage collector, then freezes what they made, as every rank's imports are
+    (slurm_align.launchers.importing)."""
+    gc.disable()
+    try:
+        return (yield)
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 # --- markers ------------------------------------------------------------------

@@ -13,6 +13,10 @@ refitted from it and generate greedily from OUT_DIR/prompts.pt; saves OUT_DIR/<f
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import sys
 from pathlib import Path
 
@@ -20,15 +24,18 @@ import torch
 
 torch.set_num_threads(1)
 
-from generation_worker import deterministic_init  # noqa: E402
+from generation_worker import deterministic_init
 
-from slurm_align.config.run import ModelConfig  # noqa: E402
-from slurm_align.generation.naive_engine import NaiveEngine  # noqa: E402
-from slurm_align.generation.params import GptShape, SamplingParams  # noqa: E402
-from slurm_align.generation.refit import refit_from_training  # noqa: E402
-from slurm_align.generation.torch_engine import KVCacheEngine  # noqa: E402
-from slurm_align.parallel.bootstrap import init_distributed  # noqa: E402
-from slurm_align.parallel.layout import initialize_model_parallel  # noqa: E402
+from slurm_align.config.run import ModelConfig
+from slurm_align.generation.naive_engine import NaiveEngine
+from slurm_align.generation.params import GptShape, SamplingParams
+from slurm_align.generation.refit import refit_from_training
+from slurm_align.generation.torch_engine import KVCacheEngine
+from slurm_align.parallel.bootstrap import init_distributed
+from slurm_align.parallel.layout import initialize_model_parallel
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 _COMMON = dict(num_layers=2, vocab_size=250, max_seq_len=48)
 ARCHS = {

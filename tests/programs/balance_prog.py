@@ -6,6 +6,10 @@ any failure raises, so mpirun exits non-zero. Rank 0 prints one JSON line per sc
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import json
 import shutil
 import sys
@@ -22,6 +26,9 @@ from slurm_align.algorithms.rollout_batch import RolloutBatch
 from slurm_align.balance.prompts import PromptServer
 from slurm_align.balance.rebalance import RebalanceError, plan_groups, rebalance
 from slurm_align.balance.static import StaticPrompts
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

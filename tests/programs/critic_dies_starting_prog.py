@@ -7,6 +7,10 @@ how many of this process's shared-memory regions no live stub holds (the killed 
     python tests/programs/critic_dies_starting_prog.py CHECKPOINT_DIR [MAX_RESTARTS]
 """
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import os
 import sys
 import threading
@@ -25,6 +29,9 @@ from slurm_align.critic.server import (
     stubs_of_this_process,
 )
 from slurm_align.launchers import leave
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 killed: list[int] = []
 

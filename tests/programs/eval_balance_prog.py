@@ -6,6 +6,10 @@ Rank 0 prints one JSON line per mode."""
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import json
 import time
 from collections import Counter
@@ -14,6 +18,9 @@ from types import SimpleNamespace
 from mpi4py import MPI
 
 from slurm_align.algorithms.evaluation import prompt_batches
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

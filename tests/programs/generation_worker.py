@@ -10,6 +10,10 @@ forward (slurm_align.models.forward.forward_logits). Each rank saves OUT_DIR/ran
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import sys
 import zlib
 from pathlib import Path
@@ -18,13 +22,16 @@ import torch
 
 torch.set_num_threads(1)
 
-from slurm_align.config.run import ModelConfig  # noqa: E402
-from slurm_align.generation.naive_engine import NaiveEngine  # noqa: E402
-from slurm_align.generation.params import GptShape, SamplingParams  # noqa: E402
-from slurm_align.generation.refit import refit_from_training  # noqa: E402
-from slurm_align.generation.torch_engine import KVCacheEngine  # noqa: E402
-from slurm_align.parallel.bootstrap import init_distributed  # noqa: E402
-from slurm_align.parallel.layout import initialize_model_parallel  # noqa: E402
+from slurm_align.config.run import ModelConfig
+from slurm_align.generation.naive_engine import NaiveEngine
+from slurm_align.generation.params import GptShape, SamplingParams
+from slurm_align.generation.refit import refit_from_training
+from slurm_align.generation.torch_engine import KVCacheEngine
+from slurm_align.parallel.bootstrap import init_distributed
+from slurm_align.parallel.layout import initialize_model_parallel
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=250, max_seq_len=48)
 MAX_NEW = 12

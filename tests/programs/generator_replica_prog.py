@@ -11,6 +11,10 @@ Any failure raises, so mpirun exits non-zero; rank 0 prints GENERATOR_REPLICAS_O
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import json
 from collections import Counter
 from types import SimpleNamespace
@@ -23,6 +27,9 @@ from slurm_align.algorithms.generator import Generator, replica_layout
 from slurm_align.config import load_run_config
 from slurm_align.generation.trtllm_engine import TrtllmEngine
 from slurm_align.generation.weights import expected_shapes
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 comm = MPI.COMM_WORLD
 rank, size = comm.Get_rank(), comm.Get_size()

@@ -27,14 +27,15 @@ def keep_worst(keep_best, best_of_groups):
 # Imports under the guard: spawned helpers (megatron's checkpoint writer) re-run this file as
 # __mp_main__ and would import torch and megatron again for nothing.
 if __name__ == "__main__":
-    from slurm_align.algorithms import advantages, policy_gradient, ppo
-    from slurm_align.algorithms.rejection_sampling import best_of_groups
+    from slurm_align.launchers import importing, leave
+
+    with importing():   # as the product's launchers import
+        from slurm_align.algorithms import advantages, policy_gradient, ppo
+        from slurm_align.algorithms.rejection_sampling import best_of_groups
 
     for name in ("grpo", "rloo", "reinforce_pp"):
         advantages.ESTIMATORS[name] = flipped(advantages.ESTIMATORS[name])
     policy_gradient.keep_best = keep_worst(policy_gradient.keep_best, best_of_groups)
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
-    from slurm_align.launchers import leave
-
     leave(ppo.main(parser.parse_args().run_dir))   # as the product's launchers end

@@ -14,6 +14,10 @@ tests/programs/plan_worker.py runs several of these actions, at several layouts,
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import shutil
 import sys
 from pathlib import Path
@@ -23,12 +27,15 @@ import torch.distributed as dist
 
 torch.set_num_threads(1)
 
-from models_worker import init_parallel  # noqa: E402  (same folder; mpirun runs this file directly)
+from models_worker import init_parallel  # same folder: mpirun runs this file directly
 
-from slurm_align.config.run import ModelConfig  # noqa: E402
-from slurm_align.models.checkpoint import load_weights, save_checkpoint  # noqa: E402
-from slurm_align.models.forward import forward_logits, forward_values  # noqa: E402
-from slurm_align.models.gpt import build_gpt  # noqa: E402
+from slurm_align.config.run import ModelConfig
+from slurm_align.models.checkpoint import load_weights, save_checkpoint
+from slurm_align.models.forward import forward_logits, forward_values
+from slurm_align.models.gpt import build_gpt
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 
 def logits(pctx, root: Path) -> None:

@@ -7,6 +7,10 @@ to one requester per generation replica and broadcast within it. Rank 0 prints L
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import json
 import os
 import socket
@@ -15,15 +19,18 @@ import time
 from collections import Counter
 
 _T0 = time.perf_counter()
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+import torch
+import torch.distributed as dist
 
 torch.set_num_threads(1)
 
-from slurm_align.balance.replica import open_prompt_source, replica_batches  # noqa: E402
-from slurm_align.config.errors import ConfigError  # noqa: E402
-from slurm_align.parallel.bootstrap import BootstrapError, init_distributed, shutdown_distributed  # noqa: E402
-from slurm_align.parallel.layout import LayoutNotInitialised, initialize_model_parallel  # noqa: E402
+from slurm_align.balance.replica import open_prompt_source, replica_batches
+from slurm_align.config.errors import ConfigError
+from slurm_align.parallel.bootstrap import BootstrapError, init_distributed, shutdown_distributed
+from slurm_align.parallel.layout import LayoutNotInitialised, initialize_model_parallel
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 
 def group_ranks(group) -> list[int]:

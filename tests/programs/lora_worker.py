@@ -13,6 +13,10 @@ run with LoRA (RUN_DIR/dpo.yaml) trains into RUN_DIR/dpo. Rank r writes RUN_DIR/
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import json
 import sys
 from pathlib import Path
@@ -21,7 +25,10 @@ import torch
 
 torch.set_num_threads(1)
 
-from models_worker import init_parallel  # noqa: E402  (same folder; mpirun runs this file directly)
+from models_worker import init_parallel
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 
 def main(tp: int, root: Path) -> None:

@@ -10,6 +10,10 @@ ACTION in each OUT_DIR, in order (one launch for several checks: start-up is mos
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import sys
 from pathlib import Path
 
@@ -18,7 +22,10 @@ import torch.distributed as dist
 
 torch.set_num_threads(1)
 
-from slurm_align.config.run import ModelConfig  # noqa: E402
+from slurm_align.config.run import ModelConfig
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=260, max_seq_len=32)
 

@@ -13,6 +13,10 @@ tests/programs/plan_worker.py runs several of these actions, at several layouts,
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import sys
 from pathlib import Path
 
@@ -21,12 +25,15 @@ import torch.distributed as dist
 
 torch.set_num_threads(1)
 
-from slurm_align.config.run import ModelConfig  # noqa: E402
-from slurm_align.models.forward import forward_logits  # noqa: E402
-from slurm_align.models.gpt import build_gpt  # noqa: E402
-from slurm_align.models.hf.loader import SafetensorsFolder  # noqa: E402
-from slurm_align.parallel.bootstrap import init_distributed  # noqa: E402
-from slurm_align.parallel.layout import initialize_model_parallel  # noqa: E402
+from slurm_align.config.run import ModelConfig
+from slurm_align.models.forward import forward_logits
+from slurm_align.models.gpt import build_gpt
+from slurm_align.models.hf.loader import SafetensorsFolder
+from slurm_align.parallel.bootstrap import init_distributed
+from slurm_align.parallel.layout import initialize_model_parallel
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 
 def logits(pctx, root: Path) -> None:

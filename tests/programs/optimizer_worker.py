@@ -17,6 +17,10 @@ model's weights and each rank's optimizer bytes to OUT_DIR/critic_dp<N>.pt.
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import sys
 from pathlib import Path
 
@@ -25,7 +29,10 @@ import torch.distributed as dist
 
 torch.set_num_threads(1)
 
-from slurm_align.config.run import ModelConfig, TrainingConfig  # noqa: E402
+from slurm_align.config.run import ModelConfig, TrainingConfig
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 MODEL = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=64, max_seq_len=16)
 STEPS = 3

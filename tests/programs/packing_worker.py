@@ -15,6 +15,10 @@ here by hand with and without the correction's weights; writes the largest diffe
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import contextlib
 import json
 import math
@@ -27,9 +31,12 @@ import torch.distributed as dist
 torch.set_num_threads(1)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models_worker import init_parallel  # noqa: E402
+from models_worker import init_parallel
 
-from slurm_align.config.run import ModelConfig, RopeScalingConfig  # noqa: E402
+from slurm_align.config.run import ModelConfig, RopeScalingConfig
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 
 def sgd(policy: list, pctx, run):

@@ -11,6 +11,10 @@ DIR as the worker's own command line would run it, and the state is destroyed ag
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import json
 import sys
 from pathlib import Path
@@ -21,6 +25,9 @@ import torch.distributed as dist
 
 from slurm_align.parallel.bootstrap import init_distributed
 from slurm_align.parallel.layout import initialize_model_parallel
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 ACTIONS = {"hf": hf_worker.ACTIONS, "moe": moe_worker.ACTIONS}
 

@@ -24,12 +24,13 @@ def save_then_die(save):
 # Imports under the guard: spawned helpers (megatron's checkpoint writer) re-run this file as
 # __mp_main__ and would import torch and megatron again for nothing.
 if __name__ == "__main__":
-    from slurm_align.algorithms import ppo
-    from slurm_align.models import checkpoint
+    from slurm_align.launchers import importing, leave
+
+    with importing():   # as the product's launchers import
+        from slurm_align.algorithms import ppo
+        from slurm_align.models import checkpoint
 
     checkpoint.dist_checkpointing.save = save_then_die(checkpoint.dist_checkpointing.save)
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
-    from slurm_align.launchers import leave
-
     leave(ppo.main(parser.parse_args().run_dir))   # as the product's launchers end

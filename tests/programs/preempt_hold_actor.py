@@ -85,9 +85,12 @@ def critic_results_with_hold(self, pending, step):
 # __mp_main__ and would import torch and megatron again for nothing. The originals the wrappers
 # above call are bound here, as module globals.
 if __name__ == "__main__":
-    from slurm_align.algorithms import ppo
-    from slurm_align.models.checkpoint import AsyncCheckpointWriter
-    from slurm_align.slurm.preemption import StopPoint
+    from slurm_align.launchers import importing, leave
+
+    with importing():   # as the product's launchers import
+        from slurm_align.algorithms import ppo
+        from slurm_align.models.checkpoint import AsyncCheckpointWriter
+        from slurm_align.slurm.preemption import StopPoint
 
     _after_step, _on_term, _critic_results = StopPoint.after_step, StopPoint._on_term, ppo.PPOActor.critic_results
     StopPoint.after_step = after_step_with_hold
@@ -97,6 +100,4 @@ if __name__ == "__main__":
     AsyncCheckpointWriter._write = write_after_the_stop_request
     parser = argparse.ArgumentParser()
     parser.add_argument("--run-dir", required=True)
-    from slurm_align.launchers import leave
-
     leave(ppo.main(Path(parser.parse_args().run_dir)))   # as the product's launchers end

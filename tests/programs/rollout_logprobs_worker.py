@@ -11,6 +11,10 @@ policy loss does (token_logprobs on the model output). Saves both with the engin
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import sys
 from pathlib import Path
 
@@ -18,26 +22,29 @@ import torch
 
 torch.set_num_threads(1)
 
-from generation_worker import deterministic_init  # noqa: E402  (tests/, this script's folder, is on sys.path)
+from generation_worker import deterministic_init
 
-from slurm_align.algorithms.rollout_batch import RolloutBatch, rollout_logprobs  # noqa: E402
-from slurm_align.config.run import ModelConfig  # noqa: E402
-from slurm_align.data.positions import gather_response  # noqa: E402
-from slurm_align.generation.naive_engine import NaiveEngine  # noqa: E402
-from slurm_align.generation.params import GptShape, SamplingParams, logprob_temperature  # noqa: E402
-from slurm_align.generation.refit import refit_from_training  # noqa: E402
-from slurm_align.generation.torch_engine import KVCacheEngine  # noqa: E402
-from slurm_align.models.forward import (  # noqa: E402  # noqa: E402
+from slurm_align.algorithms.rollout_batch import RolloutBatch, rollout_logprobs
+from slurm_align.config.run import ModelConfig
+from slurm_align.data.positions import gather_response
+from slurm_align.generation.naive_engine import NaiveEngine
+from slurm_align.generation.params import GptShape, SamplingParams, logprob_temperature
+from slurm_align.generation.refit import refit_from_training
+from slurm_align.generation.torch_engine import KVCacheEngine
+from slurm_align.models.forward import (
     forward_logits,
     forward_logprobs,
     model_inputs,
     next_token_logprobs,
     token_logprobs,
 )
-from slurm_align.models.gpt import build_gpt  # noqa: E402
-from slurm_align.models.packing import Batching  # noqa: E402
-from slurm_align.parallel.bootstrap import init_distributed  # noqa: E402
-from slurm_align.parallel.layout import initialize_model_parallel  # noqa: E402
+from slurm_align.models.gpt import build_gpt
+from slurm_align.models.packing import Batching
+from slurm_align.parallel.bootstrap import init_distributed
+from slurm_align.parallel.layout import initialize_model_parallel
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 MODEL = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=250, max_seq_len=48)
 TEMPERATURE = 0.7

@@ -5,6 +5,10 @@ Rank 0 prints a JSON line with what each rank saw, then SLURM_BOOT_OK.
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import json
 import os
 
@@ -12,6 +16,9 @@ import torch
 import torch.distributed as dist
 
 from slurm_align.parallel.bootstrap import init_distributed, shutdown_distributed
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 
 def main() -> None:

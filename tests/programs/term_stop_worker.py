@@ -7,6 +7,10 @@ Exit 0; prints 'stopped at the boundary of step N' when the loop stopped there, 
 LINGER_S more seconds, as an actor shutting down) 'ran to the end'.
 """
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import os
 import signal
 import sys
@@ -17,10 +21,13 @@ from slurm_align.slurm.preemption import block_term
 
 assert block_term(), "SLURM_JOB_ID must be set"
 
-from mpi4py import MPI  # noqa: E402  (after block_term, as the launchers do)
+from mpi4py import MPI
 
-from slurm_align.rundir import RunDir  # noqa: E402
-from slurm_align.slurm.preemption import StopPoint  # noqa: E402
+from slurm_align.rundir import RunDir
+from slurm_align.slurm.preemption import StopPoint
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 if __name__ == "__main__":
     rd = RunDir(Path(sys.argv[1]))

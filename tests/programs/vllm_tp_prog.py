@@ -10,6 +10,10 @@ returned to OUT/rank<r>.pt, with what vLLM says about its parallel layout. The t
 
 from __future__ import annotations
 
+import gc
+
+gc.disable()   # this rank's imports without the collector: slurm_align.launchers.importing says why
+
 import sys
 from pathlib import Path
 
@@ -21,6 +25,9 @@ from slurm_align.config.run import ModelConfig
 from slurm_align.generation import GptShape, SamplingParams
 from slurm_align.generation.vllm_engine import VllmEngine
 from slurm_align.parallel.bootstrap import init_distributed
+
+gc.freeze()   # what the imports made, out of every later collection's walk
+gc.enable()
 
 given, out_dir = torch.load(sys.argv[1], weights_only=False), Path(sys.argv[2])
 env = init_distributed(MPI.COMM_WORLD, backend="gloo")

@@ -1,5 +1,6 @@
-"""slurm_align.launchers.leave: a component's process ends with its code and everything teardown
-would have finished (threads, atexit handlers, MPI, stdio), without the teardown itself."""
+"""slurm_align.launchers: `leave`, a component's process ends with its code and everything teardown
+would have finished (threads, atexit handlers, MPI, stdio), without the teardown itself; and
+`importing`, a component's imports without the garbage collector, their objects then frozen."""
 
 from __future__ import annotations
 
@@ -68,3 +69,43 @@ def test_ranks_that_leave_end_an_mpirun_cleanly(tmp_path):
         ["rank 0 unflushed", "rank 1 unflushed"], proc.stdout
     for rank in (0, 1):
         check(tmp_path, rank)
+
+
+IMPORTING = textwrap.dedent("""
+    import gc, sys
+    from slurm_align.launchers import importing
+
+    states = []
+    with importing():
+        states.append(gc.isenabled())
+        made = [[i] for i in range(5000)]   # tracked by the collector, like a module's objects
+    states.append(gc.isenabled())
+    frozen = gc.get_freeze_count()
+    try:
+        with importing():
+            raise ImportError("a failed import")
+    except ImportError:
+        states.append(gc.isenabled())
+    print(states, frozen >= 5000)
+""")
+
+
+def test_importing_runs_without_the_collector_then_freezes_and_turns_it_back_on():
+    """Inside the block the collector is off; after it (a failed import too) it is on again, and
+    what the block made is frozen: out of every later collection's walk."""
+    proc = run([sys.executable, "-c", IMPORTING])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[False,", "True,", "True]", "True"]
+
+
+@pytest.mark.parametrize("launcher", ["actor", "critic", "evaluate", "generate", "generator", "judge",
+                                      "teacher", "train"])
+def test_every_heavy_launcher_imports_its_main_inside_importing(launcher):
+    """The launchers whose ranks import torch and megatron do it inside `importing()` (a quarter of
+    a rank's import CPU: slurm_align.launchers.importing's docstring). Read off the source: running
+    each launcher would import torch eight times for a check of one line."""
+    source = (REPO_ROOT / "slurm_align" / "launchers" / f"{launcher}.py").read_text()
+    block = source.split("with importing():\n", 1)
+    assert len(block) == 2, f"{launcher}.py: no `with importing():` block"
+    first = block[1].splitlines()[0].strip()
+    assert first.startswith("from slurm_align.") and " import " in first, first
