@@ -287,7 +287,8 @@ def check_prompt_lengths(run: RunConfig, train_path: Path, columns: dict[str, st
     rows when it has more) + generation.max_new_tokens must fit the policy's and the critic's
     max_seq_len (the engine would refuse it in the middle of the job)."""
     # deferred: circular import (these import slurm_align.config, whose __init__ imports this
-    # module), and the CLI stays fast: they load torch and tokenizers, which only this check needs.
+    # module), and the CLI stays fast: they load the tokenizers, which only this check needs (and
+    # no torch: data/datasets.py imports it where it makes tensors, tests/unit/data/test_datasets.py).
     from slurm_align.data.datasets import encode_chat_prompt, encode_prompt
     from slurm_align.data.jsonl import LazyRows
     from slurm_align.data.sources import open_source, sample_positions

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,24 @@ def test_synthetic_scorer_and_shipped_files():
     rows = read_jsonl(EXAMPLES / "pref_train.jsonl", PREFERENCE_KEYS, "preference")
     assert all(score(r["chosen"]) == 1.0 for r in rows)
     assert sum(score(r["rejected"]) for r in rows) / len(rows) < 0.7
+
+
+PROMPT_CHECK = """
+import sys
+from slurm_align import REPO_ROOT
+from slurm_align.config import load_run_config
+from slurm_align.config.loading import check_prompt_lengths
+run = load_run_config(REPO_ROOT / "examples" / "grpo_tiny.yaml")
+check_prompt_lengths(run, REPO_ROOT / "examples" / "synthetic" / "prompts.jsonl")
+print(sorted(m for m in ("torch", "megatron.core") if m in sys.modules))
+"""
+
+
+def test_the_prompt_check_before_a_submit_imports_no_torch():
+    """`slurm-align submit` tokenizes the run's prompts with this module's encoders to check their
+    lengths (config/loading.py check_prompt_lengths) before it submits. torch is imported only
+    where a batch's tensors are made: importing it there was half of a submit's CPU (2.9 -> 1.1
+    CPU-s, and every test that submits through the CLI paid it)."""
+    proc = subprocess.run([sys.executable, "-c", PROMPT_CHECK], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
