@@ -18,7 +18,6 @@ Add fixtures of your own area in their own section below (keep one section per a
 from __future__ import annotations
 
 import fcntl
-import gc
 import os
 import shutil
 import tempfile
@@ -58,14 +57,11 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(wrapper=True)
 def pytest_collection(session: pytest.Session) -> Iterator[object]:
     """Collection imports the test modules (torch, megatron-core, transformers, peft, ...) without
-    the garbage collector, then freezes what they made, as every rank's imports are
-    (slurm_align.launchers.importing)."""
-    gc.disable()
-    try:
+    the garbage collector, then freezes what they made, as every rank's imports are."""
+    from slurm_align.launchers import importing
+
+    with importing():
         return (yield)
-    finally:
-        gc.freeze()
-        gc.enable()
 
 
 # --- markers ------------------------------------------------------------------
