@@ -14,9 +14,10 @@ def importing() -> Iterator[None]:
     """Import a component's modules with the cyclic garbage collector off, then freeze what they made.
 
     Importing torch, megatron-core and sympy allocates millions of objects that live as long as the
-    process, and every collection meanwhile walks the ones already there: a quarter of a rank's
-    import time (measured here: `import slurm_align.algorithms.ppo` 4.18 CPU-s with the collector
-    on, 3.38 off; mean of six each). `gc.freeze()` then moves them out of the collector's sight, so
+    process, and every collection meanwhile walks the ones already there: a fifth to a third of a
+    rank's import CPU (measured here, `import slurm_align.algorithms.ppo`, mean of six each: 4.18
+    CPU-s with the collector on, 3.38 off; with TORCHDYNAMO_DISABLE=1, as the tests run, 3.49 and
+    2.24). `gc.freeze()` then moves them out of the collector's sight, so
     the collections of the run itself walk only what the run makes (Python's documented use of it).
     The collector is back on before the component's main runs: a run's own cycles are collected."""
     gc.disable()

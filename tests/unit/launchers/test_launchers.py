@@ -72,7 +72,7 @@ def test_ranks_that_leave_end_an_mpirun_cleanly(tmp_path):
 
 
 IMPORTING = textwrap.dedent("""
-    import gc, sys
+    import gc
     from slurm_align.launchers import importing
 
     states = []
@@ -101,8 +101,8 @@ def test_importing_runs_without_the_collector_then_freezes_and_turns_it_back_on(
 @pytest.mark.parametrize("launcher", ["actor", "critic", "evaluate", "generate", "generator", "judge",
                                       "teacher", "train"])
 def test_every_heavy_launcher_imports_its_main_inside_importing(launcher):
-    """The launchers whose ranks import torch and megatron do it inside `importing()` (a quarter of
-    a rank's import CPU: slurm_align.launchers.importing's docstring). Read off the source: running
+    """The launchers whose ranks import torch and megatron do it inside `importing()` (a fifth to a
+    third of a rank's import CPU: slurm_align.launchers.importing's docstring). Read off the source: running
     each launcher would import torch eight times for a check of one line."""
     source = (REPO_ROOT / "slurm_align" / "launchers" / f"{launcher}.py").read_text()
     block = source.split("with importing():\n", 1)
